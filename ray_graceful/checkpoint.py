@@ -1,0 +1,341 @@
+"""The emergency-checkpoint protocol: shards land atomically, a manifest written last commits.
+
+Layout under a checkpoint root::
+
+    step-00000120/
+        shard-<key>.pt          one per shard, each renamed into place only once complete
+        MANIFEST.json           written last, by the coordinator: the checkpoint is committed
+
+A rank writes its shard to a temporary name, fsyncs it, and renames it into place; a save that
+is abandoned (over budget, raised, killed) never gets its final name. The coordinator writes the
+manifest only when every shard of the topology was saved at the same step, so a checkpoint is
+either complete and listed, or not listed at all. ``latest_committed(root)`` is what a restart
+loads: the newest manifest whose shard files are all present with the recorded sizes (and,
+if asked, checksums).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MANIFEST = "MANIFEST.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+Saver = Callable[[str, int], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint operation was refused; the message says why."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One saved shard, as reported by its rank and listed in the manifest."""
+
+    shard: str
+    step: int
+    file: str  # name inside the step directory
+    bytes: int
+    crc32: int
+    group: str = ""
+    rank: int = -1
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardRecord:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """What ``latest_committed`` returns: a step and where each shard lies."""
+
+    step: int
+    path: str
+    shards: dict[str, str]  # shard key -> absolute file path
+    manifest: dict[str, Any]
+
+    def shard_path(self, shard: str | int) -> str:
+        key = str(shard)
+        if key not in self.shards:
+            raise CheckpointError(
+                f"shard {key!r} is not in the checkpoint at step {self.step} ({self.path}); "
+                f"it holds {sorted(self.shards)}."
+            )
+        return self.shards[key]
+
+
+def step_dir(root: str, step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step {step!r} is not allowed: must be an int >= 0.")
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def shard_file_name(shard: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", shard)
+    if safe != shard or not safe:
+        safe = f"{safe}-{zlib.crc32(shard.encode()):08x}"
+    return f"shard-{safe}.pt"
+
+
+class _ChecksumWriter:
+    """A file wrapper that computes CRC32 and size of what passes through (one pass)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self.raw.write(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def save_state_dict(state: Any, path: str) -> tuple[int, int]:
+    """Default saver: ``torch.save`` to ``path``; returns (bytes, crc32) computed in passing."""
+    import torch
+
+    with open(path, "wb", buffering=8 << 20) as raw:
+        writer = _ChecksumWriter(raw)
+        torch.save(state, writer)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return writer.size, writer.crc
+
+
+def load_state_dict(path: str, map_location: Any = "cpu") -> Any:
+    """Load what ``save_state_dict`` wrote (weights_only=False: it holds the step too)."""
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_checksum(path: str) -> tuple[int, int]:
+    if os.path.isdir(path):
+        size, crc = 0, 0
+        for base, _dirs, files in sorted(os.walk(path)):
+            for name in sorted(files):
+                s, c = _file_checksum(os.path.join(base, name))
+                size += s
+                crc = zlib.crc32(c.to_bytes(4, "little"), crc)
+        return size, crc
+    size, crc = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _fsync_tree(path: str) -> None:
+    if os.path.isdir(path):
+        for base, _dirs, files in os.walk(path):
+            for name in files:
+                fd = os.open(os.path.join(base, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(base)
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_shard(
+    root: str,
+    step: int,
+    shard: str,
+    saver: Callable[[str, int], tuple[int, int] | None],
+    abandoned: threading.Event | None = None,
+    group: str = "",
+    rank: int = -1,
+) -> ShardRecord:
+    """Save one shard atomically: ``saver(tmp_path, step)``, fsync, rename into place.
+
+    ``saver`` may write a file or a directory at ``tmp_path`` (DCP writes directories). If it
+    returns ``(bytes, crc32)`` they are trusted (the default saver computes them while writing);
+    otherwise the result is read back once to compute them. If ``abandoned`` is set by the time
+    the saver returns (the teardown gave up on it), the temp result is removed, never renamed.
+    """
+    directory = step_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    name = shard_file_name(shard)
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    started = time.monotonic()
+    try:
+        result = saver(tmp, step)
+        if not os.path.exists(tmp):
+            raise CheckpointError(f"the saver returned without writing anything at {tmp}")
+        if result is None:
+            _fsync_tree(tmp)
+            size, crc = _file_checksum(tmp)
+        else:
+            size, crc = result
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError("save abandoned by the teardown (over budget); not renamed")
+        if os.path.isdir(final) and not os.path.islink(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return ShardRecord(shard, step, name, size, crc, group, rank, time.monotonic() - started)
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def _write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def commit(
+    root: str,
+    step: int,
+    expected_shards: list[str],
+    records: list[ShardRecord],
+    cycle: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the manifest - only if every expected shard was saved at ``step``.
+
+    Raises CheckpointError (and writes nothing) when a shard is missing, saved at another
+    step, duplicated, or its file is not on disk with the recorded size.
+    """
+    if not expected_shards:
+        raise CheckpointError("refusing to commit a checkpoint with no shards")
+    by_shard: dict[str, ShardRecord] = {}
+    for record in records:
+        if record.step != step:
+            raise CheckpointError(
+                f"shard {record.shard!r} was saved at step {record.step}, not {step}; "
+                "a checkpoint holds one step."
+            )
+        if record.shard in by_shard:
+            raise CheckpointError(f"shard {record.shard!r} was saved twice at step {step}")
+        by_shard[record.shard] = record
+    missing = sorted(set(expected_shards) - set(by_shard))
+    if missing:
+        raise CheckpointError(f"shards {missing} were not saved at step {step}; not committed")
+    unexpected = sorted(set(by_shard) - set(expected_shards))
+    if unexpected:
+        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+    directory = step_dir(root, step)
+    for record in by_shard.values():
+        path = os.path.join(directory, record.file)
+        size = _path_size(path)
+        if size != record.bytes:
+            raise CheckpointError(
+                f"shard {record.shard!r}: {path} has {size} bytes on disk, the report says "
+                f"{record.bytes}; not committed"
+            )
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "cycle": cycle,
+        "committed_at": time.time(),
+        "shards": {k: by_shard[k].to_dict() for k in sorted(by_shard)},
+        **(dict(extra) if extra else {}),
+    }
+    path = os.path.join(directory, MANIFEST)
+    _write_json_atomic(path, manifest)
+    return path
+
+
+def _path_size(path: str) -> int | None:
+    if os.path.isdir(path):
+        return sum(
+            os.path.getsize(os.path.join(b, n)) for b, _d, files in os.walk(path) for n in files
+        )
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def latest_committed(root: str, verify_checksums: bool = False) -> CommittedCheckpoint | None:
+    """The newest committed, intact checkpoint under ``root``, or None.
+
+    Skips a step directory with no manifest (a save that did not finish), an unreadable or
+    torn manifest, and one whose shard files are missing or of the wrong size (or, with
+    ``verify_checksums``, content).
+    """
+    if not os.path.isdir(root):
+        return None
+    steps = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if match:
+            steps.append((int(match.group(1)), os.path.join(root, name)))
+    for step, directory in sorted(steps, reverse=True):
+        checkpoint = _read_committed(step, directory, verify_checksums)
+        if checkpoint is not None:
+            return checkpoint
+    return None
+
+
+def _read_committed(step: int, directory: str, verify: bool) -> CommittedCheckpoint | None:
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
+            return None
+        shards = {}
+        for key, raw in manifest["shards"].items():
+            record = ShardRecord.from_dict(raw)
+            path = os.path.join(directory, record.file)
+            if _path_size(path) != record.bytes:
+                return None
+            if verify and _file_checksum(path) != (record.bytes, record.crc32):
+                return None
+            shards[key] = path
+        if not shards:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return CommittedCheckpoint(step, directory, shards, manifest)

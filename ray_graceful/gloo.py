@@ -1,0 +1,130 @@
+"""Release a gloo process group from another thread, by closing its connections.
+
+Gloo has no abort: ``ProcessGroup.abort()``, ``_abort_process_group()`` and
+``destroy_process_group()`` all return at once and leave a collective blocked until its timeout
+(measured, torch 2.13; RAY_FACTS). What does end a gloo collective is its TCP connection
+closing: the blocked rank raises "Connection closed by peer" at once, and so does the peer at
+the other end. So this module finds the group's own connections and shuts them down
+(``shutdown(SHUT_RDWR)``, never ``close``: the fd stays gloo's to close).
+
+Finding them exactly: each rank publishes its gloo listening address in the group's store when
+the group is created (the keys end in the rank number; the value holds a ``sockaddr``). A socket
+of this process belongs to the group if its remote end is one of those listeners, or its local
+end is this rank's listener. The addresses are read once, at setup (the store may be gone at
+teardown); the sockets are matched at release time. Listening sockets are never touched
+(shutting gloo's listener down makes gloo call ``std::terminate``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+Endpoint = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class GlooAddresses:
+    """The listening endpoints of every rank of one gloo group."""
+
+    listeners: frozenset[Endpoint]
+
+    def __bool__(self) -> bool:
+        return bool(self.listeners)
+
+
+def parse_sockaddrs(blob: bytes) -> set[Endpoint]:
+    """Every IPv4/IPv6 ``sockaddr`` (Linux layout) embedded in a gloo address blob."""
+    found: set[Endpoint] = set()
+    for i in range(0, max(len(blob) - 15, 0)):
+        family = struct.unpack_from("<H", blob, i)[0]
+        if family == socket.AF_INET and blob[i + 8 : i + 16] == b"\0" * 8:
+            port = struct.unpack_from(">H", blob, i + 2)[0]
+            if port:
+                found.add((socket.inet_ntop(socket.AF_INET, blob[i + 4 : i + 8]), port))
+        elif family == socket.AF_INET6 and i + 28 <= len(blob):
+            port = struct.unpack_from(">H", blob, i + 2)[0]
+            if port:
+                found.add((socket.inet_ntop(socket.AF_INET6, blob[i + 8 : i + 24]), port))
+    return found
+
+
+def read_group_addresses(process_group: object) -> GlooAddresses:
+    """Read the gloo listeners of ``process_group`` from its store (call at setup)."""
+    store = process_group.get_group_store()  # type: ignore[attr-defined]
+    listeners: set[Endpoint] = set()
+    for key in store.list_keys():
+        if not key.rsplit("/", 1)[-1].isdigit():
+            continue
+        listeners |= parse_sockaddrs(bytes(store.get(key)))
+    own = {local for local, remote in _tcp_sockets().values() if remote is None}
+    # Only trust the parse if this rank's own listener is among the addresses found.
+    if not listeners & {_normal(e) for e in own} and not {p for _, p in listeners} & {
+        p for _, p in own
+    }:
+        return GlooAddresses(frozenset())
+    return GlooAddresses(frozenset(_normal(e) for e in listeners))
+
+
+def shutdown_connections(addresses: GlooAddresses) -> int:
+    """Shut down this process's connections of the group; returns how many."""
+    listeners = addresses.listeners
+    own_listen_ports = {
+        local[1]
+        for local, remote in _tcp_sockets().values()
+        if remote is None and (local in listeners or local[1] in {p for _, p in listeners})
+    }
+    count = 0
+    for fd, (local, remote) in _tcp_sockets().items():
+        if remote is None:
+            continue  # a listener: never touch
+        if remote in listeners or local[1] in own_listen_ports:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass  # closed meanwhile: released anyway
+    return count
+
+
+def _normal(endpoint: Endpoint) -> Endpoint:
+    host, port = endpoint
+    if host.startswith("::ffff:"):
+        host = host[len("::ffff:") :]
+    return host, port
+
+
+def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
+    """This process's TCP sockets: fd -> (local, remote or None for a listener)."""
+    out: dict[int, tuple[Endpoint, Endpoint | None]] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.type != socket.SOCK_STREAM:
+                continue
+            local = _normal(sock.getsockname()[:2])
+            try:
+                remote: Endpoint | None = _normal(sock.getpeername()[:2])
+            except OSError:
+                remote = None
+            out[fd] = (local, remote)
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return out

@@ -1,0 +1,192 @@
+"""Which process group a rank is in, and how to let go of it without a collective.
+
+``resolve_group`` finds rank, world size and group from arguments, then ``torch.distributed``,
+then the ``RANK``/``WORLD_SIZE`` variables that SkyRL, OpenRLHF and verl all set, and checks that
+they agree. ``release`` frees this rank's peers from any collective they are blocked in, with no
+collective of its own: NCCL communicators are aborted (the API picked by feature detection, not
+by version number: ``choose_nccl_abort``), gloo connections are shut down (``gloo.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .gloo import GlooAddresses, read_group_addresses, shutdown_connections
+
+
+class SetupError(RuntimeError):
+    """graceful_setup was called wrongly; the message says what to do instead."""
+
+
+@dataclass
+class GroupHandle:
+    """One (group, rank) this process holds."""
+
+    name: str
+    rank: int
+    world_size: int
+    process_group: Any = None
+    backends: tuple[str, ...] = ()
+    source: str = "arguments"
+    gloo_addresses: GlooAddresses | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.rank)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise SetupError(f"{name}={raw!r} in the environment is not an integer.") from None
+
+
+def resolve_group(
+    name: str,
+    process_group: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> GroupHandle:
+    """Resolve (rank, world size, group) for ``graceful_setup``; raise SetupError if wrong."""
+    if not isinstance(name, str) or not name.strip():
+        raise SetupError(f"group name {name!r} is not allowed: give a non-empty string.")
+    for label, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise SetupError(f"{label}={value!r} is not allowed: give an int or leave it out.")
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise SetupError(
+            "graceful_setup was called before torch.distributed.init_process_group(): there "
+            "is no process group to release or destroy yet. Call it right after "
+            "init_process_group(...) returns."
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    try:
+        pg_rank = dist.get_rank(group)
+        pg_size = dist.get_world_size(group)
+    except (RuntimeError, ValueError) as exc:
+        raise SetupError(f"process_group={group!r} is not a usable process group: {exc}") from exc
+    if pg_rank < 0:
+        raise SetupError(
+            f"this process is not a member of process_group {getattr(group, 'group_name', group)!r}; "
+            "register only groups this rank belongs to."
+        )
+    source = "torch.distributed"
+    if rank is not None and rank != pg_rank:
+        raise SetupError(
+            f"rank={rank} was passed, but torch.distributed says this process is rank {pg_rank} "
+            f"of group {name!r}."
+        )
+    if world_size is not None and world_size != pg_size:
+        raise SetupError(
+            f"world_size={world_size} was passed, but torch.distributed says group {name!r} has "
+            f"{pg_size} ranks."
+        )
+    if rank is not None:
+        source = "arguments (checked against torch.distributed)"
+    handle = GroupHandle(name, pg_rank, pg_size, group, _backend_names(group), source)
+    if process_group is None:
+        env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if env_rank is not None and env_rank != pg_rank:
+            handle.notes.append(
+                f"RANK={env_rank} in the environment differs from torch.distributed's {pg_rank}; "
+                "using torch.distributed's."
+            )
+        if env_size is not None and env_size != pg_size:
+            handle.notes.append(
+                f"WORLD_SIZE={env_size} in the environment differs from torch.distributed's "
+                f"{pg_size}; using torch.distributed's."
+            )
+    if "gloo" in handle.backends:
+        try:
+            handle.gloo_addresses = read_group_addresses(group)
+        except Exception as exc:  # torch internals moved: release falls back to exiting
+            handle.notes.append(f"gloo connections not identified ({exc!r}).")
+        if handle.gloo_addresses is not None and not handle.gloo_addresses:
+            handle.notes.append(
+                "gloo connections not identified; peers are released when this process exits."
+            )
+    return handle
+
+
+def _backend_names(group: Any) -> tuple[str, ...]:
+    names: list[str] = []
+    for backend in _backends(group).values():
+        names.append(_name_of(backend))
+    if not names:
+        import torch.distributed as dist
+
+        names = [part.split(":")[-1] for part in str(dist.get_backend(group)).split(",")]
+    return tuple(dict.fromkeys(n.lower() for n in names))
+
+
+def _name_of(backend: Any) -> str:
+    name = getattr(backend, "name", None)
+    return str(name() if callable(name) else name or type(backend).__name__).lower()
+
+
+def _backends(group: Any) -> dict[str, Any]:
+    """device type -> backend object of a ProcessGroup (torch >= 2.0)."""
+    import torch
+
+    found: dict[str, Any] = {}
+    for device_type in getattr(group, "_device_types", []) or []:
+        try:
+            found[str(device_type).split(":")[0]] = group._get_backend(torch.device(device_type))
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return found
+
+
+def choose_nccl_abort(
+    process_group: Any, backend: Any, c10d: Any
+) -> tuple[str, Callable[[], None]] | None:
+    """Pick how to abort one group's NCCL communicators, by what this torch offers.
+
+    Order: the backend's own ``abort()`` (per group, torch >= ~2.7; what NVIDIA's resiliency
+    library calls), then ``c10d._abort_process_group(group)``, then ``ProcessGroup.abort()``.
+    None when none exists: then the release is this process ending.
+    """
+    if backend is not None and callable(getattr(backend, "abort", None)):
+        return ("ProcessGroupNCCL.abort()", backend.abort)
+    abort_pg = getattr(c10d, "_abort_process_group", None)
+    if callable(abort_pg):
+        return ("distributed_c10d._abort_process_group(group)", lambda: abort_pg(process_group))
+    if callable(getattr(process_group, "abort", None)):
+        return ("ProcessGroup.abort()", process_group.abort)
+    return None
+
+
+def release(handle: GroupHandle) -> list[str]:
+    """Free peers blocked on this rank in ``handle``'s group; returns what was done."""
+    import torch.distributed.distributed_c10d as c10d
+
+    done: list[str] = []
+    backends = _backends(handle.process_group)
+    for device_type, backend in backends.items():
+        if _name_of(backend) != "nccl":
+            continue
+        choice = choose_nccl_abort(handle.process_group, backend, c10d)
+        if choice is None:
+            done.append(f"{handle.name}: no NCCL abort in this torch; released at exit")
+            continue
+        how, abort = choice
+        abort()
+        done.append(f"{handle.name}: {how} ({device_type})")
+    if "gloo" in handle.backends:
+        if handle.gloo_addresses:
+            count = shutdown_connections(handle.gloo_addresses)
+            done.append(f"{handle.name}: shut down {count} gloo connections")
+        else:
+            done.append(f"{handle.name}: gloo connections unknown; released at exit")
+    return done

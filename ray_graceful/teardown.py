@@ -1,0 +1,430 @@
+"""The ordered, guarded, timed steps that end a rank, and the report they leave.
+
+Order (DESIGN.md §3), each step wrapped so that a half-broken rank still does the half that
+works, and each recorded in the ``TeardownReport`` as ran / skipped (with the reason) / failed
+(with the error), with its start and duration:
+
+1. ``stop``             - ``should_stop()`` turns true; the coordinator is told.
+2. ``release_peers``    - abort NCCL communicators, shut gloo connections down: peers blocked
+                          on this rank leave their collective, and so does this rank's own
+                          training thread. No collective is issued.
+3. ``drain_device``     - ``torch.cuda.synchronize()`` where CUDA is up, on a helper thread,
+                          bounded.
+4. ``save``             - only if this rank was ordered to, within its budget, atomically.
+5. ``destroy_process_group`` - bounded, on a helper thread.
+6. ``exit``             - the report is written (JSON file + one log line), then Ray's
+                          intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
+                          the process is a Ray worker; a hard ``os._exit`` if that does not end
+                          the process within ``exit_grace_s``.
+
+A watchdog thread hard-exits at ``deadline - watchdog_margin_s`` whatever happens above. It
+writes with ``os.write`` only, never ``logging``, whose lock a wedged thread may hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .checkpoint import ShardRecord, write_shard
+from .config import GracefulConfig
+from .process_groups import GroupHandle, release
+
+LOG_PREFIX = "ray_graceful teardown "
+
+
+@dataclass
+class StepRecord:
+    """One teardown step: what happened and when (seconds from the teardown's start)."""
+
+    name: str
+    status: str  # "ran" | "skipped" | "failed" | "running" | "interrupted"
+    detail: str = ""
+    started_s: float = 0.0
+    duration_s: float = 0.0
+
+
+@dataclass
+class SaveOrder:
+    """Save shard ``shard`` at ``step`` under ``root`` with ``saver``, within ``budget_s``."""
+
+    root: str
+    step: int
+    shard: str
+    budget_s: float
+    saver: Callable[[str, int], tuple[int, int] | None]
+    group: str = ""
+    rank: int = -1
+
+
+@dataclass
+class TeardownReport:
+    """What one process's teardown did; JSON in ``report_dir`` and one log line."""
+
+    pid: int
+    hostname: str
+    node_id: str
+    job_id: str
+    ranks: list[dict[str, Any]]
+    trigger: str
+    cycle: int
+    started_at: float
+    deadline: float
+    steps: list[StepRecord] = field(default_factory=list)
+    saved: list[dict[str, Any]] = field(default_factory=list)
+    exit_path: str | None = None
+    exit_code: int | None = None
+    finished_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["steps"] = [asdict(s) for s in list(self.steps)]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TeardownReport:
+        values = dict(data)
+        values["steps"] = [StepRecord(**s) for s in data.get("steps", [])]
+        return cls(**values)
+
+    def step(self, name: str) -> StepRecord:
+        for record in self.steps:
+            if record.name == name:
+                return record
+        raise KeyError(f"no step {name!r} in this report; steps: {[s.name for s in self.steps]}")
+
+    def summary(self) -> str:
+        ranks = ",".join(f"{r['group']}/{r['rank']}" for r in self.ranks) or "-"
+        steps = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.steps)
+        return f"pid={self.pid} ranks={ranks} trigger={self.trigger} {steps} exit={self.exit_path}"
+
+
+class _Skip(Exception):
+    """Raised by a step to record itself as skipped, with the reason."""
+
+
+def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:
+    """Run ``fn`` on a daemon thread; return its result, re-raise its error, or TimeoutError."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"ray_graceful-{name}", daemon=True)
+    thread.start()
+    thread.join(max(timeout, 0.0))
+    if thread.is_alive():
+        raise TimeoutError(f"{name} still running after {timeout:.1f}s; left behind")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def write_stderr(text: str) -> None:
+    """Write to stderr with os.write: safe from any thread, whoever holds logging's lock."""
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
+def hard_exit(code: int, why: str) -> None:
+    write_stderr(f"ray_graceful: hard exit ({why}), status {code}\n")
+    os._exit(code)
+
+
+def write_report_file(report: TeardownReport, report_dir: str) -> str | None:
+    """Write the report JSON with os-level calls only (the watchdog uses this too)."""
+    try:
+        directory = os.path.join(report_dir, report.job_id or "no-job")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"teardown-{report.hostname}-{report.pid}.json")
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, report.to_json().encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return path
+    except OSError:
+        return None
+
+
+def read_reports(report_dir: str, job_id: str | None = None) -> list[TeardownReport]:
+    """Every TeardownReport under ``report_dir`` (for one job, if given), oldest first."""
+    reports = []
+    roots = [os.path.join(report_dir, job_id)] if job_id else [
+        os.path.join(report_dir, d) for d in sorted(os.listdir(report_dir))
+    ] if os.path.isdir(report_dir) else []
+    for root in roots:
+        if not os.path.isdir(root):
+            continue
+        for name in sorted(os.listdir(root)):
+            if name.startswith("teardown-") and name.endswith(".json"):
+                with open(os.path.join(root, name)) as f:
+                    reports.append(TeardownReport.from_dict(json.load(f)))
+    return sorted(reports, key=lambda r: r.started_at)
+
+
+def ray_identity() -> dict[str, str]:
+    """Job id and node id when running inside Ray, else empty strings."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            return {"job_id": ctx.get_job_id() or "", "node_id": ctx.get_node_id() or ""}
+    except Exception:
+        pass
+    return {"job_id": "", "node_id": ""}
+
+
+def request_ray_intended_exit(detail: str) -> bool:
+    """Ask Ray to end this worker as an intended exit (status 0, INTENDED_SYSTEM_EXIT).
+
+    Ray finishes the task that is running first, so this ends the process only once the
+    training thread has left its collective (``release_peers`` sees to that). Returns False
+    where this process is not a Ray worker or this Ray lacks the call.
+    """
+    try:
+        import ray
+
+        worker = ray._private.worker.global_worker
+        if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
+            return False
+        drain = getattr(worker.core_worker, "drain_and_exit_worker", None)
+        if drain is None:
+            return False
+        drain("intentional_system_exit", detail.encode())
+        return True
+    except Exception as exc:
+        write_stderr(f"ray_graceful: Ray's intended exit was not available: {exc!r}\n")
+        return False
+
+
+class Teardown:
+    """One process's teardown. ``start()`` runs it on its own thread; it never returns there."""
+
+    def __init__(
+        self,
+        config: GracefulConfig,
+        groups: list[GroupHandle],
+        trigger: str,
+        deadline: float,
+        cycle: int = 0,
+        save_orders: list[SaveOrder] | None = None,
+        skip_save_reason: str = "",
+        on_stop: Callable[[], None] | None = None,
+        on_report: Callable[[TeardownReport], None] | None = None,
+        exit_process: bool = True,
+    ) -> None:
+        self.config = config
+        self.groups = groups
+        self.save_orders = list(save_orders or [])
+        self.skip_save_reason = skip_save_reason
+        self.on_stop = on_stop
+        self.on_report = on_report
+        self.exit_process = exit_process
+        self.t0 = time.monotonic()
+        self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
+        identity = ray_identity()
+        self.report = TeardownReport(
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            node_id=identity["node_id"],
+            job_id=identity["job_id"],
+            ranks=[
+                {"group": g.name, "rank": g.rank, "world_size": g.world_size} for g in groups
+            ],
+            trigger=trigger,
+            cycle=cycle,
+            started_at=time.time(),
+            deadline=deadline,
+        )
+        self.done = threading.Event()
+        self._abandon_save = threading.Event()
+
+    # --- time ------------------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        """Seconds left before the watchdog fires."""
+        return self.deadline_monotonic - self.config.watchdog_margin_s - time.monotonic()
+
+    # --- running ---------------------------------------------------------------------------
+
+    def start(self) -> threading.Thread:
+        threading.Thread(target=self._watchdog, name="ray_graceful-watchdog", daemon=True).start()
+        thread = threading.Thread(target=self.run, name="ray_graceful-teardown", daemon=True)
+        thread.start()
+        return thread
+
+    def run(self) -> TeardownReport:
+        self._step("stop", self._stop)
+        self._step("release_peers", self._release_peers)
+        self._step("drain_device", self._drain_device)
+        self._step("save", self._save)
+        self._step("destroy_process_group", self._destroy)
+        self._finish()
+        return self.report
+
+    def _step(self, name: str, fn: Callable[[], str]) -> None:
+        record = StepRecord(name, "running", started_s=time.monotonic() - self.t0)
+        self.report.steps.append(record)
+        try:
+            record.detail = fn() or ""
+            record.status = "ran"
+        except _Skip as skip:
+            record.status, record.detail = "skipped", str(skip)
+        except BaseException as exc:  # noqa: BLE001 - every step is guarded, whatever it raised
+            record.status, record.detail = "failed", f"{type(exc).__name__}: {exc}"
+        record.duration_s = time.monotonic() - self.t0 - record.started_s
+
+    def _stop(self) -> str:
+        if self.on_stop is not None:
+            self.on_stop()
+        return "should_stop() is now true"
+
+    def _release_peers(self) -> str:
+        if not self.groups:
+            raise _Skip("no process group registered")
+        done, errors = [], []
+        for group in self.groups:
+            try:
+                done.extend(release(group))
+            except Exception as exc:
+                errors.append(f"{group.name}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("; ".join(errors + done))
+        return "; ".join(done)
+
+    def _drain_device(self) -> str:
+        try:
+            import torch
+        except ImportError:
+            raise _Skip("torch not importable") from None
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            raise _Skip("CUDA not in use in this process")
+        timeout = min(self.config.cuda_sync_timeout_s, max(self.remaining(), 0.0))
+        run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
+        return "torch.cuda.synchronize() returned"
+
+    def _save(self) -> str:
+        if not self.save_orders:
+            raise _Skip(self.skip_save_reason or "not ordered to save")
+        done = []
+        for order in self.save_orders:
+            budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
+            if budget <= 0:
+                raise RuntimeError(
+                    f"no time left before the deadline to save shard {order.shard!r}"
+                    + (f" (saved: {'; '.join(done)})" if done else "")
+                )
+
+            def save(order: SaveOrder = order) -> ShardRecord:
+                return write_shard(
+                    order.root,
+                    order.step,
+                    order.shard,
+                    order.saver,
+                    abandoned=self._abandon_save,
+                    group=order.group,
+                    rank=order.rank,
+                )
+
+            try:
+                record: ShardRecord = run_bounded(save, budget, "emergency-save")
+            except TimeoutError:
+                self._abandon_save.set()
+                raise TimeoutError(
+                    f"save of shard {order.shard!r} exceeded its budget of {budget:.1f}s; "
+                    "abandoned, never renamed into place"
+                ) from None
+            self.report.saved.append(record.to_dict())
+            done.append(
+                f"shard {order.shard!r} at step {order.step}: {record.bytes} bytes "
+                f"in {record.seconds:.2f}s"
+            )
+        return "; ".join(done)
+
+    def _destroy(self) -> str:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise _Skip("no default process group")
+        timeout = min(self.config.destroy_timeout_s, max(self.remaining(), 0.0))
+        run_bounded(dist.destroy_process_group, timeout, "destroy-process-group")
+        return "destroy_process_group() returned"
+
+    # --- ending ----------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self.report.finished_s = time.monotonic() - self.t0
+        path = write_report_file(self.report, self.config.report_dir)
+        write_stderr(f"{LOG_PREFIX}{self.report.to_json()}\n")
+        if path is None:
+            write_stderr(f"ray_graceful: could not write the report under {self.config.report_dir}\n")
+        if self.on_report is not None:
+            try:
+                self.on_report(self.report)
+            except Exception as exc:
+                write_stderr(f"ray_graceful: could not deliver the report: {exc!r}\n")
+
+    def _finish(self) -> None:
+        record = StepRecord("exit", "running", started_s=time.monotonic() - self.t0)
+        self.report.steps.append(record)
+        if not self.exit_process:
+            record.status, record.detail = "skipped", "exit_process=False"
+            self._publish()
+            self.done.set()
+            return
+        detail = f"ray_graceful teardown ({self.report.trigger})"
+        in_ray = request_ray_intended_exit(detail)
+        self.report.exit_path = "ray_intended" if in_ray else "hard"
+        self.report.exit_code = 0 if in_ray else self.config.exit_code
+        record.status = "ran"
+        record.detail = (
+            "Ray's intended exit requested" if in_ray else f"os._exit({self.config.exit_code})"
+        )
+        self._publish()
+        self.done.set()
+        if in_ray:
+            time.sleep(max(min(self.config.exit_grace_s, self.remaining()), 0.0))
+            self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
+            record.detail += (
+                f"; the process was still alive after {self.config.exit_grace_s}s "
+                "(a task had not returned), so os._exit"
+            )
+            write_report_file(self.report, self.config.report_dir)
+            hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
+        hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
+
+    def _watchdog(self) -> None:
+        delay = self.remaining()
+        if self.done.wait(timeout=max(delay, 0.0)) and not self.exit_process:
+            return
+        if self.done.is_set():
+            # The report is out and an exit is under way; the watchdog stays the last word.
+            time.sleep(max(self.remaining(), 0.0))
+        for record in self.report.steps:
+            if record.status == "running":
+                record.status = "interrupted"
+                record.detail = "the watchdog fired at the deadline"
+                record.duration_s = time.monotonic() - self.t0 - record.started_s
+        self.report.exit_path, self.report.exit_code = "watchdog", self.config.exit_code
+        self.report.finished_s = time.monotonic() - self.t0
+        write_report_file(self.report, self.config.report_dir)
+        write_stderr(f"{LOG_PREFIX}{self.report.to_json()}\n")
+        hard_exit(self.config.exit_code, "watchdog: deadline reached")

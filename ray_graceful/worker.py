@@ -1,0 +1,449 @@
+"""The worker side: one call after ``init_process_group`` and a rank always leaves cleanly.
+
+``GracefulWorkerMixin`` goes on the *undecorated* worker base class (SkyRL's
+``DistributedTorchRayActor``, OpenRLHF's ``BaseDistributedActor``, verl's ``Worker``). It is a
+plain class on purpose: no ``__init__`` to call, no ``async def`` method (one would silently
+turn a sync actor into an async one), no concurrency group (declaring any moves every method of
+a sync actor off the main thread). Adopting it changes nothing about how the actor runs.
+
+Everything lives in one per-process ``_ProcessRuntime``: a process may hold several ranks in
+several groups (verl colocates roles), but it has one SIGTERM, one teardown and one exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import save_state_dict
+from .config import GracefulConfig
+from .process_groups import GroupHandle, SetupError, resolve_group
+from .signals import current_listener, install_listener, set_claim_check
+from .teardown import SaveOrder, Teardown, hard_exit, write_report_file, write_stderr
+
+Saver = Callable[[str, int], "tuple[int, int] | None"]
+
+
+class GracefulSetupWarning(RuntimeWarning):
+    """graceful_setup could not install everything; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SetupStatus:
+    """What ``graceful_setup`` installed for one rank, and why."""
+
+    group: str
+    rank: int
+    world_size: int
+    backends: tuple[str, ...]
+    rank_source: str
+    shard: str
+    can_save: bool
+    listener_installed: bool
+    listener: str
+    control: str
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [
+            f"ray_graceful: group {self.group!r} rank {self.rank}/{self.world_size} "
+            f"({', '.join(self.backends) or '?'}; from {self.rank_source})",
+            f"  shard: {self.shard!r}; emergency save: {'yes' if self.can_save else 'no saver'}",
+            f"  SIGTERM listener: {self.listener}",
+            f"  control: {self.control}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class Registration:
+    """One (group, rank) of this process and how it saves."""
+
+    group: GroupHandle
+    shard: str
+    saver: Saver | None
+    release_only: bool = False  # an extra group registered for abort, not a rank to plan for
+
+
+@dataclass
+class _ProcessRuntime:
+    """Per-process state shared by every rank this process holds."""
+
+    config: GracefulConfig | None = None  # given explicitly; one per process
+    env_config: GracefulConfig | None = None  # read from RAY_GRACEFUL_* while none was given
+    registrations: dict[tuple[str, int], Registration] = field(default_factory=dict)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    last_step: int | None = None
+    teardown: Teardown | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    pid: int = field(default_factory=os.getpid)
+
+    # --- signals ---------------------------------------------------------------------------
+
+    def claims_signals(self) -> bool:
+        return bool(self.registrations)
+
+    def on_sigterm(self, signum: int, count: int) -> bool:
+        """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
+        if os.getpid() != self.pid or not self.registrations:
+            return False
+        with self.lock:
+            running = self.teardown
+        if running is not None and count >= 2:
+            running.report.exit_path = "second-signal"
+            running.report.exit_code = self.config_or_default().exit_code
+            write_report_file(running.report, self.config_or_default().report_dir)
+            hard_exit(self.config_or_default().exit_code, "second SIGTERM")
+        self.begin_teardown(trigger=f"signal {signum}")
+        return True
+
+    # --- teardown --------------------------------------------------------------------------
+
+    def config_or_default(self) -> GracefulConfig:
+        """The config given to this process, else one read from the environment (not pinned)."""
+        if self.config is not None:
+            return self.config
+        if self.env_config is None:
+            self.env_config = GracefulConfig.from_env()
+        return self.env_config
+
+    def begin_teardown(
+        self,
+        trigger: str,
+        deadline: float | None = None,
+        cycle: int = 0,
+        save_orders: list[SaveOrder] | None = None,
+        skip_save_reason: str | None = None,
+        exit_process: bool = True,
+    ) -> Teardown:
+        """Start this process's teardown once; later calls return the one already running."""
+        with self.lock:
+            if self.teardown is not None:
+                return self.teardown
+            config = self.config_or_default()
+            if deadline is None:
+                deadline = time.time() + config.teardown_timeout_s
+            if save_orders is None and skip_save_reason is None:
+                save_orders, skip_save_reason = self._own_save_decision(config, deadline)
+            self.teardown = Teardown(
+                config,
+                [r.group for r in self.registrations.values()],
+                trigger=trigger,
+                deadline=deadline,
+                cycle=cycle,
+                save_orders=save_orders,
+                skip_save_reason=skip_save_reason or "",
+                on_stop=self.stop_event.set,
+                exit_process=exit_process,
+            )
+            self.teardown.start()
+            return self.teardown
+
+    def _own_save_decision(
+        self, config: GracefulConfig, deadline: float
+    ) -> tuple[list[SaveOrder], str]:
+        """Without a coordinator's order: save own shards if a directory is configured."""
+        if config.checkpoint_dir is None:
+            return [], "no coordinator order and no checkpoint_dir configured"
+        if self.last_step is None:
+            return [], "no step boundary recorded: call should_stop(step) in the training loop"
+        orders = []
+        for reg in self.registrations.values():
+            if reg.release_only or reg.saver is None:
+                continue
+            orders.append(
+                SaveOrder(
+                    config.checkpoint_dir,
+                    self.last_step,
+                    reg.shard,
+                    config.save_budget_s,
+                    reg.saver,
+                    reg.group.name,
+                    reg.group.rank,
+                )
+            )
+        if not orders:
+            return [], "no registered rank of this process has a saver"
+        return orders, ""
+
+    # --- registration ----------------------------------------------------------------------
+
+    def adopt_config(self, config: GracefulConfig | None) -> GracefulConfig:
+        with self.lock:
+            if config is None:
+                return self.config_or_default()
+            if self.config is not None and config != self.config:
+                raise SetupError(
+                    "a different GracefulConfig was already given to this process (one process "
+                    "has one teardown): pass the same config to every graceful_setup call, or "
+                    "none after the first."
+                )
+            self.config = config
+            return config
+
+
+_runtime = _ProcessRuntime()
+
+
+def _process_runtime() -> _ProcessRuntime:
+    """The runtime of this process (a forked child gets a fresh, empty one)."""
+    global _runtime
+    if _runtime.pid != os.getpid():
+        _runtime = _ProcessRuntime()
+    return _runtime
+
+
+def _listener_status(
+    config: GracefulConfig, where: str = "graceful_setup on the main thread"
+) -> tuple[bool, str]:
+    """Install the listener where possible; say what happened."""
+    runtime = _process_runtime()
+    set_claim_check(lambda: _process_runtime().claims_signals())
+    on_main = threading.current_thread() is threading.main_thread()
+    listener = current_listener()
+    if on_main:
+        listener = install_listener(listener.installed_from if listener else where)
+    if listener is None:
+        message = (
+            f"not installed: graceful_setup runs on thread {threading.current_thread().name!r}, "
+            "not the main thread (threaded, async or concurrency-group actor). Fix: call "
+            "ray_graceful.install_signal_handling() in the actor's __init__, or start the job "
+            "with runtime_env={'worker_process_setup_hook': 'ray_graceful.hooks.setup'}."
+        )
+        if config.strict:
+            raise SetupError("SIGTERM listener " + message)
+        warnings.warn("ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4)
+        return False, message
+    listener.on_signal = runtime.on_sigterm
+    how = f"installed ({listener.installed_from})"
+    if not listener.handler_in_place():
+        how += (
+            "; another SIGTERM handler replaced ours on the main thread, so it runs too (the "
+            "listener still sees every SIGTERM)"
+        )
+    return True, how
+
+
+def install_signal_handling(config: GracefulConfig | None = None) -> str:
+    """Install the SIGTERM listener now, from the main thread (an actor's ``__init__``).
+
+    For actors whose methods do not run on the main thread (threaded, async, concurrency
+    groups): ``__init__`` still does, so call this there; ``graceful_setup`` later finds it.
+    """
+    cfg = _process_runtime().adopt_config(config)
+    if threading.current_thread() is not threading.main_thread():
+        raise SetupError(
+            "install_signal_handling() must run on the main thread: call it from the actor's "
+            "__init__ (async actors run __init__ off the main thread too: use the setup hook "
+            "ray_graceful.hooks.setup instead)."
+        )
+    return _listener_status(cfg, "install_signal_handling() on the main thread")[1]
+
+
+def _defined_by_mixin(cls: type, name: str) -> bool:
+    """Whether ``cls.name`` is still the mixin's own (Ray wraps actor methods: unwrap first)."""
+    fn = inspect.unwrap(getattr(cls, name))
+    return getattr(fn, "__qualname__", "") == f"GracefulWorkerMixin.{name}"
+
+
+def _check_actor_shape(owner: object) -> None:
+    """Refuse a class whose names clash with the mixin's, with the clash named."""
+    stop = getattr(owner, "should_stop", None)
+    if stop is not None and not callable(stop):
+        raise SetupError(
+            f"{type(owner).__name__}.should_stop is {stop!r}, not a method: an attribute of the "
+            "worker shadows GracefulWorkerMixin.should_stop(). Rename the attribute."
+        )
+    for name in ("should_stop", "emergency_checkpoint"):
+        method = getattr(type(owner), name, None)
+        if method is not None and inspect.iscoroutinefunction(inspect.unwrap(method)):
+            raise SetupError(
+                f"{type(owner).__name__}.{name} is 'async def': it is called from the teardown "
+                "thread, not the event loop, so it must be a plain 'def'."
+            )
+
+
+def after_init_process_group(
+    name: str = "default",
+    *,
+    process_group: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    shard: str | int | None = None,
+    saver: Saver | None = None,
+    state_dict: Callable[[], Any] | None = None,
+    config: GracefulConfig | None = None,
+) -> SetupStatus:
+    """Register this rank, right after ``init_process_group``; idempotent, any thread.
+
+    - ``name``: the group's label ("policy", "critic"); ranks are keyed by (name, rank).
+    - ``process_group``: the group to release on teardown (default: the world group).
+    - ``rank``/``world_size``: optional, checked against torch.distributed.
+    - ``shard``: which part of the state this rank holds; ranks with the same shard are
+      replicas of each other and only one of them saves it. Default: the rank itself (every
+      rank saves its own state - always correct, never the cheapest; pure data parallel
+      training should pass one shard for all, e.g. ``shard="model"``).
+    - ``saver(path, step)``: writes this rank's state at ``path``; or ``state_dict``: a callable
+      returning what the default saver (``torch.save``) writes.
+    """
+    if saver is not None and state_dict is not None:
+        raise SetupError("pass saver= or state_dict=, not both")
+    for label, fn in (("saver", saver), ("state_dict", state_dict)):
+        if fn is not None and not callable(fn):
+            raise SetupError(f"{label}={fn!r} is not callable")
+        if fn is not None and inspect.iscoroutinefunction(fn):
+            raise SetupError(f"{label} must be a plain function, not 'async def'")
+    if state_dict is not None:
+        provider = state_dict
+
+        def saver(path: str, step: int) -> tuple[int, int]:
+            return save_state_dict({"step": step, "state": provider()}, path)
+
+    return _register(name, process_group, rank, world_size, shard, saver, config)
+
+
+def _register(
+    name: str,
+    process_group: Any,
+    rank: int | None,
+    world_size: int | None,
+    shard: str | int | None,
+    saver: Saver | None,
+    config: GracefulConfig | None,
+    release_only: bool = False,
+) -> SetupStatus:
+    runtime = _process_runtime()
+    cfg = runtime.adopt_config(config)
+    if shard is not None and (not isinstance(shard, (str, int)) or isinstance(shard, bool)):
+        raise SetupError(f"shard={shard!r} is not allowed: give a str or an int.")
+    handle = resolve_group(name, process_group, rank, world_size)
+    shard_key = str(handle.rank) if shard is None else str(shard)
+    with runtime.lock:
+        existing = runtime.registrations.get(handle.key)
+        if existing is not None and existing.group.process_group is not handle.process_group:
+            raise SetupError(
+                f"group {name!r} rank {handle.rank} is already registered with another process "
+                "group; give each group its own name."
+            )
+        if existing is None:
+            runtime.registrations[handle.key] = Registration(handle, shard_key, saver, release_only)
+        else:
+            existing.saver = saver or existing.saver
+            existing.shard = shard_key
+    installed, listener = _listener_status(cfg)
+    control = "no coordinator: on SIGTERM this rank tears itself down on its own"
+    return SetupStatus(
+        group=handle.name,
+        rank=handle.rank,
+        world_size=handle.world_size,
+        backends=handle.backends,
+        rank_source=handle.source,
+        shard=shard_key,
+        can_save=saver is not None,
+        listener_installed=installed,
+        listener=listener,
+        control=control,
+        notes=tuple(handle.notes),
+    )
+
+
+def should_stop(step: int | None = None) -> bool:
+    """True once a teardown began: leave the training loop at this step boundary.
+
+    Pass the number of completed steps: an emergency save is labelled with the last step
+    reported here. Costs a flag read (and one store when ``step`` is given).
+    """
+    runtime = _runtime if _runtime.pid == os.getpid() else _process_runtime()
+    if step is not None:
+        runtime.last_step = step
+    return runtime.stop_event.is_set()
+
+
+def add_process_group(process_group: Any, name: str) -> None:
+    """Register an extra group (weight sync, a second role) to release on teardown."""
+    if process_group is None:
+        raise SetupError("add_process_group needs a process group, got None")
+    _register(name, process_group, None, None, None, None, None, release_only=True)
+
+
+class GracefulWorkerMixin:
+    """Mix into the undecorated worker base class; call ``graceful_setup()`` after init_process_group.
+
+    Override ``emergency_checkpoint(path, step)`` to save this rank's state (or pass
+    ``state_dict=`` to ``graceful_setup``); call ``should_stop(step)`` at step boundaries.
+    """
+
+    def graceful_setup(
+        self,
+        name: str = "default",
+        *,
+        process_group: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shard: str | int | None = None,
+        state_dict: Callable[[], Any] | None = None,
+        config: GracefulConfig | None = None,
+    ) -> SetupStatus:
+        """Register this rank (see ``after_init_process_group``); returns what was installed."""
+        _check_actor_shape(self)
+        overridden = not _defined_by_mixin(type(self), "emergency_checkpoint")
+        if overridden and state_dict is not None:
+            raise SetupError(
+                f"{type(self).__name__} overrides emergency_checkpoint and also passed "
+                "state_dict=: use one of them."
+            )
+        if overridden:
+            return after_init_process_group(
+                name,
+                process_group=process_group,
+                rank=rank,
+                world_size=world_size,
+                shard=shard,
+                saver=self.emergency_checkpoint,
+                config=config,
+            )
+        return after_init_process_group(
+            name,
+            process_group=process_group,
+            rank=rank,
+            world_size=world_size,
+            shard=shard,
+            state_dict=state_dict,
+            config=config,
+        )
+
+    def should_stop(self, step: int | None = None) -> bool:
+        """True once a teardown began (see ``ray_graceful.should_stop``)."""
+        return should_stop(step)
+
+    def emergency_checkpoint(self, path: str, step: int) -> tuple[int, int] | None:
+        """Write this rank's state for ``step`` at ``path`` (a file or a directory).
+
+        Called on the teardown thread, after peers were released: use no collective. The
+        write is made atomic around you (temp name, fsync, rename). The default is replaced
+        by ``state_dict=`` in ``graceful_setup``, or by overriding this method.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no emergency saver: override emergency_checkpoint(path, "
+            "step) or pass state_dict= to graceful_setup"
+        )
+
+    def graceful_add_group(self, process_group: Any, name: str) -> None:
+        """Register an extra process group to release on teardown."""
+        add_process_group(process_group, name)
+
+
+def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teardown:
+    """Start this process's teardown as if it had been signalled (tests, custom notices)."""
+    runtime = _process_runtime()
+    if not runtime.registrations:
+        raise SetupError("teardown_now(): nothing is registered in this process")
+    return runtime.begin_teardown(trigger, exit_process=exit_process)
+

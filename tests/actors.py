@@ -1,0 +1,258 @@
+"""Worker classes shaped like the frameworks the mixin must fit (RAY_FACTS' table).
+
+Each is an *undecorated* base with the mixin, as a user would write it; tests decorate them
+with ``ray.remote(...)`` in the shape under test (plain, concurrency groups, threaded, async).
+Training is a loop of gloo all-reduces; a rank that does not call ``train`` leaves its peers
+blocked in the first one, which is how the tests hold a training thread inside a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+import ray_graceful
+from ray_graceful import GracefulConfig, GracefulWorkerMixin
+
+
+def init_gloo(rank: int, world: int, addr: str, port: int, timeout_s: float = 120.0) -> None:
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def thread_info() -> dict:
+    return {
+        "thread": threading.current_thread().name,
+        "main": threading.current_thread() is threading.main_thread(),
+    }
+
+
+class Trainer:
+    """The user's own worker base, before adopting ray_graceful (no mixin)."""
+
+    def __init__(self, marker: str | None = None, install_in_init: bool = False) -> None:
+        self.model = torch.nn.Linear(4, 4)
+        self.step = 0
+        if marker is not None:  # a handler the user (or a framework) had already installed
+
+            def user_handler(signum, frame):
+                with open(marker, "a") as f:
+                    f.write(f"user handler ran in {os.getpid()}\n")
+
+            signal.signal(signal.SIGTERM, user_handler)
+        if install_in_init:
+            ray_graceful.install_signal_handling()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> dict:
+        return thread_info()
+
+    def init(self, rank: int, world: int, addr: str, port: int) -> None:
+        init_gloo(rank, world, addr, port)
+
+    def train(self, steps: int, sleep_s: float = 0.0) -> int:
+        for step in range(self.step, self.step + steps):
+            grad = torch.ones(1024)
+            dist.all_reduce(grad)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(0.001)
+            self.step = step + 1
+            if self.stopped(self.step):
+                break
+            if sleep_s:
+                time.sleep(sleep_s)
+        return self.step
+
+    def stopped(self, step: int) -> bool:
+        return False
+
+    def fork_sleeper(self) -> int:
+        """Fork a child (as a DataLoader does) that just sleeps; returns its pid."""
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        self._child = pid
+        return pid
+
+    def reap_child(self, timeout: float = 10.0) -> int | None:
+        """The forked child's exit status (waitpid), or None if it is still alive."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            pid, status = os.waitpid(self._child, os.WNOHANG)
+            if pid:
+                return status
+            time.sleep(0.02)
+        return None
+
+    def alive(self) -> bool:
+        return True
+
+
+class GracefulTrainer(GracefulWorkerMixin, Trainer):
+    """The same worker after adopting the mixin: one base more, one call after init."""
+
+    def setup(
+        self,
+        rank: int,
+        world: int,
+        addr: str,
+        port: int,
+        config: GracefulConfig,
+        shard: str | None = None,
+        hang_save: bool = False,
+    ) -> str:
+        self.init(rank, world, addr, port)
+        self._hang_save = hang_save
+        status = self.graceful_setup(
+            "trainer", shard=shard, config=config, state_dict=self._state
+        )
+        return str(status)
+
+    def _state(self) -> dict:
+        if getattr(self, "_hang_save", False):
+            threading.Event().wait()  # a save that never returns
+        return {"model": self.model.state_dict(), "step": self.step}
+
+    def stopped(self, step: int) -> bool:
+        return self.should_stop(step)
+
+    def setup_before_init(self, config: GracefulConfig) -> str:
+        return str(self.graceful_setup("trainer", config=config))
+
+
+class AsyncGracefulTrainer(GracefulTrainer):
+    """One ``async def`` turns the actor async: every method runs on the event loop thread."""
+
+    async def ping(self) -> str:
+        return "pong"
+
+
+class ShadowingTrainer(GracefulTrainer):
+    """A worker with an attribute named like the mixin's method (a real clash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.should_stop = False  # type: ignore[assignment,method-assign]
+
+
+# --- SkyRL: DistributedTorchRayActor is an undecorated, async base; rank from constructor. ---
+
+
+class DistributedTorchRayActor(GracefulWorkerMixin):
+    def __init__(self, world_size: int, rank: int, master_addr: str, master_port: int) -> None:
+        self._world_size, self._rank = world_size, rank
+        self._master_addr, self._master_port = master_addr, master_port
+        self.step = 0
+
+    def init_worker_process_group(self, config: GracefulConfig) -> str:
+        init_gloo(self._rank, self._world_size, self._master_addr, self._master_port)
+        return str(self.graceful_setup("policy", rank=self._rank, world_size=self._world_size, config=config))
+
+    async def get_node_local_rank(self) -> int:
+        return self._rank
+
+    async def train_batch(self, steps: int) -> int:  # blocking torch calls inside async, as SkyRL
+        for _ in range(steps):
+            dist.all_reduce(torch.ones(1024))
+            self.step += 1
+            if self.should_stop(self.step):
+                break
+        return self.step
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> dict:
+        return thread_info()
+
+
+class PolicyWorker(DistributedTorchRayActor):
+    pass
+
+
+# --- OpenRLHF: a sync base; the concrete class is @ray.remote-decorated (cannot be subclassed).
+
+
+class BaseDistributedActor(GracefulWorkerMixin):
+    def __init__(self, world_size: int, rank: int, master_addr: str, master_port: int) -> None:
+        os.environ.update(
+            WORLD_SIZE=str(world_size), RANK=str(rank), MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        self.step = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> dict:
+        return thread_info()
+
+
+@ray.remote(num_cpus=0)
+class ActorModelRayActor(BaseDistributedActor):
+    def init_model_from_pretrained(self, config: GracefulConfig) -> str:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        return str(self.graceful_setup("actor", config=config))
+
+    def fit(self, steps: int) -> int:
+        for _ in range(steps):
+            dist.all_reduce(torch.ones(1024))
+            self.step += 1
+            if self.should_stop(self.step):
+                break
+        return self.step
+
+
+# --- verl: Worker reads rank and rendezvous from the environment; the main role is async. ----
+
+
+class Worker(GracefulWorkerMixin):
+    def __init__(self) -> None:
+        self._rank = int(os.environ["RANK"])
+        self._world_size = int(os.environ["WORLD_SIZE"])
+        self.step = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> dict:
+        return thread_info()
+
+
+class ActorRolloutRefWorker(Worker):
+    def init_model(self, config: GracefulConfig) -> str:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        return str(self.graceful_setup("actor_rollout", config=config))
+
+    def update_actor(self, steps: int) -> int:
+        for _ in range(steps):
+            dist.all_reduce(torch.ones(1024))
+            self.step += 1
+            if self.should_stop(self.step):
+                break
+        return self.step
+
+    async def generate_sequences(self) -> str:
+        return "ok"
+
+
+class AsyncTrainer(Trainer):
+    """The async worker before adopting ray_graceful (for the thread-model comparison)."""
+
+    async def ping(self) -> str:
+        return "pong"

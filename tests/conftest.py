@@ -1,0 +1,101 @@
+"""One Ray cluster per test session (a head node; tests add raylets only when they need nodes).
+
+Worker processes must import ``tests.*`` (actor classes live in tests/actors.py), so the repo
+root goes on PYTHONPATH before the cluster starts: the raylet, and every worker it starts,
+inherit the driver's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p
+)
+# Token auth is on by default when ~/.ray/auth_token exists; a test cluster is private.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def session_dir():
+    with tempfile.TemporaryDirectory(prefix="rg-tests-") as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(session_dir):
+    """The session's cluster: ``ray.cluster_utils.Cluster`` with a head node, driver attached."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Ray's temp dir (and the address file it writes) stays private to this session.
+    os.environ["RAY_TMPDIR"] = session_dir
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 8,
+            "include_dashboard": False,
+            "resources": {"head": 100},
+        },
+    )
+    ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def exit_recorder(session_dir):
+    """A ``py_executable`` wrapper that records each worker's real exit status.
+
+    The raylet kills a worker's process group once the worker disconnects, so the recorder
+    runs the worker in a session of its own and writes ``<dir>/<pid>`` when it exits.
+    """
+    directory = os.path.join(session_dir, "exit-codes")
+    os.makedirs(directory)
+    script = os.path.join(session_dir, "record-exit.sh")
+    with open(script, "w") as f:
+        f.write(
+            "#!/bin/bash\n"
+            f"setsid bash -c '\"$0\" \"$@\" & c=$!; wait $c; echo $? > {directory}/$c' "
+            f"{sys.executable} \"$@\" &\n"
+            "wait\n"
+        )
+    os.chmod(script, 0o755)
+    return ExitRecorder(script, directory)
+
+
+class ExitRecorder:
+    def __init__(self, script: str, directory: str) -> None:
+        self.script = script
+        self.directory = directory
+
+    def runtime_env(self, hook: bool = False, env: dict | None = None) -> dict:
+        env_vars = dict(env or {})
+        if hook:
+            env_vars["__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"] = "ray_graceful.hooks.setup"
+        out: dict = {"py_executable": self.script}
+        if env_vars:
+            out["env_vars"] = env_vars
+        return out
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The exit status of ``pid`` once it exited, or None after ``timeout`` seconds."""
+        import time
+
+        path = os.path.join(self.directory, str(pid))
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if os.path.exists(path):
+                with open(path) as f:
+                    text = f.read().strip()
+                if text:
+                    return int(text)
+            time.sleep(0.02)
+        return None

@@ -1,0 +1,62 @@
+"""Waiting and looking things up in a real Ray cluster, without the dashboard."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
+    """Poll ``condition`` until truthy; fail the test naming ``what`` after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+def worker_exit(pid: int) -> tuple[str | None, str] | None:
+    """(exit type, exit detail) that the GCS recorded for the dead worker ``pid``."""
+    import ray
+    from ray.core.generated import common_pb2, gcs_pb2
+
+    accessor = ray._private.state.state._connect_and_get_accessor()
+    for raw in accessor.get_worker_table():
+        w = gcs_pb2.WorkerTableData.FromString(raw)
+        if w.pid == pid and not w.is_alive:
+            kind = common_pb2.WorkerExitType.Name(w.exit_type) if w.HasField("exit_type") else None
+            return kind, w.exit_detail
+    return None
+
+
+def report_for(report_dir: str, pid: int) -> dict | None:
+    """The TeardownReport JSON that process ``pid`` wrote, if any."""
+    for base, _dirs, files in os.walk(report_dir):
+        for name in files:
+            if name.startswith("teardown-") and name.endswith(f"-{pid}.json"):
+                with open(os.path.join(base, name)) as f:
+                    return json.load(f)
+    return None
+
+
+def kill_actors(*actors: Any) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
