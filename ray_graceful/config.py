@@ -252,9 +252,7 @@ class GracefulConfig:
     # --- environment ---------------------------------------------------------------------
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> GracefulConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GracefulConfig:
         """Build from ``RAY_GRACEFUL_<FIELD>`` variables; keyword overrides win over them."""
         env = os.environ if environ is None else environ
         known = {ENV_PREFIX + f.name.upper(): f for f in fields(cls)}
@@ -267,7 +265,8 @@ class GracefulConfig:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f" Did you mean {close[0]}?" if close else ""
                 raise ConfigError(
-                    f"{name} is not a ray_graceful setting.{hint} Allowed: {', '.join(sorted(known))}."
+                    f"{name} is not a ray_graceful setting.{hint} "
+                    f"Allowed: {', '.join(sorted(known))}."
                 )
             values[f.name] = _parse_env(name, raw, f)
         values.update(overrides)
@@ -340,8 +339,10 @@ def config_reference_markdown() -> str:
     ]
     default = GracefulConfig()
     for f in fields(GracefulConfig):
-        shown = "(system temp)/ray_graceful/reports" if f.name == "report_dir" else repr(
-            getattr(default, f.name)
+        shown = (
+            "(system temp)/ray_graceful/reports"
+            if f.name == "report_dir"
+            else repr(getattr(default, f.name))
         )
         lines.append(
             f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | `{shown}` | {f.metadata['doc']} |"

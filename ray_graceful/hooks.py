@@ -31,6 +31,7 @@ def setup() -> None:
     listener = install_listener(f"the job's setup hook {HOOK}")
     runtime = _process_runtime()
     listener.on_signal = runtime.on_sigterm
+    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
     set_claim_check(lambda: _process_runtime().claims_signals())
     _keep_handler_when_ray_installs_its_own(listener)
 

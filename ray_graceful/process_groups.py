@@ -78,7 +78,8 @@ def resolve_group(
         raise SetupError(f"process_group={group!r} is not a usable process group: {exc}") from exc
     if pg_rank < 0:
         raise SetupError(
-            f"this process is not a member of process_group {getattr(group, 'group_name', group)!r}; "
+            "this process is not a member of process_group "
+            f"{getattr(group, 'group_name', group)!r}; "
             "register only groups this rank belongs to."
         )
     source = "torch.distributed"

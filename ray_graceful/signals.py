@@ -50,8 +50,12 @@ class SignalListener:
         self.installed_from = ""
         # Called on the listener thread: (signum, count) -> True if the signal was taken.
         self.on_signal: Callable[[int, int], bool] | None = None
+        # Called on the main thread by the Python-level handler (a backstop for the listener).
+        self.on_main_thread_signal: Callable[[int], None] | None = None
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
+        self._null_fd = os.open(os.devnull, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._saved_write_fd = -1
         self._thread = threading.Thread(
             target=self._listen, name="ray_graceful-signal-listener", daemon=True
         )
@@ -63,7 +67,11 @@ class SignalListener:
         signal.signal(signal.SIGTERM, self._handle)
         self.installed_from = where
         self._thread.start()
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        os.register_at_fork(
+            before=self._before_fork,
+            after_in_parent=self._after_fork_in_parent,
+            after_in_child=self._after_fork_in_child,
+        )
 
     def handler_in_place(self) -> bool:
         """Whether our Python-level SIGTERM handler is still the installed one."""
@@ -83,9 +91,13 @@ class SignalListener:
         if os.getpid() != self.pid:  # a forked child: behave as if we were never here
             self._run_previous(signum, frame, default_action=True)
             return
-        # When a rank is registered the listener thread owns the teardown; here we only chain
-        # the handler that was there before (a user's or a framework's).
-        self._run_previous(signum, frame, default_action=not _claims())
+        # When a rank is registered the listener thread owns the teardown; here we chain the
+        # handler that was there before (a user's or a framework's), and start the teardown in
+        # case the listener missed the signal (it arrived while a fork muted the pipe).
+        claimed = _claims()
+        if claimed and self.on_main_thread_signal is not None:
+            self.on_main_thread_signal(signum)
+        self._run_previous(signum, frame, default_action=not claimed)
 
     def _run_previous(self, signum: int, frame: FrameType | None, default_action: bool) -> None:
         """Chain the previous handler; Ray's own and SIG_DFL only when nothing claims the signal."""
@@ -125,22 +137,47 @@ class SignalListener:
                     except Exception as exc:  # a bug in a callback must not kill the listener
                         _write_stderr(f"ray_graceful: signal callback failed: {exc!r}\n")
 
+    # --- fork: the child must never write into our pipe ----------------------------------------
+    # A child starts with our wakeup fd. A SIGTERM that reaches it before its at-fork hooks ran
+    # (DataLoader workers are signalled this early) would wake *our* listener. So across a
+    # fork the wakeup fd number points at /dev/null: the child inherits that, and the parent
+    # gets its pipe back right after (a signal to the parent in that window is still run by
+    # the Python-level handler, which starts the teardown too).
+
+    def _before_fork(self) -> None:
+        if os.getpid() != self.pid:
+            return
+        self._saved_write_fd = os.dup(self._write_fd)
+        os.dup2(self._null_fd, self._write_fd, inheritable=False)
+
+    def _after_fork_in_parent(self) -> None:
+        if self._saved_write_fd >= 0:
+            os.dup2(self._saved_write_fd, self._write_fd, inheritable=False)
+            os.close(self._saved_write_fd)
+            self._saved_write_fd = -1
+
     def _after_fork_in_child(self) -> None:
-        # The child shares our pipe; a signal to it must not wake the parent's listener.
         try:
             signal.set_wakeup_fd(self.previous_wakeup_fd if self.previous_wakeup_fd >= 0 else -1)
         except (ValueError, OSError):
             pass
-        for fd in (self._read_fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in (self._read_fd, self._write_fd, self._null_fd, self._saved_write_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 _lock = threading.Lock()
 _listener: SignalListener | None = None
-_claims: Callable[[], bool] = lambda: False
+
+
+def _nothing_registered() -> bool:
+    return False
+
+
+_claims: Callable[[], bool] = _nothing_registered
 
 
 def set_claim_check(check: Callable[[], bool]) -> None:

@@ -166,9 +166,13 @@ def write_report_file(report: TeardownReport, report_dir: str) -> str | None:
 def read_reports(report_dir: str, job_id: str | None = None) -> list[TeardownReport]:
     """Every TeardownReport under ``report_dir`` (for one job, if given), oldest first."""
     reports = []
-    roots = [os.path.join(report_dir, job_id)] if job_id else [
-        os.path.join(report_dir, d) for d in sorted(os.listdir(report_dir))
-    ] if os.path.isdir(report_dir) else []
+    roots = (
+        [os.path.join(report_dir, job_id)]
+        if job_id
+        else [os.path.join(report_dir, d) for d in sorted(os.listdir(report_dir))]
+        if os.path.isdir(report_dir)
+        else []
+    )
     for root in roots:
         if not os.path.isdir(root):
             continue
@@ -246,9 +250,7 @@ class Teardown:
             hostname=socket.gethostname(),
             node_id=identity["node_id"],
             job_id=identity["job_id"],
-            ranks=[
-                {"group": g.name, "rank": g.rank, "world_size": g.world_size} for g in groups
-            ],
+            ranks=[{"group": g.name, "rank": g.rank, "world_size": g.world_size} for g in groups],
             trigger=trigger,
             cycle=cycle,
             started_at=time.time(),
@@ -288,7 +290,7 @@ class Teardown:
             record.status = "ran"
         except _Skip as skip:
             record.status, record.detail = "skipped", str(skip)
-        except BaseException as exc:  # noqa: BLE001 - every step is guarded, whatever it raised
+        except BaseException as exc:
             record.status, record.detail = "failed", f"{type(exc).__name__}: {exc}"
         record.duration_s = time.monotonic() - self.t0 - record.started_s
 
@@ -375,7 +377,9 @@ class Teardown:
         path = write_report_file(self.report, self.config.report_dir)
         write_stderr(f"{LOG_PREFIX}{self.report.to_json()}\n")
         if path is None:
-            write_stderr(f"ray_graceful: could not write the report under {self.config.report_dir}\n")
+            write_stderr(
+                f"ray_graceful: could not write the report under {self.config.report_dir}\n"
+            )
         if self.on_report is not None:
             try:
                 self.on_report(self.report)

@@ -25,7 +25,7 @@ from .checkpoint import save_state_dict
 from .config import GracefulConfig
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .signals import current_listener, install_listener, set_claim_check
-from .teardown import SaveOrder, Teardown, hard_exit, write_report_file, write_stderr
+from .teardown import SaveOrder, Teardown, hard_exit, write_report_file
 
 Saver = Callable[[str, int], "tuple[int, int] | None"]
 
@@ -103,6 +103,11 @@ class _ProcessRuntime:
             hard_exit(self.config_or_default().exit_code, "second SIGTERM")
         self.begin_teardown(trigger=f"signal {signum}")
         return True
+
+    def on_sigterm_main_thread(self, signum: int) -> None:
+        """Backstop from the Python-level handler: start the teardown if nothing started it."""
+        if os.getpid() == self.pid and self.registrations and self.teardown is None:
+            self.begin_teardown(trigger=f"signal {signum}")
 
     # --- teardown --------------------------------------------------------------------------
 
@@ -219,9 +224,12 @@ def _listener_status(
         )
         if config.strict:
             raise SetupError("SIGTERM listener " + message)
-        warnings.warn("ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4)
+        warnings.warn(
+            "ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4
+        )
         return False, message
     listener.on_signal = runtime.on_sigterm
+    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
     how = f"installed ({listener.installed_from})"
     if not listener.handler_in_place():
         how += (
@@ -374,7 +382,7 @@ def add_process_group(process_group: Any, name: str) -> None:
 
 
 class GracefulWorkerMixin:
-    """Mix into the undecorated worker base class; call ``graceful_setup()`` after init_process_group.
+    """Mix into the undecorated worker base; call ``graceful_setup()`` after init_process_group.
 
     Override ``emergency_checkpoint(path, step)`` to save this rank's state (or pass
     ``state_dict=`` to ``graceful_setup``); call ``should_stop(step)`` at step boundaries.
@@ -446,4 +454,3 @@ def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teard
     if not runtime.registrations:
         raise SetupError("teardown_now(): nothing is registered in this process")
     return runtime.begin_teardown(trigger, exit_process=exit_process)
-

@@ -79,13 +79,18 @@ class Trainer:
         return False
 
     def fork_sleeper(self) -> int:
-        """Fork a child (as a DataLoader does) that just sleeps; returns its pid."""
+        """Fork a child (as a DataLoader does) that sleeps; returns once the child runs."""
+        read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
+                os.write(write_fd, b"r")
                 time.sleep(60)
             finally:
                 os._exit(0)
+        os.close(write_fd)
+        os.read(read_fd, 1)
+        os.close(read_fd)
         self._child = pid
         return pid
 
@@ -114,18 +119,18 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         port: int,
         config: GracefulConfig,
         shard: str | None = None,
-        hang_save: bool = False,
+        hang_save: str | None = None,
     ) -> str:
         self.init(rank, world, addr, port)
         self._hang_save = hang_save
-        status = self.graceful_setup(
-            "trainer", shard=shard, config=config, state_dict=self._state
-        )
+        status = self.graceful_setup("trainer", shard=shard, config=config, state_dict=self._state)
         return str(status)
 
     def _state(self) -> dict:
-        if getattr(self, "_hang_save", False):
-            threading.Event().wait()  # a save that never returns
+        if getattr(self, "_hang_save", None):
+            with open(self._hang_save, "w"):
+                pass  # tell the test the save has started ...
+            threading.Event().wait()  # ... and never return
         return {"model": self.model.state_dict(), "step": self.step}
 
     def stopped(self, step: int) -> bool:
@@ -161,10 +166,17 @@ class DistributedTorchRayActor(GracefulWorkerMixin):
 
     def init_worker_process_group(self, config: GracefulConfig) -> str:
         init_gloo(self._rank, self._world_size, self._master_addr, self._master_port)
-        return str(self.graceful_setup("policy", rank=self._rank, world_size=self._world_size, config=config))
+        return str(
+            self.graceful_setup(
+                "policy", rank=self._rank, world_size=self._world_size, config=config
+            )
+        )
 
     async def get_node_local_rank(self) -> int:
         return self._rank
+
+    def register_as(self, rank: int) -> str:
+        return str(self.graceful_setup("policy", rank=rank))
 
     async def train_batch(self, steps: int) -> int:  # blocking torch calls inside async, as SkyRL
         for _ in range(steps):
@@ -191,7 +203,9 @@ class PolicyWorker(DistributedTorchRayActor):
 class BaseDistributedActor(GracefulWorkerMixin):
     def __init__(self, world_size: int, rank: int, master_addr: str, master_port: int) -> None:
         os.environ.update(
-            WORLD_SIZE=str(world_size), RANK=str(rank), MASTER_ADDR=master_addr,
+            WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
         self.step = 0

@@ -14,9 +14,7 @@ import tempfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p
-)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
 # Token auth is on by default when ~/.ray/auth_token exists; a test cluster is private.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -54,8 +52,9 @@ def ray_cluster(session_dir):
 def exit_recorder(session_dir):
     """A ``py_executable`` wrapper that records each worker's real exit status.
 
-    The raylet kills a worker's process group once the worker disconnects, so the recorder
-    runs the worker in a session of its own and writes ``<dir>/<pid>`` when it exits.
+    The raylet kills a dead worker's process group (and the wrapper it started), so the
+    recorder runs in a session of its own, and the worker in yet another, and writes
+    ``<dir>/<pid>`` when the worker exits.
     """
     directory = os.path.join(session_dir, "exit-codes")
     os.makedirs(directory)
@@ -63,8 +62,8 @@ def exit_recorder(session_dir):
     with open(script, "w") as f:
         f.write(
             "#!/bin/bash\n"
-            f"setsid bash -c '\"$0\" \"$@\" & c=$!; wait $c; echo $? > {directory}/$c' "
-            f"{sys.executable} \"$@\" &\n"
+            f'setsid bash -c \'setsid "$0" "$@" & c=$!; wait $c; echo $? > {directory}/$c\' '
+            f'{sys.executable} "$@" &\n'
             "wait\n"
         )
     os.chmod(script, 0o755)

@@ -27,7 +27,10 @@ def start_group(cls, exit_recorder, config, options=None, hook=False, **setup_kw
     opts.update(options or {})
     ranks = [cls.options(**opts).remote() for _ in range(WORLD)]
     statuses = ray.get(
-        [r.setup.remote(i, WORLD, "127.0.0.1", port, config, **setup_kw) for i, r in enumerate(ranks)],
+        [
+            r.setup.remote(i, WORLD, "127.0.0.1", port, config, **setup_kw)
+            for i, r in enumerate(ranks)
+        ],
         timeout=120,
     )
     pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
@@ -36,8 +39,9 @@ def start_group(cls, exit_recorder, config, options=None, hook=False, **setup_kw
 
 @pytest.fixture
 def config(tmp_path):
-    return GracefulConfig(report_dir=str(tmp_path / "reports"), teardown_timeout_s=10.0,
-                          save_budget_s=4.0)
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"), teardown_timeout_s=10.0, save_budget_s=4.0
+    )
 
 
 def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, config):
@@ -58,8 +62,14 @@ def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, co
 
     report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report JSON")
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["stop", "release_peers", "drain_device", "save",
-                           "destroy_process_group", "exit"]
+    assert list(steps) == [
+        "stop",
+        "release_peers",
+        "drain_device",
+        "save",
+        "destroy_process_group",
+        "exit",
+    ]
     assert steps["release_peers"]["status"] == "ran", steps["release_peers"]
     assert "gloo connections" in steps["release_peers"]["detail"]
     assert steps["drain_device"]["status"] == "skipped"
@@ -68,3 +78,103 @@ def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, co
     exit_type, detail = wait_for(lambda: worker_exit(pids[0]), 10, "the GCS worker record")
     assert exit_type == "INTENDED_SYSTEM_EXIT", (exit_type, detail)
     kill_actors(*ranks)
+
+
+def test_previous_handler_still_runs(ray_cluster, exit_recorder, config, tmp_path):
+    """A SIGTERM handler the worker had before adopting the mixin is chained, on its thread."""
+    marker = tmp_path / "user-handler"
+    Actor = ray.remote(actors.GracefulTrainer)
+    port = free_port()
+    ranks = [
+        Actor.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote(
+            marker=str(marker) if i == 0 else None
+        )
+        for i in range(2)
+    ]
+    ray.get(
+        [r.setup.remote(i, 2, "127.0.0.1", port, config) for i, r in enumerate(ranks)], timeout=120
+    )
+    pid = ray.get(ranks[0].pid.remote())
+    ranks[0].train.remote(1000)  # rank 1 never joins: rank 0 blocks in the all-reduce
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGTERM)
+    assert exit_recorder.wait(pid, timeout=10) == 0
+    assert marker.read_text() == f"user handler ran in {pid}\n"
+    kill_actors(*ranks)
+
+
+def test_second_sigterm_exits_at_once(ray_cluster, exit_recorder, tmp_path):
+    """A teardown stuck in a long save is cut short by a second SIGTERM."""
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "r"),
+        checkpoint_dir=str(tmp_path / "c"),
+        teardown_timeout_s=60.0,
+        save_budget_s=50.0,
+        exit_code=3,
+    )
+    Actor = ray.remote(actors.GracefulTrainer)
+    actor = Actor.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
+    started = tmp_path / "save-started"
+    ray.get(
+        actor.setup.remote(0, 1, "127.0.0.1", free_port(), config, hang_save=str(started)),
+        timeout=120,
+    )
+    ray.get(actor.train.remote(2), timeout=30)  # a step boundary is known: the save starts
+    pid = ray.get(actor.pid.remote())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(started.exists, 10, "the save to start")  # it now hangs, with a 50 s budget
+    sent = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    assert exit_recorder.wait(pid, timeout=10) == 3
+    assert time.monotonic() - sent < 1.0
+    report = wait_for(lambda: report_for(config.report_dir, pid), 5, "the report")
+    assert report["exit_path"] == "second-signal"
+    assert report["steps"][-1]["name"] == "save" and report["steps"][-1]["status"] == "running"
+    assert not list((tmp_path / "c").rglob("shard-*")), "an unfinished save must not land"
+
+
+def test_hanging_save_cannot_pass_the_deadline(ray_cluster, exit_recorder, tmp_path):
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "r"),
+        checkpoint_dir=str(tmp_path / "c"),
+        teardown_timeout_s=4.0,
+        watchdog_margin_s=0.5,
+        save_budget_s=3.0,
+        destroy_timeout_s=0.5,
+    )
+    Actor = ray.remote(actors.GracefulTrainer)
+    actor = Actor.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
+    ray.get(
+        actor.setup.remote(
+            0, 1, "127.0.0.1", free_port(), config, hang_save=str(tmp_path / "started")
+        ),
+        timeout=120,
+    )
+    ray.get(actor.train.remote(2), timeout=30)
+    pid = ray.get(actor.pid.remote())
+    sent = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    code = exit_recorder.wait(pid, timeout=15)
+    elapsed = time.monotonic() - sent
+    assert code == 0
+    assert elapsed < config.teardown_timeout_s, f"{elapsed:.2f}s"
+    report = wait_for(lambda: report_for(config.report_dir, pid), 5, "the report")
+    save = next(s for s in report["steps"] if s["name"] == "save")
+    assert save["status"] == "failed" and "exceeded its budget" in save["detail"], save
+    assert report["saved"] == []
+    assert not list((tmp_path / "c").rglob("shard-*")), "an abandoned save must not land"
+
+
+def test_forked_child_does_not_run_the_teardown(ray_cluster, exit_recorder, config):
+    Actor = ray.remote(actors.GracefulTrainer)
+    actor = Actor.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
+    ray.get(actor.setup.remote(0, 1, "127.0.0.1", free_port(), config), timeout=120)
+    pid = ray.get(actor.pid.remote())
+    child = ray.get(actor.fork_sleeper.remote(), timeout=30)
+    os.kill(child, signal.SIGTERM)
+    status = ray.get(actor.reap_child.remote(), timeout=30)
+    assert status is not None, "the child should have ended on SIGTERM as it would without us"
+    assert ray.get(actor.alive.remote(), timeout=10), "the parent must not tear down"
+    assert report_for(config.report_dir, pid) is None
+    assert report_for(config.report_dir, child) is None
+    kill_actors(actor)

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine (README): `make demo` runs the main job, `make test` the tests.
+# Both install into .venv first. torch is pinned to the CPU build that these machines carry
+# (`pip install torch==2.13.0`); installing it first keeps pip from fetching a CUDA wheel.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test,demo]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/ray-graceful demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) demo-output bench-output

@@ -1,0 +1,67 @@
+"""One gloo rank in a plain process (no Ray): used by test_plain_process.py.
+
+argv: rank world port report_dir mode
+mode "block": register, then all-reduce (rank 1 never joins, so rank 0 blocks).
+mode "fork-race": register, fork a child whose first at-fork hook SIGTERMs itself.
+"""
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+rank, world, port, report_dir, mode = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    sys.argv[4],
+    sys.argv[5],
+)
+if mode == "fork-race":
+    # Registered before ray_graceful's own at-fork hook, so it runs first in the child.
+    os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+import ray_graceful  # noqa: E402
+from ray_graceful.signals import current_listener  # noqa: E402
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+config = ray_graceful.GracefulConfig(
+    report_dir=report_dir, exit_code=7, teardown_timeout_s=10, save_budget_s=5
+)
+status = ray_graceful.after_init_process_group("plain", config=config)
+print(json.dumps({"ready": os.getpid()}), flush=True)
+
+if mode == "block":
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(8))
+        except RuntimeError as exc:
+            print(json.dumps({"released": str(exc)[:80]}), flush=True)
+        time.sleep(30)
+    else:
+        time.sleep(30)
+elif mode == "fork-race":
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    _, status_code = os.waitpid(pid, 0)
+    time.sleep(1.0)  # long enough for a stray byte to have woken the listener
+    listener = current_listener()
+    print(
+        json.dumps(
+            {
+                "child_signal": os.WTERMSIG(status_code) if os.WIFSIGNALED(status_code) else None,
+                "parent_signals_seen": listener.signals_seen,
+                "parent_stopping": ray_graceful.should_stop(),
+            }
+        ),
+        flush=True,
+    )
+    os._exit(0)

@@ -1,0 +1,161 @@
+"""The checkpoint protocol: shards land atomically, the manifest commits, torn ones never load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from ray_graceful.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    commit,
+    latest_committed,
+    load_state_dict,
+    save_state_dict,
+    step_dir,
+    write_shard,
+)
+
+
+def _saver(value):
+    def save(path, step):
+        return save_state_dict({"step": step, "w": torch.full((4,), float(value))}, path)
+
+    return save
+
+
+def _save_and_commit(root, step, shards=("a", "b")):
+    records = [write_shard(root, step, s, _saver(step)) for s in shards]
+    commit(root, step, list(shards), records, cycle=1)
+    return records
+
+
+def test_committed_checkpoint_round_trip(tmp_path):
+    root = str(tmp_path)
+    _save_and_commit(root, 10)
+    ckpt = latest_committed(root, verify_checksums=True)
+    assert ckpt is not None and ckpt.step == 10
+    assert sorted(ckpt.shards) == ["a", "b"]
+    loaded = load_state_dict(ckpt.shard_path("a"))
+    assert loaded["step"] == 10 and torch.equal(loaded["w"], torch.full((4,), 10.0))
+    with pytest.raises(CheckpointError, match="shard 'c' is not in the checkpoint at step 10"):
+        ckpt.shard_path("c")
+
+
+def test_latest_skips_uncommitted_and_torn(tmp_path):
+    root = str(tmp_path)
+    _save_and_commit(root, 10)
+    write_shard(root, 20, "a", _saver(20))  # step 20: one shard, never committed
+    _save_and_commit(root, 30)
+    # step 30's shard 'b' is truncated after the commit: it must not be loaded
+    path = os.path.join(step_dir(root, 30), "shard-b.pt")
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    assert latest_committed(root).step == 10
+    # a manifest that is not JSON (torn write) is skipped too
+    _save_and_commit(root, 40)
+    with open(os.path.join(step_dir(root, 40), MANIFEST), "w") as f:
+        f.write('{"format": 1, "st')
+    assert latest_committed(root).step == 10
+
+
+def test_checksum_catches_same_size_corruption(tmp_path):
+    root = str(tmp_path)
+    _save_and_commit(root, 5)
+    path = os.path.join(step_dir(root, 5), "shard-a.pt")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[-20] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    assert latest_committed(root).step == 5  # sizes match: the cheap check passes
+    assert latest_committed(root, verify_checksums=True) is None
+
+
+def test_commit_refuses_incomplete_or_mixed_steps(tmp_path):
+    root = str(tmp_path)
+    a = write_shard(root, 7, "a", _saver(7))
+    with pytest.raises(CheckpointError, match=r"shards \['b'\] were not saved at step 7"):
+        commit(root, 7, ["a", "b"], [a])
+    b8 = write_shard(root, 8, "b", _saver(8))
+    with pytest.raises(CheckpointError, match="saved at step 8, not 7"):
+        commit(root, 7, ["a", "b"], [a, b8])
+    with pytest.raises(CheckpointError, match="saved twice"):
+        commit(root, 7, ["a"], [a, a])
+    with pytest.raises(CheckpointError, match="no shards"):
+        commit(root, 7, [], [])
+    assert not os.path.exists(os.path.join(step_dir(root, 7), MANIFEST))
+    assert latest_committed(root) is None
+
+
+def test_directory_saver_and_failed_saver(tmp_path):
+    root = str(tmp_path)
+
+    def dcp_like(path, step):
+        os.makedirs(path)
+        for i in range(3):
+            with open(os.path.join(path, f"part{i}"), "wb") as f:
+                f.write(os.urandom(1000))
+
+    record = write_shard(root, 3, "dcp", dcp_like)
+    assert record.bytes == 3000
+    commit(root, 3, ["dcp"], [record])
+    assert os.path.isdir(latest_committed(root, verify_checksums=True).shard_path("dcp"))
+
+    def broken(path, step):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_shard(root, 4, "x", broken)
+    assert os.listdir(step_dir(root, 4)) == [], "a failed save leaves nothing behind"
+
+
+def test_abandoned_save_is_not_renamed(tmp_path):
+    abandoned = threading.Event()
+
+    def slow(path, step):
+        abandoned.set()  # the teardown gave up while the saver was still writing
+        return _saver(1)(path, step)
+
+    with pytest.raises(CheckpointError, match="abandoned"):
+        write_shard(str(tmp_path), 1, "a", slow, abandoned=abandoned)
+    assert os.listdir(step_dir(str(tmp_path), 1)) == []
+
+
+def test_kill_during_save_keeps_previous_committed_loadable(tmp_path):
+    """SIGKILL in the middle of a big shard write: the committed step 10 still loads."""
+    root = str(tmp_path)
+    _save_and_commit(root, 10)
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        from ray_graceful.checkpoint import write_shard
+        def save(path, step):
+            with open(path, "wb") as f:
+                f.write(b"x" * 1000)
+                f.flush()
+                print("writing", flush=True)
+                sys.stdin.readline()  # wait here until killed
+        write_shard({root!r}, 20, "a", save)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    leftovers = os.listdir(step_dir(root, 20))
+    assert all(name.startswith(".tmp-") for name in leftovers), leftovers
+    ckpt = latest_committed(root, verify_checksums=True)
+    assert ckpt.step == 10
+    with open(os.path.join(ckpt.path, MANIFEST)) as f:
+        assert json.load(f)["cycle"] == 1

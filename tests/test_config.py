@@ -1,0 +1,122 @@
+"""GracefulConfig: defaults that fit a 30 s grace period, and errors that name the fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ray_graceful import ConfigError, GracefulConfig
+from ray_graceful.config import config_reference_markdown
+
+
+def test_defaults_fit_a_30s_kubernetes_grace_period():
+    c = GracefulConfig()
+    assert c.teardown_timeout_s < 30
+    assert c.save_budget_s + c.watchdog_margin_s <= c.teardown_timeout_s
+    assert c.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        (
+            "teardown_timeout_s",
+            0,
+            "GracefulConfig.teardown_timeout_s = 0 is not allowed: "
+            "must be a finite number of seconds > 0",
+        ),
+        ("save_budget_s", float("nan"), "save_budget_s = nan is not allowed"),
+        ("exit_code", 256, "exit_code = 256 is not allowed: must be an integer from 0 to 255"),
+        ("exit_code", True, "exit_code = True is not allowed"),
+        ("strict", "yes", "strict = 'yes' is not allowed: must be true or false"),
+        ("coordinator_name", " ", "coordinator_name = ' ' is not allowed"),
+        ("fatal_xids", (48, -1), "fatal_xids = (48, -1) is not allowed"),
+        ("health_probe", "magic", "health_probe = 'magic' is not allowed: must be one of 'auto'"),
+    ],
+)
+def test_bad_field_names_field_value_and_allowed(field, value, expected):
+    with pytest.raises(ConfigError) as info:
+        GracefulConfig(**{field: value})
+    assert expected in str(info.value)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="save_budget_s = 25 does not fit"):
+        GracefulConfig(save_budget_s=25)
+    with pytest.raises(ConfigError, match="watchdog_margin_s = 30 must be smaller"):
+        GracefulConfig(watchdog_margin_s=30)
+    with pytest.raises(ConfigError, match=r"XIDs \[48\] are both fatal_xids and ignored_xids"):
+        GracefulConfig(ignored_xids=(48,))
+    with pytest.raises(ConfigError, match="needs health_script_path"):
+        GracefulConfig(health_probe="scripted")
+
+
+def test_from_env_reads_every_kind_of_field():
+    env = {
+        "RAY_GRACEFUL_TEARDOWN_TIMEOUT_S": "40",
+        "RAY_GRACEFUL_SAVE_BUDGET_S": "30.5",
+        "RAY_GRACEFUL_EXIT_CODE": "3",
+        "RAY_GRACEFUL_STRICT": "yes",
+        "RAY_GRACEFUL_CHECKPOINT_DIR": "/ckpt",
+        "RAY_GRACEFUL_FATAL_XIDS": "48, 79",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "30",  # Ray's own variable: left to Ray
+        "UNRELATED": "x",
+    }
+    c = GracefulConfig.from_env(env)
+    assert (c.teardown_timeout_s, c.save_budget_s, c.exit_code) == (40.0, 30.5, 3)
+    assert c.strict is True and c.checkpoint_dir == "/ckpt" and c.fatal_xids == (48, 79)
+
+
+def test_from_env_round_trips_to_env():
+    c = GracefulConfig(
+        teardown_timeout_s=40,
+        save_budget_s=30,
+        strict=True,
+        checkpoint_dir="/ckpt",
+        fatal_xids=(48,),
+        report_dir="/reports",
+    )
+    assert GracefulConfig.from_env(c.to_env()) == c
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        (
+            {"RAY_GRACEFUL_SAVE_BUDGET_S": "soon"},
+            "RAY_GRACEFUL_SAVE_BUDGET_S='soon' is not allowed: "
+            "must be a finite number of seconds > 0",
+        ),
+        (
+            {"RAY_GRACEFUL_STRICT": "maybe"},
+            "RAY_GRACEFUL_STRICT='maybe' is not allowed: must be one of 1, true",
+        ),
+        ({"RAY_GRACEFUL_EXIT_CODE": "300"}, "GracefulConfig.exit_code = 300 is not allowed"),
+        ({"RAY_GRACEFUL_FATAL_XIDS": "48,x"}, "RAY_GRACEFUL_FATAL_XIDS='48,x' is not allowed"),
+        (
+            {"RAY_GRACEFUL_SAVE_BUDGT_S": "5"},
+            "RAY_GRACEFUL_SAVE_BUDGT_S is not a ray_graceful setting. "
+            "Did you mean RAY_GRACEFUL_SAVE_BUDGET_S?",
+        ),
+    ],
+)
+def test_bad_environment_names_the_variable(env, expected):
+    with pytest.raises(ConfigError) as info:
+        GracefulConfig.from_env(env)
+    assert expected in str(info.value)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        GracefulConfig().exit_code = 1  # type: ignore[misc]
+
+
+def test_docs_configuration_reference_matches_the_code():
+    """docs/configuration.md embeds the generated table; it cannot drift from the fields."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")
+    with open(path) as f:
+        text = f.read()
+    assert config_reference_markdown() in text, (
+        "docs/configuration.md is out of date: regenerate with `ray-graceful config --markdown`"
+    )

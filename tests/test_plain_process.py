@@ -1,0 +1,69 @@
+"""The listener and teardown in plain processes (no Ray): what torchrun-style ranks see."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers import free_port, report_for, wait_for
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "gloo_rank.py")
+
+
+def _spawn(rank, world, port, report_dir, mode):
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, str(rank), str(world), str(port), report_dir, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _read_json_line(proc, key, timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{") and key in json.loads(line):
+            return json.loads(line)
+    raise AssertionError(f"no {key!r} line from the rank; stderr: {proc.stderr.read()[-2000:]}")
+
+
+def test_blocked_plain_rank_exits_with_configured_code(tmp_path):
+    port = free_port()
+    ranks = [_spawn(r, 2, port, str(tmp_path), "block") for r in range(2)]
+    try:
+        for proc in ranks:
+            _read_json_line(proc, "ready")
+        time.sleep(0.5)  # rank 0 is now inside the all-reduce; rank 1 never joins
+        sent = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        code = ranks[0].wait(timeout=10)
+        assert time.monotonic() - sent < 2.0
+        assert code == 7  # outside Ray the exit is os._exit(exit_code)
+        report = wait_for(lambda: report_for(str(tmp_path), ranks[0].pid), 5, "the report")
+        assert report["exit_path"] == "hard"
+        assert [s["name"] for s in report["steps"]][:2] == ["stop", "release_peers"]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+
+
+def test_signal_to_a_child_in_its_first_instant_does_not_reach_the_parent(tmp_path):
+    """A child signalled before its at-fork hooks ran must not wake the parent's listener."""
+    proc = _spawn(0, 1, free_port(), str(tmp_path), "fork-race")
+    try:
+        result = _read_json_line(proc, "child_signal")
+        assert result["child_signal"] == signal.SIGTERM  # the child ended as without us
+        assert result["parent_signals_seen"] == 0
+        assert result["parent_stopping"] is False
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

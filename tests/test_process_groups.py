@@ -1,0 +1,129 @@
+"""Releasing peers without a collective: NCCL abort selection and gloo connection shutdown."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from ray_graceful.gloo import parse_sockaddrs
+from ray_graceful.process_groups import choose_nccl_abort
+from tests.helpers import free_port
+
+
+class _Backend:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def abort(self):
+        self.calls.append("backend.abort")
+
+
+class _OldBackend:
+    """A ProcessGroupNCCL from a torch without per-backend abort."""
+
+
+class _Group:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def abort(self):
+        self.calls.append("group.abort")
+
+
+class _C10d:
+    def __init__(self, calls, has_abort_pg=True):
+        if has_abort_pg:
+            self._abort_process_group = lambda group: calls.append(("abort_pg", group))
+
+
+def test_nccl_abort_prefers_the_backends_own_abort():
+    calls = []
+    how, abort = choose_nccl_abort(_Group(calls), _Backend(calls), _C10d(calls))
+    abort()
+    assert how == "ProcessGroupNCCL.abort()" and calls == ["backend.abort"]
+
+
+def test_nccl_abort_falls_back_to_c10d_then_group_then_none():
+    calls = []
+    group = _Group(calls)
+    how, abort = choose_nccl_abort(group, _OldBackend(), _C10d(calls))
+    abort()
+    assert how.startswith("distributed_c10d._abort_process_group") and calls == [
+        ("abort_pg", group)
+    ]
+
+    calls.clear()
+    how, abort = choose_nccl_abort(group, _OldBackend(), _C10d(calls, has_abort_pg=False))
+    abort()
+    assert how == "ProcessGroup.abort()" and calls == ["group.abort"]
+
+    assert choose_nccl_abort(object(), _OldBackend(), _C10d(calls, has_abort_pg=False)) is None
+
+
+def test_parse_sockaddrs_finds_ipv4_and_ipv6():
+    v4 = struct.pack("<H", socket.AF_INET) + struct.pack(">H", 4242) + socket.inet_aton("10.1.2.3")
+    v4 += b"\0" * 8
+    v6 = struct.pack("<H", socket.AF_INET6) + struct.pack(">H", 5151) + b"\0" * 4
+    v6 += socket.inet_pton(socket.AF_INET6, "fe80::1") + b"\0" * 4
+    blob = b"\x07header" + v4 + b"\x00\x01" + v6 + b"tail"
+    assert parse_sockaddrs(blob) >= {("10.1.2.3", 4242), ("fe80::1", 5151)}
+    assert parse_sockaddrs(b"") == set()
+
+
+def _rank(rank, port, queue):
+    import torch
+    import torch.distributed as dist
+
+    from ray_graceful.process_groups import release, resolve_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    handle = resolve_group("g")
+    queue.put(("addresses", rank, len(handle.gloo_addresses.listeners)))
+    if rank == 0:
+        threading.Timer(0.5, lambda: queue.put(("released", release(handle)))).start()
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))  # rank 1 never joins
+            queue.put(("rank0", "returned", time.monotonic() - start))
+        except RuntimeError as exc:
+            queue.put(("rank0", str(exc)[-200:], time.monotonic() - start))
+    else:
+        time.sleep(1.5)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+            queue.put(("rank1", "returned", time.monotonic() - start))
+        except RuntimeError as exc:
+            queue.put(("rank1", str(exc)[-200:], time.monotonic() - start))
+    time.sleep(0.5)
+
+
+@pytest.mark.timeout(60)
+def test_gloo_release_frees_own_thread_and_peer():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    events = {}
+    deadline = time.monotonic() + 40
+    while len(events) < 5 and time.monotonic() < deadline:
+        item = queue.get(timeout=40)
+        events[item[0] if item[0] != "addresses" else f"addresses{item[1]}"] = item
+    for p in procs:
+        p.join(10)
+    assert events["addresses0"][2] == 2 and events["addresses1"][2] == 2
+    assert any("shut down" in line and "gloo" in line for line in events["released"][1])
+    _, outcome0, waited0 = events["rank0"]
+    assert "closed by peer" in outcome0 and waited0 < 2.0, events["rank0"]
+    _, outcome1, waited1 = events["rank1"]
+    assert outcome1 != "returned" and waited1 < 2.0, events["rank1"]
