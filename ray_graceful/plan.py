@@ -1,0 +1,278 @@
+"""Who saves, who just leaves: a pure function from what is known to a TerminationPlan.
+
+Rules (DESIGN.md §6):
+
+- an evicted rank has its notice's deadline; every other rank leaves within
+  ``teardown_timeout_s``;
+- a rank on FAULTY hardware never saves: it goes straight to teardown (the faulty node is the
+  one that sets the job's recovery time);
+- every shard gets exactly one saver: survivors (ranks not being evicted) before evicted ones,
+  healthier before less healthy (HEALTHY, UNKNOWN, DEGRADED), then the most time left, then
+  the lowest rank - and only a replica whose expected save fits before its deadline;
+- if some shard has no viable saver, nobody saves (a partial checkpoint is never written as if
+  complete) and the plan says why.
+
+Everything is one pass over the ranks and one over the shards: linear in the number of ranks
+(``ray-graceful bench plan`` measures it).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from .config import GracefulConfig
+from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
+from .notices import EvictionNotice
+
+Key = tuple[str, int]
+_PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
+_SEVERITY_OK = frozenset(VERDICTS)
+
+
+class TopologyError(ValueError):
+    """A topology is malformed; the message says what and what is allowed."""
+
+
+class RankInfo(NamedTuple):
+    """What the planner needs to know of one rank."""
+
+    group: str
+    rank: int
+    node_id: str
+    shard: str
+    can_save: bool = True
+
+    @property
+    def key(self) -> Key:
+        return (self.group, self.rank)
+
+
+class RankOrder(NamedTuple):
+    """The plan for one rank."""
+
+    group: str
+    rank: int
+    node_id: str
+    shard: str
+    health: str
+    action: str  # "save" | "leave"
+    reason: str
+    deadline: float
+    evicted: bool
+
+
+class TerminationPlan(NamedTuple):
+    orders: tuple[RankOrder, ...]
+    savers: dict[tuple[str, str], Key]
+    abandoned: str | None
+    created_at: float
+
+    def order_for(self, key: Key) -> RankOrder:
+        for order in self.orders:
+            if (order.group, order.rank) == key:
+                return order
+        raise KeyError(key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "created_at": self.created_at,
+            "abandoned": self.abandoned,
+            "savers": [
+                {"group": g, "shard": s, "rank": k[1]} for (g, s), k in sorted(self.savers.items())
+            ],
+            "orders": [o._asdict() for o in self.orders],
+        }
+
+    def table(self, now: float | None = None) -> str:
+        """The plan as a table a person can read."""
+        now = time.time() if now is None else now
+        header = ("rank", "node", "shard", "health", "action", "deadline", "reason")
+        rows = [
+            (
+                f"{o.group}/{o.rank}",
+                o.node_id[:12],
+                o.shard,
+                o.health,
+                o.action.upper() if o.action == "save" else o.action,
+                f"{o.deadline - now:+.1f}s",
+                o.reason,
+            )
+            for o in sorted(self.orders, key=lambda o: (o.group, o.rank))
+        ]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+        lines = []
+        for row in [header, *rows]:
+            cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+            lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        if self.abandoned:
+            lines.append(f"checkpoint abandoned: {self.abandoned}")
+        else:
+            lines.append(f"checkpoint: {len(self.savers)} shard(s), one saver each")
+        return "\n".join(lines)
+
+
+def plan_termination(
+    topology: Iterable[RankInfo],
+    notices: Iterable[EvictionNotice],
+    health: Mapping[Key, str],
+    config: GracefulConfig,
+    now: float | None = None,
+    expected_save_s: Mapping[tuple[str, str], float] | None = None,
+    health_notes: Mapping[Key, str] | None = None,
+) -> TerminationPlan:
+    """Plan the end of a cycle; see the module docstring for the rules."""
+    # The plan allocates a few small tuples per rank and keeps them all: at 100,000 ranks the
+    # cyclic GC would rescan them over and over and double the time. Nothing here makes cycles.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(topology, notices, health, config, now, expected_save_s, health_notes)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _plan(
+    topology: Iterable[RankInfo],
+    notices: Iterable[EvictionNotice],
+    health: Mapping[Key, str],
+    config: GracefulConfig,
+    now: float | None,
+    expected_save_s: Mapping[tuple[str, str], float] | None,
+    health_notes: Mapping[Key, str] | None,
+) -> TerminationPlan:
+    now = time.time() if now is None else now
+    expected = expected_save_s or {}
+    notes = health_notes or {}
+    default_deadline = now + config.teardown_timeout_s
+
+    node_deadline: dict[str, float] = {}
+    rank_deadline: dict[Key, float] = {}
+    for notice in notices:
+        deadline = notice.effective_deadline(config.teardown_timeout_s)
+        if notice.node_id is not None:
+            node_deadline[notice.node_id] = min(
+                deadline, node_deadline.get(notice.node_id, deadline)
+            )
+        else:
+            key = notice.rank
+            rank_deadline[key] = min(deadline, rank_deadline.get(key, deadline))
+
+    # One pass over ranks: deadline, health, eviction, and the best candidate of each shard.
+    ranks: list[tuple[RankInfo, Key, str, float, bool]] = []
+    best: dict[tuple[str, str], tuple[tuple[int, int, float, int], Key]] = {}
+    shards: set[tuple[str, str]] = set()
+    margin = config.watchdog_margin_s + config.plan_margin_s
+    default_save = config.expected_save_s
+    health_get, node_get, rank_get, expected_get = (
+        health.get,
+        node_deadline.get,
+        rank_deadline.get,
+        expected.get,
+    )
+    for info in topology:
+        group, rank, node, shard, can_save = info
+        key = (group, rank)
+        verdict = health_get(key, UNKNOWN)
+        # An evicted rank has its notice's deadline (the earliest, if several); everyone else
+        # leaves within the configured teardown time.
+        node_d = node_get(node)
+        rank_d = rank_get(key) if rank_deadline else None
+        if node_d is None and rank_d is None:
+            deadline, evicted = default_deadline, verdict == FAULTY
+        else:
+            deadline = (
+                node_d if rank_d is None else rank_d if node_d is None else min(node_d, rank_d)
+            )
+            evicted = True
+        ranks.append((info, key, verdict, deadline, evicted))
+        shard_key = (group, shard)
+        shards.add(shard_key)
+        if can_save and verdict != FAULTY:
+            if now + expected_get(shard_key, default_save) + margin <= deadline:
+                preference = (evicted, _PREFERENCE[verdict], -deadline, rank)
+                current = best.get(shard_key)
+                if current is None or preference < current[0]:
+                    best[shard_key] = (preference, key)
+        elif verdict not in _SEVERITY_OK:
+            raise TopologyError(f"health for {group}/{rank} is {verdict!r}")
+
+    savers: dict[tuple[str, str], Key] = {s: k for s, (_p, k) in best.items()}
+    missing = [f"{g}/{s}" for g, s in shards if (g, s) not in savers]
+    abandoned = None
+    if config.checkpoint_dir is None:
+        abandoned = "no checkpoint_dir is configured"
+    elif missing:
+        shown = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
+        abandoned = (
+            f"shard(s) {shown} have no replica that is not FAULTY, can save, and has "
+            f"{config.expected_save_s:.0f}s+{margin:.0f}s before its deadline"
+        )
+    if abandoned:
+        savers = {}
+
+    saver_keys = set(savers.values())
+    leave_reason = {s: f"rank {k[1]} saves shard {s[1]}" for s, k in savers.items()}
+    orders = []
+    append = orders.append
+    for info, key, verdict, deadline, evicted in ranks:
+        group, rank, node, shard, can_save = info
+        if key in saver_keys:
+            who = "evicted replica" if evicted else "survivor"
+            action, reason = "save", f"saves shard {shard} ({verdict.lower()} {who})"
+        elif verdict == FAULTY:
+            note = notes.get(key)
+            action, reason = (
+                "leave",
+                "FAULTY hardware: never saves" + (f" ({note})" if note else ""),
+            )
+        elif abandoned:
+            action, reason = "leave", "checkpoint abandoned"
+        elif not can_save:
+            action, reason = "leave", "has no saver"
+        else:
+            action, reason = "leave", leave_reason[(group, shard)]
+        append(RankOrder(group, rank, node, shard, verdict, action, reason, deadline, evicted))
+    return TerminationPlan(tuple(orders), savers, abandoned, now)
+
+
+def parse_topology(data: Any) -> list[RankInfo]:
+    """Ranks from untrusted input (a topology file): errors name the entry and the field."""
+    if isinstance(data, Mapping):
+        data = data.get("ranks")
+    if not isinstance(data, list) or not data:
+        raise TopologyError('a topology is a non-empty list of ranks, or {"ranks": [...]}')
+    seen: set[Key] = set()
+    out = []
+    for i, entry in enumerate(data):
+        where = f"ranks[{i}]"
+        if not isinstance(entry, Mapping):
+            raise TopologyError(f"{where} is not a mapping")
+        allowed = {"group", "rank", "node", "shard", "can_save"}
+        unknown = sorted(set(entry) - allowed)
+        if unknown:
+            raise TopologyError(f"{where}: unknown fields {unknown}; allowed: {sorted(allowed)}")
+        group = entry.get("group", "default")
+        rank = entry.get("rank")
+        node = entry.get("node")
+        if not isinstance(group, str) or not group:
+            raise TopologyError(f"{where}.group must be a non-empty string")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise TopologyError(f"{where}.rank = {rank!r}: must be an integer >= 0")
+        if not isinstance(node, str) or not node:
+            raise TopologyError(f"{where}.node must be a non-empty string (a node id or name)")
+        shard = entry.get("shard", rank)
+        if not isinstance(shard, (str, int)) or isinstance(shard, bool):
+            raise TopologyError(f"{where}.shard = {shard!r}: must be a string or an integer")
+        can_save = entry.get("can_save", True)
+        if not isinstance(can_save, bool):
+            raise TopologyError(f"{where}.can_save must be true or false")
+        if (group, rank) in seen:
+            raise TopologyError(f"{where}: {group}/{rank} appears twice")
+        seen.add((group, rank))
+        out.append(RankInfo(group, rank, node, str(shard), can_save))
+    return out
