@@ -182,6 +182,18 @@ class GracefulConfig:
         "How often the coordinator polls Ray's drain state (the notice that carries a node's "
         "deadline).",
     )
+    health_interval_s: float = _setting(
+        5.0,
+        _seconds,
+        "How often each worker checks its GPUs' health and renews its long poll to the "
+        "coordinator (so a FAULTY verdict becomes a notice within this time).",
+    )
+    quiesce_timeout_s: float = _setting(
+        2.0,
+        _seconds,
+        "Before an emergency save, how long to wait for the training thread to leave its step "
+        "(released from its collective, or at should_stop); a save is not started mid-step.",
+    )
     expected_save_s: float = _setting(
         5.0,
         _seconds,

@@ -233,6 +233,7 @@ class Teardown:
         skip_save_reason: str = "",
         on_stop: Callable[[], None] | None = None,
         on_report: Callable[[TeardownReport], None] | None = None,
+        quiescent: Callable[[], bool] | None = None,
         exit_process: bool = True,
     ) -> None:
         self.config = config
@@ -241,6 +242,7 @@ class Teardown:
         self.skip_save_reason = skip_save_reason
         self.on_stop = on_stop
         self.on_report = on_report
+        self.quiescent = quiescent
         self.exit_process = exit_process
         self.t0 = time.monotonic()
         self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
@@ -323,16 +325,34 @@ class Teardown:
         run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
         return "torch.cuda.synchronize() returned"
 
+    def _wait_quiescent(self) -> float:
+        """Wait for the training thread to leave its step; a save never starts mid-step."""
+        started = time.monotonic()
+        if self.quiescent is None:
+            return 0.0
+        limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
+        while not self.quiescent():
+            waited = time.monotonic() - started
+            if waited >= limit:
+                raise RuntimeError(
+                    f"the training thread was still inside its step after {waited:.1f}s (not "
+                    "released from its collective, not at should_stop): a save now could "
+                    "capture a half-applied update, so none was started"
+                )
+            time.sleep(0.005)
+        return time.monotonic() - started
+
     def _save(self) -> str:
         if not self.save_orders:
             raise _Skip(self.skip_save_reason or "not ordered to save")
-        done = []
+        waited = self._wait_quiescent()
+        done = [f"training thread quiescent after {waited * 1000:.0f}ms"]
         for order in self.save_orders:
             budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
             if budget <= 0:
                 raise RuntimeError(
-                    f"no time left before the deadline to save shard {order.shard!r}"
-                    + (f" (saved: {'; '.join(done)})" if done else "")
+                    f"no time left before the deadline to save shard {order.shard!r} "
+                    f"({'; '.join(done)})"
                 )
 
             def save(order: SaveOrder = order) -> ShardRecord:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 from .checkpoint import save_state_dict
 from .config import GracefulConfig
+from .control import ControlChannel, find_coordinator
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .signals import current_listener, install_listener, set_claim_check
 from .teardown import SaveOrder, Teardown, hard_exit, write_report_file
@@ -84,6 +87,10 @@ class _ProcessRuntime:
     teardown: Teardown | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     pid: int = field(default_factory=os.getpid)
+    control: ControlChannel | None = None
+    sigterm_seen: bool = False
+    # Where the training loop last called should_stop(step): (thread id, its code object).
+    step_site: tuple[int, CodeType] | None = None
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -94,20 +101,59 @@ class _ProcessRuntime:
         """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
         if os.getpid() != self.pid or not self.registrations:
             return False
-        with self.lock:
+        if count >= 2:
+            config = self.config_or_default()
             running = self.teardown
-        if running is not None and count >= 2:
-            running.report.exit_path = "second-signal"
-            running.report.exit_code = self.config_or_default().exit_code
-            write_report_file(running.report, self.config_or_default().report_dir)
-            hard_exit(self.config_or_default().exit_code, "second SIGTERM")
-        self.begin_teardown(trigger=f"signal {signum}")
+            if running is not None:
+                running.report.exit_path = "second-signal"
+                running.report.exit_code = config.exit_code
+                write_report_file(running.report, config.report_dir)
+            hard_exit(config.exit_code, "second SIGTERM")
+        self._first_sigterm(signum)
         return True
 
     def on_sigterm_main_thread(self, signum: int) -> None:
-        """Backstop from the Python-level handler: start the teardown if nothing started it."""
-        if os.getpid() == self.pid and self.registrations and self.teardown is None:
+        """Backstop from the Python-level handler, for a signal the listener did not see."""
+        if os.getpid() == self.pid and self.registrations:
+            self._first_sigterm(signum)
+
+    def _first_sigterm(self, signum: int) -> None:
+        with self.lock:
+            if self.sigterm_seen:
+                return
+            self.sigterm_seen = True
+        control = self.control
+        if control is None or not control.alive or self.teardown is not None:
             self.begin_teardown(trigger=f"signal {signum}")
+            return
+        threading.Thread(
+            target=self._await_order, args=(signum, control, time.time()),
+            name="ray_graceful-await-order", daemon=True,
+        ).start()
+
+    def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
+        """Report the SIGTERM, then wait for the coordinator's order; else go alone."""
+        config = self.config_or_default()
+        if control.report_sigterm(received_at):
+            control.order_received.wait(config.order_wait_s)
+        if self.teardown is None:
+            why = "coordinator unreachable" if not control.alive else (
+                f"no order from the coordinator within {config.order_wait_s}s"
+            )
+            self.begin_teardown(trigger=f"signal {signum} ({why})")
+
+    def training_quiescent(self) -> bool:
+        """True unless the training thread is inside the code that calls should_stop(step)."""
+        site = self.step_site
+        if site is None:
+            return True
+        thread_id, code = site
+        frame = sys._current_frames().get(thread_id)
+        while frame is not None:
+            if frame.f_code is code:
+                return False
+            frame = frame.f_back
+        return True
 
     # --- teardown --------------------------------------------------------------------------
 
@@ -146,6 +192,8 @@ class _ProcessRuntime:
                 save_orders=save_orders,
                 skip_save_reason=skip_save_reason or "",
                 on_stop=self.stop_event.set,
+                on_report=self.control.report if self.control is not None else None,
+                quiescent=self.training_quiescent,
                 exit_process=exit_process,
             )
             self.teardown.start()
@@ -346,7 +394,7 @@ def _register(
             existing.saver = saver or existing.saver
             existing.shard = shard_key
     installed, listener = _listener_status(cfg)
-    control = "no coordinator: on SIGTERM this rank tears itself down on its own"
+    control = _connect(runtime, cfg) if not release_only else "extra group: released only"
     return SetupStatus(
         group=handle.name,
         rank=handle.rank,
@@ -362,16 +410,45 @@ def _register(
     )
 
 
+def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
+    """Register this process's ranks with the coordinator, if one runs; say what happened."""
+    if runtime.control is None or not runtime.control.alive:
+        handle = find_coordinator(config)
+        if handle is None:
+            return (
+                f"no coordinator named {config.coordinator_name!r}: on SIGTERM this rank "
+                "tears itself down on its own"
+            )
+        runtime.control = ControlChannel(runtime, handle, config)
+    return runtime.control.register()
+
+
 def should_stop(step: int | None = None) -> bool:
     """True once a teardown began: leave the training loop at this step boundary.
 
     Pass the number of completed steps: an emergency save is labelled with the last step
-    reported here. Costs a flag read (and one store when ``step`` is given).
+    reported here, and is only started once the code that calls this has left its step.
+    Costs a flag read (and two stores when ``step`` is given).
     """
+    return _should_stop(step)
+
+
+def _should_stop(step: int | None) -> bool:
     runtime = _runtime if _runtime.pid == os.getpid() else _process_runtime()
     if step is not None:
         runtime.last_step = step
+        runtime.step_site = (threading.get_ident(), _caller_code())
     return runtime.stop_event.is_set()
+
+
+def _caller_code() -> CodeType:
+    """The code of the user's function that called should_stop (Ray may wrap the method)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
+        ("ray_graceful.", "ray.")
+    ):
+        frame = frame.f_back
+    return frame.f_code
 
 
 def add_process_group(process_group: Any, name: str) -> None:
@@ -429,7 +506,7 @@ class GracefulWorkerMixin:
 
     def should_stop(self, step: int | None = None) -> bool:
         """True once a teardown began (see ``ray_graceful.should_stop``)."""
-        return should_stop(step)
+        return _should_stop(step)
 
     def emergency_checkpoint(self, path: str, step: int) -> tuple[int, int] | None:
         """Write this rank's state for ``step`` at ``path`` (a file or a directory).

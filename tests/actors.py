@@ -69,14 +69,14 @@ class Trainer:
                 for p in self.model.parameters():
                     p.add_(0.001)
             self.step = step + 1
-            if self.stopped(self.step):
+            if self.should_stop(self.step):
                 break
             if sleep_s:
                 time.sleep(sleep_s)
         return self.step
 
-    def stopped(self, step: int) -> bool:
-        return False
+    def should_stop(self, step: int | None = None) -> bool:
+        return False  # the user's own loop control, before adopting the mixin
 
     def fork_sleeper(self) -> int:
         """Fork a child (as a DataLoader does) that sleeps; returns once the child runs."""
@@ -132,9 +132,6 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
                 pass  # tell the test the save has started ...
             threading.Event().wait()  # ... and never return
         return {"model": self.model.state_dict(), "step": self.step}
-
-    def stopped(self, step: int) -> bool:
-        return self.should_stop(step)
 
     def setup_before_init(self, config: GracefulConfig) -> str:
         return str(self.graceful_setup("trainer", config=config))

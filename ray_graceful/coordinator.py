@@ -1,0 +1,666 @@
+"""The coordinator: one async Ray actor per job that turns notices into a bounded, reported end.
+
+Workers register their ranks and hold a long-poll call open (``poll``); the coordinator answers
+every pending poll at once with that process's order - the fan-out - so an order reaches a rank
+whose training thread is stuck in a collective. Notices arrive from Ray's drain state (polled
+here), from workers' SIGTERM listeners, from ``notify`` (the CLI) and from health reports that
+turn FAULTY. The first notice of a cycle starts the teardown: after a short gathering window
+the plan is made (``plan.py``), orders go out, reports are gathered until every process reported
+or the last deadline passed, the checkpoint is committed if every shard was saved at one step,
+and the outcome is published. Then the next cycle begins. Every message carries its cycle: one
+from an earlier cycle changes nothing.
+
+Spares and standbys register too and wait; they are told to exit when the job is over, and a
+spare can be handed an evicted rank's slot for the next cycle.
+
+``Coordinator`` is the driver's handle: ``Coordinator.start(config)``, ``wait_outcome()``,
+``notify()``, ``status()``, ``job_finished()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import CheckpointError, ShardRecord, commit, latest_committed
+from .config import GracefulConfig
+from .drain import draining_nodes
+from .health import FAULTY, UNKNOWN, HealthReport
+from .notices import EvictionNotice, NoticeError
+from .outcome import OutcomeMetrics, TerminationOutcome
+from .plan import RankInfo, TerminationPlan, plan_termination
+from .teardown import write_stderr
+
+Key = tuple[str, int]
+GATHER_S = 0.1  # notices arriving together (a SIGTERM to every rank) go into one plan
+REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
+MAX_POLL_S = 60.0
+MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
+
+
+def shard_key(group: str, shard: str) -> str:
+    """How a (group, shard) is named in a checkpoint: ``"policy/0"``."""
+    return f"{group}/{shard}"
+
+
+@dataclass
+class _Process:
+    process_id: str
+    node_id: str
+    pid: int
+    hostname: str
+    keys: list[Key]
+    cycle: int
+    registered_at: float
+    last_seen: float
+    last_step: int | None = None
+    health: HealthReport | None = None
+    waiter: asyncio.Future | None = None
+    order: dict[str, Any] | None = None
+    delivered: bool = False
+    report: dict[str, Any] | None = None
+
+
+@dataclass
+class _Rank:
+    group: str
+    rank: int
+    world_size: int
+    shard: str
+    can_save: bool
+    process_id: str
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Spare:
+    spare_id: str
+    role: str
+    node_id: str
+    pid: int
+    waiter: asyncio.Future | None = None
+    order: dict[str, Any] | None = None
+
+
+class CoordinatorActor:
+    """The actor's implementation (started through ``Coordinator.start``)."""
+
+    def __init__(self, config: GracefulConfig, job_id: str = "") -> None:
+        self.config = config
+        self.job_id = job_id
+        self.cycle = 0
+        self.job_state = "running"
+        self.processes: dict[str, _Process] = {}
+        self.ranks: dict[Key, _Rank] = {}
+        self.spares: dict[str, _Spare] = {}
+        self.notices: list[EvictionNotice] = []
+        self.late_notices: list[EvictionNotice] = []
+        self.rejected: list[dict[str, Any]] = []
+        self.teardown_task: asyncio.Task | None = None
+        self.plan: TerminationPlan | None = None
+        self.first_notice_at: float | None = None
+        self.all_reported: asyncio.Event | None = None
+        self.outcomes: dict[int, TerminationOutcome] = {}
+        self.outcome_events: dict[int, asyncio.Event] = {}
+        self.save_times: dict[tuple[str, str], float] = {}
+        self.drains_seen: dict[str, int] = {}
+        self._drain_task: asyncio.Task | None = None
+        try:
+            self.metrics: OutcomeMetrics | None = OutcomeMetrics()
+        except Exception:  # metrics are a courtesy; the coordinator works without them
+            self.metrics = None
+
+    # --- background ------------------------------------------------------------------------
+
+    def _ensure_background(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._watch_drains())
+
+    async def _watch_drains(self) -> None:
+        while True:
+            try:
+                drains = await asyncio.to_thread(draining_nodes)
+            except Exception as exc:
+                self._reject({"source": "drain"}, f"could not read Ray's drain state: {exc!r}")
+                drains = {}
+            for node_id, deadline_ms in drains.items():
+                if self.drains_seen.get(node_id) == self.cycle:
+                    continue
+                if not any(p.node_id == node_id for p in self._active()):
+                    continue  # a node this job has no rank on
+                self.drains_seen[node_id] = self.cycle
+                await self._accept(
+                    [
+                        EvictionNotice(
+                            "drain",
+                            "Ray is draining the node",
+                            self.cycle,
+                            deadline_ms / 1000.0,
+                            node_id=node_id,
+                        )
+                    ]
+                )
+            await asyncio.sleep(self.config.drain_poll_interval_s)
+
+    def _active(self) -> list[_Process]:
+        return [p for p in self.processes.values() if p.cycle == self.cycle]
+
+    # --- registration ----------------------------------------------------------------------
+
+    async def register(
+        self,
+        process_id: str,
+        node_id: str,
+        pid: int,
+        hostname: str,
+        ranks: list[dict[str, Any]],
+        health: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A worker process registers its ranks; returns the cycle it belongs to."""
+        self._ensure_background()
+        if self.teardown_task is not None:
+            return {
+                "accepted": False,
+                "reason": f"cycle {self.cycle} is being torn down; register again once it ended",
+            }
+        if self.job_state != "running":
+            return {"accepted": False, "reason": f"the job is {self.job_state}"}
+        keys: list[Key] = []
+        for entry in ranks:
+            key = (str(entry["group"]), int(entry["rank"]))
+            old = self.ranks.get(key)
+            if old is not None and old.process_id != process_id:
+                previous = self.processes.get(old.process_id)
+                if previous is not None and key in previous.keys:
+                    previous.keys.remove(key)  # the rank moved (an actor restart): newest wins
+            self.ranks[key] = _Rank(
+                key[0],
+                key[1],
+                int(entry["world_size"]),
+                str(entry["shard"]),
+                bool(entry["can_save"]),
+                process_id,
+                list(entry.get("gpus", [])),
+            )
+            keys.append(key)
+        now = time.time()
+        process = self.processes.get(process_id)
+        if process is None or process.cycle != self.cycle:
+            process = _Process(process_id, node_id, pid, hostname, [], self.cycle, now, now)
+            self.processes[process_id] = process
+        process.keys = sorted(set(process.keys) | set(keys))
+        if health is not None:
+            process.health = HealthReport.from_dict(health)
+        return {"accepted": True, "cycle": self.cycle}
+
+    # --- the long poll (fan-out) -----------------------------------------------------------
+
+    async def poll(
+        self, process_id: str, cycle: int, state: dict[str, Any], wait_s: float
+    ) -> dict[str, Any] | None:
+        """Held open by each worker process; answered with its order, or None after wait_s."""
+        self._ensure_background()
+        process = self.processes.get(process_id)
+        if process is None:
+            return {"action": "unknown", "reason": "this process is not registered"}
+        if cycle != self.cycle or process.cycle != self.cycle:
+            self._reject({"process": process_id, "cycle": cycle}, self._stale(cycle))
+            return {"action": "stale", "reason": self._stale(cycle)}
+        process.last_seen = time.time()
+        if state.get("last_step") is not None:
+            process.last_step = int(state["last_step"])
+        if state.get("health") is not None:
+            await self._update_health(process, HealthReport.from_dict(state["health"]))
+        if process.order is not None and not process.delivered:
+            process.delivered = True
+            return process.order
+        future = asyncio.get_running_loop().create_future()
+        process.waiter = future
+        try:
+            return await asyncio.wait_for(future, timeout=min(max(wait_s, 0.1), MAX_POLL_S))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if process.waiter is future:
+                process.waiter = None
+
+    def _deliver(self, process: _Process, order: dict[str, Any]) -> None:
+        process.order = order
+        if process.waiter is not None and not process.waiter.done():
+            process.waiter.set_result(order)
+            process.delivered = True
+
+    async def _update_health(self, process: _Process, report: HealthReport) -> None:
+        was = process.health.verdict if process.health else UNKNOWN
+        process.health = report
+        if report.verdict == FAULTY and was != FAULTY:
+            notices = [
+                EvictionNotice("health", f"GPU FAULTY: {report.summary()}", self.cycle, rank=key)
+                for key in process.keys
+            ]
+            await self._accept(notices)
+
+    # --- notices ---------------------------------------------------------------------------
+
+    def _stale(self, cycle: Any) -> str:
+        return f"stale: cycle {cycle} is not the current cycle {self.cycle}"
+
+    def _reject(self, what: dict[str, Any], reason: str) -> dict[str, Any]:
+        entry = {"at": time.time(), "reason": reason, "what": what}
+        self.rejected.append(entry)
+        del self.rejected[:-200]
+        write_stderr(f"ray_graceful coordinator: rejected {what}: {reason}\n")
+        if self.metrics is not None:
+            self.metrics.rejected.inc()
+        return {"accepted": False, "reason": reason, "cycle": self.cycle}
+
+    async def report_sigterm(self, process_id: str, cycle: int, received_at: float) -> dict:
+        """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
+        process = self.processes.get(process_id)
+        if process is None:
+            return self._reject({"process": process_id}, "SIGTERM from an unregistered process")
+        if cycle != self.cycle:
+            return self._reject({"process": process_id, "cycle": cycle}, self._stale(cycle))
+        notices = [
+            EvictionNotice("sigterm", "SIGTERM", cycle, 0.0, rank=key, received_at=received_at)
+            for key in process.keys
+        ]
+        return await self._accept(notices)
+
+    async def notify(self, data: dict[str, Any]) -> dict[str, Any]:
+        """An explicit notice (CLI, API); ``cycle`` defaults to the current one."""
+        self._ensure_background()
+        values = dict(data)
+        values.setdefault("cycle", self.cycle)
+        values.setdefault("source", "api")
+        try:
+            notice = EvictionNotice.parse(values)
+        except NoticeError as exc:
+            return self._reject(values, str(exc))
+        return await self._accept([notice])
+
+    async def _accept(self, notices: Iterable[EvictionNotice]) -> dict[str, Any]:
+        accepted, reasons = 0, []
+        for notice in notices:
+            reason = self._check_target(notice)
+            if reason is not None:
+                reasons.append(self._reject(notice.to_dict(), reason)["reason"])
+                continue
+            accepted += 1
+            if self.metrics is not None:
+                self.metrics.notices.inc(tags={"source": notice.source})
+            if self.teardown_task is None:
+                self.notices.append(notice)
+                self.first_notice_at = time.time()
+                self.all_reported = asyncio.Event()
+                self.teardown_task = asyncio.get_running_loop().create_task(self._teardown())
+            elif self.plan is None:
+                self.notices.append(notice)  # still gathering: it goes into the plan
+            else:
+                self.late_notices.append(notice)
+        if not accepted:
+            return {"accepted": False, "reason": "; ".join(reasons), "cycle": self.cycle}
+        return {"accepted": True, "cycle": self.cycle, "teardown": True}
+
+    def _check_target(self, notice: EvictionNotice) -> str | None:
+        if notice.cycle != self.cycle:
+            return self._stale(notice.cycle)
+        if notice.node_id is not None and not any(
+            p.node_id == notice.node_id for p in self._active()
+        ):
+            return f"no rank of this job runs on node {notice.node_id}"
+        if notice.rank is not None and notice.rank not in self.ranks:
+            return f"rank {notice.rank[0]}/{notice.rank[1]} is not registered"
+        return None
+
+    # --- the teardown of a cycle -----------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        await asyncio.sleep(GATHER_S)
+        cycle = self.cycle
+        topology, health, notes = [], {}, {}
+        for key, rank in self.ranks.items():
+            process = self.processes.get(rank.process_id)
+            if process is None or process.cycle != cycle or key not in process.keys:
+                continue
+            topology.append(RankInfo(rank.group, rank.rank, process.node_id, rank.shard,
+                                     rank.can_save))
+            if process.health is not None:
+                health[key] = process.health.verdict
+                notes[key] = process.health.summary()
+        plan = plan_termination(topology, self.notices, health, self.config,
+                                expected_save_s=self.save_times, health_notes=notes)
+        self.plan = plan
+        plan_at = time.time()
+        write_stderr(f"ray_graceful coordinator: plan for cycle {cycle}\n{plan.table()}\n")
+        by_process: dict[str, list] = {}
+        for order in plan.orders:
+            process_id = self.ranks[(order.group, order.rank)].process_id
+            by_process.setdefault(process_id, []).append(order)
+        trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in self.notices[:3])
+        for process_id, orders in by_process.items():
+            saves = [
+                {"group": o.group, "rank": o.rank, "shard": shard_key(o.group, o.shard),
+                 "root": self.config.checkpoint_dir}
+                for o in orders
+                if o.action == "save"
+            ]
+            self._deliver(
+                self.processes[process_id],
+                {
+                    "action": "teardown",
+                    "cycle": cycle,
+                    "deadline": min(o.deadline for o in orders),
+                    "trigger": trigger,
+                    "saves": saves,
+                    "skip_reason": "; ".join(o.reason for o in orders if o.action != "save"),
+                    "save_budget_s": self.config.save_budget_s,
+                },
+            )
+        orders_at = time.time()
+        last_deadline = max((o.deadline for o in plan.orders), default=time.time())
+        try:
+            await asyncio.wait_for(
+                self.all_reported.wait(),
+                timeout=max(last_deadline - time.time(), 0) + REPORT_GRACE_S,
+            )
+        except asyncio.TimeoutError:
+            pass
+        if not by_process:
+            self.all_reported.set()
+        outcome = await asyncio.to_thread(self._conclude, cycle, plan, plan_at, orders_at)
+        self._finish_cycle(outcome)
+
+    async def report_teardown(self, process_id: str, cycle: int, report: dict) -> dict:
+        """A worker's TeardownReport, sent before it exits."""
+        process = self.processes.get(process_id)
+        if process is None or cycle != self.cycle:
+            return self._reject({"process": process_id, "cycle": cycle}, self._stale(cycle))
+        process.report = report
+        if (
+            self.all_reported is not None
+            and self.plan is not None
+            and all(p.report is not None for p in self._active() if p.order is not None)
+        ):
+            self.all_reported.set()
+        return {"accepted": True}
+
+    def _conclude(
+        self, cycle: int, plan: TerminationPlan, plan_at: float, orders_at: float
+    ) -> TerminationOutcome:
+        t0 = self.first_notice_at or plan_at
+        involved = [p for p in self._active() if p.order is not None]
+        reports = [p.report for p in involved if p.report is not None]
+        missing = [f"{p.hostname}:{p.pid}" for p in involved if p.report is None]
+        root = self.config.checkpoint_dir
+        records = [ShardRecord.from_dict(s) for r in reports for s in r.get("saved", [])]
+        for record in records:
+            group = record.shard.split("/", 1)[0]
+            self.save_times[(group, record.shard.split("/", 1)[-1])] = record.seconds
+        committed, reason = None, ""
+        if root is None:
+            result, reason = "no-checkpoint", "no checkpoint_dir is configured"
+        elif plan.abandoned:
+            result, reason = "abandoned", plan.abandoned
+        else:
+            expected = [shard_key(g, s) for g, s in plan.savers]
+            step = records[0].step if records else -1
+            try:
+                path = commit(root, step, expected, records, cycle=cycle,
+                              extra={"job_id": self.job_id})
+                result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
+            except CheckpointError as exc:
+                result, reason = "abandoned", str(exc)
+        latest = latest_committed(root) if root else None
+        resume = {"step": latest.step, "path": latest.path} if latest else None
+        report_times = [r["started_at"] + (r.get("finished_s") or 0) for r in reports]
+        timings = {"plan": plan_at - t0, "orders": orders_at - t0}
+        if report_times:
+            timings["first_report"] = min(report_times) - t0
+            timings["last_report"] = max(report_times) - t0
+        timings["outcome"] = time.time() - t0
+        return TerminationOutcome(
+            cycle=cycle,
+            job_id=self.job_id,
+            result=result,
+            notices=[n.to_dict() for n in self.notices + self.late_notices],
+            rejected=list(self.rejected),
+            plan=plan.to_dict(),
+            plan_table=plan.table(now=plan_at),
+            reports=reports,
+            missing=missing,
+            committed=committed,
+            resume_from=resume,
+            reason=reason,
+            timings=timings,
+        )
+
+    def _finish_cycle(self, outcome: TerminationOutcome) -> None:
+        outcome.publish(self.config.report_dir)
+        if self.metrics is not None:
+            try:
+                self.metrics.record(outcome)
+            except Exception:
+                pass
+        self.outcomes[outcome.cycle] = outcome
+        self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
+        # The next cycle: the group that restarts registers into it; late messages are stale.
+        self.cycle += 1
+        self.notices, self.late_notices, self.rejected = [], [], []
+        self.plan, self.teardown_task, self.first_notice_at, self.all_reported = (
+            None, None, None, None
+        )
+        self.ranks = {k: r for k, r in self.ranks.items()
+                      if self.processes.get(r.process_id) is not None
+                      and self.processes[r.process_id].cycle == self.cycle}
+
+    # --- spares and standbys ---------------------------------------------------------------
+
+    async def register_spare(self, spare_id: str, role: str, node_id: str, pid: int) -> dict:
+        if role not in ("spare", "standby"):
+            return {"accepted": False, "reason": f"role {role!r}: one of 'spare', 'standby'"}
+        self.spares[spare_id] = _Spare(spare_id, role, node_id, pid)
+        if self.job_state != "running":
+            self.spares[spare_id].order = {"action": "exit", "reason": f"job {self.job_state}"}
+        return {"accepted": True, "cycle": self.cycle}
+
+    async def poll_spare(self, spare_id: str, wait_s: float) -> dict[str, Any] | None:
+        spare = self.spares.get(spare_id)
+        if spare is None:
+            return {"action": "unknown", "reason": "this spare is not registered"}
+        if spare.order is not None:
+            order, spare.order = spare.order, None
+            if order["action"] == "exit":
+                self.spares.pop(spare_id, None)
+            return order
+        future = asyncio.get_running_loop().create_future()
+        spare.waiter = future
+        try:
+            order = await asyncio.wait_for(future, timeout=min(max(wait_s, 0.1), MAX_POLL_S))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            spare.waiter = None
+        spare.order = None
+        if order["action"] == "exit":
+            self.spares.pop(spare_id, None)
+        return order
+
+    def _order_spare(self, spare: _Spare, order: dict[str, Any]) -> None:
+        if spare.waiter is not None and not spare.waiter.done():
+            spare.waiter.set_result(order)
+        else:
+            spare.order = order
+
+    async def job_finished(self, success: bool = True, permanent: bool = True) -> dict:
+        """The job is over (success, or closed for good): every spare and standby exits 0."""
+        self.job_state = "succeeded" if success else "closed" if permanent else self.job_state
+        told = 0
+        for spare in list(self.spares.values()):
+            self._order_spare(spare, {"action": "exit", "reason": f"job {self.job_state}"})
+            told += 1
+        return {"job_state": self.job_state, "spares_told": told}
+
+    async def assign_spare(self, group: str, rank: int) -> dict:
+        """Hand a waiting spare the slot of ``group/rank`` for the next cycle."""
+        for spare in self.spares.values():
+            if spare.role == "spare" and spare.order is None:
+                order = {"action": "assigned", "group": group, "rank": rank,
+                         "cycle": self.cycle}
+                self._order_spare(spare, order)
+                return {"assigned": spare.spare_id, **order}
+        return {"assigned": None, "reason": "no spare is waiting"}
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        self._ensure_background()
+        now = time.time()
+        ranks = []
+        for key, rank in sorted(self.ranks.items()):
+            process = self.processes.get(rank.process_id)
+            ranks.append({
+                "group": key[0], "rank": key[1], "world_size": rank.world_size,
+                "shard": rank.shard, "can_save": rank.can_save,
+                "node_id": process.node_id if process else "",
+                "pid": process.pid if process else 0,
+                "health": process.health.summary() if process and process.health else UNKNOWN,
+                "last_step": process.last_step if process else None,
+                "seen_s_ago": round(now - process.last_seen, 1) if process else None,
+            })
+        last = self.outcomes.get(self.cycle - 1)
+        return {
+            "cycle": self.cycle,
+            "job_state": self.job_state,
+            "tearing_down": self.teardown_task is not None,
+            "ranks": ranks,
+            "spares": [{"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
+                       for s in self.spares.values()],
+            "notices": [n.to_dict() for n in self.notices],
+            "rejected": self.rejected[-20:],
+            "last_outcome": last.to_dict() if last else None,
+            "plan_table": self.plan.table() if self.plan else None,
+        }
+
+    async def wait_outcome(self, cycle: int | None, timeout: float) -> dict | None:
+        cycle = self.cycle if cycle is None else cycle
+        if cycle in self.outcomes:
+            return self.outcomes[cycle].to_dict()
+        event = self.outcome_events.setdefault(cycle, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout=timeout)
+        except asyncio.TimeoutError:
+            return None
+        return self.outcomes[cycle].to_dict()
+
+    async def ping(self) -> str:
+        self._ensure_background()
+        return "ok"
+
+
+class Coordinator:
+    """The driver's handle on the coordinator actor."""
+
+    def __init__(self, handle: Any, config: GracefulConfig) -> None:
+        self.handle = handle
+        self.config = config
+
+    @classmethod
+    def start(
+        cls, config: GracefulConfig | None = None, namespace: str | None = None
+    ) -> Coordinator:
+        """Start this job's coordinator (named ``config.coordinator_name``) on this node.
+
+        Workers find it by name from ``graceful_setup``. Starting it twice in one namespace
+        is an error that says so.
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        config = config or GracefulConfig.from_env()
+        ctx = ray.get_runtime_context()
+        try:
+            ray.get_actor(config.coordinator_name, namespace=namespace)
+        except ValueError:
+            pass
+        else:
+            raise RuntimeError(
+                f"a coordinator named {config.coordinator_name!r} already runs in this "
+                "namespace: use Coordinator.connect(), or give another coordinator_name"
+            )
+        actor = ray.remote(CoordinatorActor).options(
+            name=config.coordinator_name,
+            namespace=namespace,
+            num_cpus=0,
+            max_concurrency=MAX_CONCURRENCY,
+            max_restarts=0,
+            # Next to the driver (the head, usually): the node least likely to be evicted.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=True),
+            runtime_env={"env_vars": {"RAY_GRACEFUL_COORDINATOR": "1"}},
+        )
+        handle = actor.remote(config, ctx.get_job_id())
+        ray.get(handle.ping.remote(), timeout=60)
+        return cls(handle, config)
+
+    @classmethod
+    def connect(
+        cls, name: str | None = None, namespace: str | None = None, timeout: float = 10.0
+    ) -> Coordinator:
+        """Find a running coordinator (the CLI uses this); ValueError if there is none."""
+        import ray
+
+        config = GracefulConfig.from_env()
+        handle = ray.get_actor(name or config.coordinator_name, namespace=namespace)
+        ray.get(handle.ping.remote(), timeout=timeout)
+        return cls(handle, config)
+
+    def notify(
+        self,
+        *,
+        node_id: str | None = None,
+        rank: tuple[str, int] | None = None,
+        reason: str = "notified",
+        deadline: float = 0.0,
+        source: str = "api",
+        timeout: float = 10.0,
+    ) -> dict[str, Any]:
+        import ray
+
+        data: dict[str, Any] = {"source": source, "reason": reason, "deadline": deadline}
+        if node_id is not None:
+            data["node_id"] = node_id
+        if rank is not None:
+            data["rank"] = list(rank)
+        return ray.get(self.handle.notify.remote(data), timeout=timeout)
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.status.remote(), timeout=timeout)
+
+    def wait_outcome(self, timeout: float, cycle: int | None = None) -> TerminationOutcome | None:
+        """The outcome of ``cycle`` (default: the current one), waiting up to ``timeout``."""
+        import ray
+
+        data = ray.get(self.handle.wait_outcome.remote(cycle, timeout), timeout=timeout + 10)
+        return None if data is None else TerminationOutcome.from_dict(data)
+
+    def job_finished(self, success: bool = True, permanent: bool = True) -> dict[str, Any]:
+        """Tell spares and standbys the job is over: they exit 0."""
+        import ray
+
+        return ray.get(self.handle.job_finished.remote(success, permanent), timeout=30)
+
+    def assign_spare(self, group: str, rank: int) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.assign_spare.remote(group, rank), timeout=30)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.handle)

@@ -1,0 +1,96 @@
+"""What a cycle's termination came to: one record, as JSON, as a log line and as metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .teardown import write_stderr
+
+LOG_PREFIX = "ray_graceful outcome "
+
+
+@dataclass
+class TerminationOutcome:
+    """Per cycle: the notices, the plan, each rank's report, and what a restart loads."""
+
+    cycle: int
+    job_id: str
+    result: str  # "committed" | "abandoned" | "no-checkpoint"
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    plan_table: str = ""
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # processes that sent no report
+    committed: dict[str, Any] | None = None  # {"step", "path"} written this cycle
+    resume_from: dict[str, Any] | None = None  # the committed checkpoint a restart loads
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # seconds from the first notice
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TerminationOutcome:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def summary(self) -> str:
+        resume = (
+            f"resume from step {self.resume_from['step']} ({self.resume_from['path']})"
+            if self.resume_from
+            else "no committed checkpoint to resume from"
+        )
+        head = f"cycle {self.cycle}: {self.result}"
+        if self.reason:
+            head += f" ({self.reason})"
+        return f"{head}; {len(self.reports)} report(s), {len(self.missing)} missing; {resume}"
+
+    def publish(self, report_dir: str) -> str | None:
+        """Write the JSON file and the log line; return the file's path."""
+        write_stderr(f"{LOG_PREFIX}{self.to_json()}\n")
+        try:
+            directory = os.path.join(report_dir, self.job_id or "no-job")
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"outcome-cycle-{self.cycle}.json")
+            with open(path, "w") as f:
+                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            return path
+        except OSError as exc:
+            write_stderr(f"ray_graceful: could not write the outcome under {report_dir}: {exc}\n")
+            return None
+
+
+class OutcomeMetrics:
+    """Ray metrics for outcomes and notices (exported where Ray's metrics agent runs)."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics
+
+        self.teardowns = metrics.Counter(
+            "ray_graceful_teardowns", "Termination cycles, by result", tag_keys=("result",)
+        )
+        self.notices = metrics.Counter(
+            "ray_graceful_notices", "Eviction notices accepted, by source", tag_keys=("source",)
+        )
+        self.rejected = metrics.Counter("ray_graceful_rejected_notices", "Notices rejected")
+        self.seconds = metrics.Histogram(
+            "ray_graceful_teardown_seconds",
+            "From the first notice to the last report",
+            boundaries=[0.5, 1, 2, 5, 10, 20, 30, 60, 120],
+        )
+        self.committed_step = metrics.Gauge(
+            "ray_graceful_committed_step", "Step of the last committed emergency checkpoint"
+        )
+
+    def record(self, outcome: TerminationOutcome) -> None:
+        self.teardowns.inc(tags={"result": outcome.result})
+        if "last_report" in outcome.timings:
+            self.seconds.observe(outcome.timings["last_report"])
+        if outcome.committed:
+            self.committed_step.set(outcome.committed["step"])
