@@ -1,13 +1,19 @@
 """ray_graceful: bounded, clean, reported endings for distributed PyTorch training on Ray.
 
-Worker side (this module's most used names)::
+Worker side::
 
     class MyWorker(GracefulWorkerMixin, BaseWorker):      # the undecorated base class
         def init(self):
             torch.distributed.init_process_group(...)
             self.graceful_setup("policy", shard="model")  # one call, right after
 
-See README.md and docs/ for the coordinator, Ray Train, Anyscale and the CLI.
+Driver side::
+
+    coordinator = ray_graceful.Coordinator.start(GracefulConfig(checkpoint_dir=...))
+    ...
+    outcome = coordinator.wait_outcome(timeout=60)
+
+See README.md and docs/ for Ray Train, Anyscale, Kubernetes, SLURM and the CLI.
 """
 
 from .checkpoint import (
@@ -19,7 +25,13 @@ from .checkpoint import (
     save_state_dict,
 )
 from .config import ConfigError, GracefulConfig
+from .coordinator import Coordinator
+from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthReport, Reason
+from .notices import EvictionNotice, NoticeError
+from .outcome import TerminationOutcome
+from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
 from .process_groups import SetupError
+from .spares import SpareResult, wait_as_spare
 from .teardown import StepRecord, TeardownReport, read_reports
 from .worker import (
     GracefulSetupWarning,
@@ -35,25 +47,43 @@ from .worker import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEGRADED",
+    "FAULTY",
+    "HEALTHY",
+    "UNKNOWN",
     "CheckpointError",
     "CommittedCheckpoint",
     "ConfigError",
+    "Coordinator",
+    "EvictionNotice",
     "GracefulConfig",
     "GracefulSetupWarning",
     "GracefulWorkerMixin",
+    "HealthProbe",
+    "HealthReport",
+    "NoticeError",
+    "RankInfo",
+    "RankOrder",
+    "Reason",
     "SetupError",
     "SetupStatus",
     "ShardRecord",
+    "SpareResult",
     "StepRecord",
     "TeardownReport",
+    "TerminationOutcome",
+    "TerminationPlan",
+    "TopologyError",
     "__version__",
     "add_process_group",
     "after_init_process_group",
     "install_signal_handling",
     "latest_committed",
     "load_state_dict",
+    "plan_termination",
     "read_reports",
     "save_state_dict",
     "should_stop",
     "teardown_now",
+    "wait_as_spare",
 ]

@@ -99,19 +99,27 @@ class ControlChannel:
         try:
             answer = ray.get(
                 self.handle.register.remote(
-                    self.process_id, self.node_id, os.getpid(), socket.gethostname(), ranks,
+                    self.process_id,
+                    self.node_id,
+                    os.getpid(),
+                    socket.gethostname(),
+                    ranks,
                     self.probe.check().to_dict(),
                 ),
                 timeout=REGISTER_TIMEOUT_S,
             )
         except Exception as exc:
             self.alive, self.state = False, f"registration failed: {exc!r}"
-            return f"coordinator {self.config.coordinator_name!r} unreachable ({exc!r}): on " \
+            return (
+                f"coordinator {self.config.coordinator_name!r} unreachable ({exc!r}): on "
                 "SIGTERM this rank tears itself down on its own"
+            )
         if not answer.get("accepted"):
             self.alive, self.state = False, f"registration refused: {answer.get('reason')}"
-            return f"coordinator refused the registration ({answer.get('reason')}): on SIGTERM " \
+            return (
+                f"coordinator refused the registration ({answer.get('reason')}): on SIGTERM "
                 "this rank tears itself down on its own"
+            )
         self.cycle = int(answer["cycle"])
         self.state = "polling"
         self.start()
@@ -173,8 +181,15 @@ class ControlChannel:
                 )
             else:
                 save_orders.append(
-                    SaveOrder(save["root"], step, save["shard"], order["save_budget_s"],
-                              reg.saver, reg.group.name, reg.group.rank)
+                    SaveOrder(
+                        save["root"],
+                        step,
+                        save["shard"],
+                        order["save_budget_s"],
+                        reg.saver,
+                        reg.group.name,
+                        reg.group.rank,
+                    )
                 )
         skip_reason = "; ".join([order.get("skip_reason", ""), *skipped]).strip("; ")
         runtime.begin_teardown(
@@ -214,4 +229,3 @@ class ControlChannel:
             )
         except Exception as exc:
             write_stderr(f"ray_graceful: the report did not reach the coordinator: {exc!r}\n")
-

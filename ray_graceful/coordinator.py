@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import CheckpointError, ShardRecord, commit, latest_committed
+from .checkpoint import CheckpointError, ShardRecord, commit, latest_committed, shard_key
 from .config import GracefulConfig
 from .drain import draining_nodes
 from .health import FAULTY, UNKNOWN, HealthReport
@@ -40,11 +40,6 @@ GATHER_S = 0.1  # notices arriving together (a SIGTERM to every rank) go into on
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_POLL_S = 60.0
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
-
-
-def shard_key(group: str, shard: str) -> str:
-    """How a (group, shard) is named in a checkpoint: ``"policy/0"``."""
-    return f"{group}/{shard}"
 
 
 @dataclass
@@ -327,13 +322,20 @@ class CoordinatorActor:
             process = self.processes.get(rank.process_id)
             if process is None or process.cycle != cycle or key not in process.keys:
                 continue
-            topology.append(RankInfo(rank.group, rank.rank, process.node_id, rank.shard,
-                                     rank.can_save))
+            topology.append(
+                RankInfo(rank.group, rank.rank, process.node_id, rank.shard, rank.can_save)
+            )
             if process.health is not None:
                 health[key] = process.health.verdict
                 notes[key] = process.health.summary()
-        plan = plan_termination(topology, self.notices, health, self.config,
-                                expected_save_s=self.save_times, health_notes=notes)
+        plan = plan_termination(
+            topology,
+            self.notices,
+            health,
+            self.config,
+            expected_save_s=self.save_times,
+            health_notes=notes,
+        )
         self.plan = plan
         plan_at = time.time()
         write_stderr(f"ray_graceful coordinator: plan for cycle {cycle}\n{plan.table()}\n")
@@ -344,8 +346,12 @@ class CoordinatorActor:
         trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in self.notices[:3])
         for process_id, orders in by_process.items():
             saves = [
-                {"group": o.group, "rank": o.rank, "shard": shard_key(o.group, o.shard),
-                 "root": self.config.checkpoint_dir}
+                {
+                    "group": o.group,
+                    "rank": o.rank,
+                    "shard": shard_key(o.group, o.shard),
+                    "root": self.config.checkpoint_dir,
+                }
                 for o in orders
                 if o.action == "save"
             ]
@@ -410,8 +416,9 @@ class CoordinatorActor:
             expected = [shard_key(g, s) for g, s in plan.savers]
             step = records[0].step if records else -1
             try:
-                path = commit(root, step, expected, records, cycle=cycle,
-                              extra={"job_id": self.job_id})
+                path = commit(
+                    root, step, expected, records, cycle=cycle, extra={"job_id": self.job_id}
+                )
                 result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
             except CheckpointError as exc:
                 result, reason = "abandoned", str(exc)
@@ -452,11 +459,17 @@ class CoordinatorActor:
         self.cycle += 1
         self.notices, self.late_notices, self.rejected = [], [], []
         self.plan, self.teardown_task, self.first_notice_at, self.all_reported = (
-            None, None, None, None
+            None,
+            None,
+            None,
+            None,
         )
-        self.ranks = {k: r for k, r in self.ranks.items()
-                      if self.processes.get(r.process_id) is not None
-                      and self.processes[r.process_id].cycle == self.cycle}
+        self.ranks = {
+            k: r
+            for k, r in self.ranks.items()
+            if self.processes.get(r.process_id) is not None
+            and self.processes[r.process_id].cycle == self.cycle
+        }
 
     # --- spares and standbys ---------------------------------------------------------------
 
@@ -509,8 +522,7 @@ class CoordinatorActor:
         """Hand a waiting spare the slot of ``group/rank`` for the next cycle."""
         for spare in self.spares.values():
             if spare.role == "spare" and spare.order is None:
-                order = {"action": "assigned", "group": group, "rank": rank,
-                         "cycle": self.cycle}
+                order = {"action": "assigned", "group": group, "rank": rank, "cycle": self.cycle}
                 self._order_spare(spare, order)
                 return {"assigned": spare.spare_id, **order}
         return {"assigned": None, "reason": "no spare is waiting"}
@@ -523,23 +535,30 @@ class CoordinatorActor:
         ranks = []
         for key, rank in sorted(self.ranks.items()):
             process = self.processes.get(rank.process_id)
-            ranks.append({
-                "group": key[0], "rank": key[1], "world_size": rank.world_size,
-                "shard": rank.shard, "can_save": rank.can_save,
-                "node_id": process.node_id if process else "",
-                "pid": process.pid if process else 0,
-                "health": process.health.summary() if process and process.health else UNKNOWN,
-                "last_step": process.last_step if process else None,
-                "seen_s_ago": round(now - process.last_seen, 1) if process else None,
-            })
+            ranks.append(
+                {
+                    "group": key[0],
+                    "rank": key[1],
+                    "world_size": rank.world_size,
+                    "shard": rank.shard,
+                    "can_save": rank.can_save,
+                    "node_id": process.node_id if process else "",
+                    "pid": process.pid if process else 0,
+                    "health": process.health.summary() if process and process.health else UNKNOWN,
+                    "last_step": process.last_step if process else None,
+                    "seen_s_ago": round(now - process.last_seen, 1) if process else None,
+                }
+            )
         last = self.outcomes.get(self.cycle - 1)
         return {
             "cycle": self.cycle,
             "job_state": self.job_state,
             "tearing_down": self.teardown_task is not None,
             "ranks": ranks,
-            "spares": [{"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
-                       for s in self.spares.values()],
+            "spares": [
+                {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
+                for s in self.spares.values()
+            ],
             "notices": [n.to_dict() for n in self.notices],
             "rejected": self.rejected[-20:],
             "last_outcome": last.to_dict() if last else None,

@@ -69,9 +69,7 @@ class EvictionNotice:
             or not math.isfinite(deadline)
             or deadline < 0
         ):
-            raise NoticeError(
-                f"deadline {deadline!r} is not allowed: Unix seconds, or 0 for none"
-            )
+            raise NoticeError(f"deadline {deadline!r} is not allowed: Unix seconds, or 0 for none")
         if deadline > self.received_at + MAX_DEADLINE_AHEAD_S:
             raise NoticeError(
                 f"deadline {deadline} is more than 7 days ahead: it looks like milliseconds; "

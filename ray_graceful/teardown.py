@@ -23,6 +23,7 @@ writes with ``os.write`` only, never ``logging``, whose lock a wedged thread may
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -196,27 +197,38 @@ def ray_identity() -> dict[str, str]:
     return {"job_id": "", "node_id": ""}
 
 
-def request_ray_intended_exit(detail: str) -> bool:
-    """Ask Ray to end this worker as an intended exit (status 0, INTENDED_SYSTEM_EXIT).
+def ray_intended_exit() -> Callable[[str], None] | None:
+    """Ray's way to end this worker as an intended exit, or None outside a Ray worker.
 
-    Ray finishes the task that is running first, so this ends the process only once the
-    training thread has left its collective (``release_peers`` sees to that). Returns False
-    where this process is not a Ray worker or this Ray lacks the call.
+    Calling it makes Ray end the process with status 0, recorded INTENDED_SYSTEM_EXIT, once the
+    task that is running returned - so it ends the process only after the training thread left
+    its collective (``release_peers`` sees to that). Nothing may use Ray after calling it.
     """
     try:
         import ray
 
         worker = ray._private.worker.global_worker
         if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
-            return False
+            return None
         drain = getattr(worker.core_worker, "drain_and_exit_worker", None)
-        if drain is None:
-            return False
-        drain("intentional_system_exit", detail.encode())
-        return True
-    except Exception as exc:
-        write_stderr(f"ray_graceful: Ray's intended exit was not available: {exc!r}\n")
+    except Exception:
+        return None
+    if drain is None:
+        return None
+    return lambda detail: drain("intentional_system_exit", detail.encode())
+
+
+def request_ray_intended_exit(detail: str) -> bool:
+    """Take Ray's intended-exit path now; False where there is none."""
+    exit_via_ray = ray_intended_exit()
+    if exit_via_ray is None:
         return False
+    try:
+        exit_via_ray(detail)
+    except Exception as exc:
+        write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
+        return False
+    return True
 
 
 class Teardown:
@@ -414,17 +426,26 @@ class Teardown:
             self._publish()
             self.done.set()
             return
-        detail = f"ray_graceful teardown ({self.report.trigger})"
-        in_ray = request_ray_intended_exit(detail)
+        exit_via_ray = ray_intended_exit()
+        in_ray = exit_via_ray is not None
         self.report.exit_path = "ray_intended" if in_ray else "hard"
         self.report.exit_code = 0 if in_ray else self.config.exit_code
         record.status = "ran"
         record.detail = (
             "Ray's intended exit requested" if in_ray else f"os._exit({self.config.exit_code})"
         )
+        # Report first: once Ray's exit is requested, no Ray call may follow.
         self._publish()
         self.done.set()
-        if in_ray:
+        if exit_via_ray is not None:
+            # A reference cycle that holds an ObjectRef (a failed ray.get's traceback, say) and
+            # is only collected after Ray's core worker shut down makes the process exit with
+            # status 1 ("accesses the Ray's worker after it is shutdown"): collect it now.
+            gc.collect()
+            try:
+                exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
+            except Exception as exc:
+                write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
             time.sleep(max(min(self.config.exit_grace_s, self.remaining()), 0.0))
             self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
             record.detail += (

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
-from .checkpoint import save_state_dict
+from .checkpoint import save_state_dict, shard_key
 from .config import GracefulConfig
 from .control import ControlChannel, find_coordinator
 from .process_groups import GroupHandle, SetupError, resolve_group
@@ -127,8 +127,10 @@ class _ProcessRuntime:
             self.begin_teardown(trigger=f"signal {signum}")
             return
         threading.Thread(
-            target=self._await_order, args=(signum, control, time.time()),
-            name="ray_graceful-await-order", daemon=True,
+            target=self._await_order,
+            args=(signum, control, time.time()),
+            name="ray_graceful-await-order",
+            daemon=True,
         ).start()
 
     def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
@@ -137,8 +139,10 @@ class _ProcessRuntime:
         if control.report_sigterm(received_at):
             control.order_received.wait(config.order_wait_s)
         if self.teardown is None:
-            why = "coordinator unreachable" if not control.alive else (
-                f"no order from the coordinator within {config.order_wait_s}s"
+            why = (
+                "coordinator unreachable"
+                if not control.alive
+                else (f"no order from the coordinator within {config.order_wait_s}s")
             )
             self.begin_teardown(trigger=f"signal {signum} ({why})")
 
@@ -215,7 +219,7 @@ class _ProcessRuntime:
                 SaveOrder(
                     config.checkpoint_dir,
                     self.last_step,
-                    reg.shard,
+                    shard_key(reg.group.name, reg.shard),
                     config.save_budget_s,
                     reg.saver,
                     reg.group.name,

@@ -61,6 +61,19 @@ class Trainer:
     def init(self, rank: int, world: int, addr: str, port: int) -> None:
         init_gloo(rank, world, addr, port)
 
+    def load(self, path: str) -> int:
+        """Resume from an emergency checkpoint shard written by the default saver."""
+        saved = ray_graceful.load_state_dict(path)
+        self.model.load_state_dict(saved["state"]["model"])
+        self.step = saved["step"]
+        return self.step
+
+    def weights_sum(self) -> float:
+        return float(sum(p.sum() for p in self.model.parameters()))
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def train(self, steps: int, sleep_s: float = 0.0) -> int:
         for step in range(self.step, self.step + steps):
             grad = torch.ones(1024)
@@ -120,9 +133,11 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         config: GracefulConfig,
         shard: str | None = None,
         hang_save: str | None = None,
+        save_seconds: float = 0.0,
     ) -> str:
         self.init(rank, world, addr, port)
         self._hang_save = hang_save
+        self._save_seconds = save_seconds
         status = self.graceful_setup("trainer", shard=shard, config=config, state_dict=self._state)
         return str(status)
 
@@ -131,6 +146,7 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
             with open(self._hang_save, "w"):
                 pass  # tell the test the save has started ...
             threading.Event().wait()  # ... and never return
+        time.sleep(getattr(self, "_save_seconds", 0.0))  # a save of a realistic size
         return {"model": self.model.state_dict(), "step": self.step}
 
     def setup_before_init(self, config: GracefulConfig) -> str:
@@ -267,3 +283,15 @@ class AsyncTrainer(Trainer):
 
     async def ping(self) -> str:
         return "pong"
+
+
+class SpareWorker:
+    """A spare or standby: waits for the coordinator's word inside an actor method."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def wait(self, role: str, config: GracefulConfig) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(ray_graceful.wait_as_spare(role, config=config, timeout=60))

@@ -38,8 +38,9 @@ class FakeNvml(types.ModuleType):
         self.init_error = init_error
         self.events: list[tuple[int, int, int]] = []  # (gpu, event type, data)
         self.registered: dict[int, int] = {}
-        self._handles = [ctypes.cast(ctypes.c_void_p(0x1000 + i), real.c_nvmlDevice_t)
-                         for i in range(gpus)]
+        self._handles = [
+            ctypes.cast(ctypes.c_void_p(0x1000 + i), real.c_nvmlDevice_t) for i in range(gpus)
+        ]
 
     # --- helpers for tests ---
     def inject_xid(self, gpu: int, xid: int) -> None:
@@ -105,8 +106,10 @@ class FakeNvml(types.ModuleType):
         return values
 
     def nvmlDeviceGetTotalEccErrors(self, handle, error_type, counter_type):
-        assert (error_type, counter_type) == (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                              real.NVML_VOLATILE_ECC)
+        assert (error_type, counter_type) == (
+            real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            real.NVML_VOLATILE_ECC,
+        )
         return self._query("nvmlDeviceGetTotalEccErrors", handle).ecc_uncorrected
 
     def nvmlDeviceGetRemappedRows(self, handle):

@@ -20,8 +20,9 @@ CONFIG = GracefulConfig()
 
 
 def probe(fake, gpus=(0,), **kw):
-    return NvmlProbe(list(gpus), CONFIG.fatal_xids, CONFIG.degraded_xids, CONFIG.ignored_xids,
-                     nvml=fake, **kw)
+    return NvmlProbe(
+        list(gpus), CONFIG.fatal_xids, CONFIG.degraded_xids, CONFIG.ignored_xids, nvml=fake, **kw
+    )
 
 
 def codes(report: HealthReport) -> list[str]:
@@ -47,10 +48,12 @@ def test_healthy_gpu():
 
 @pytest.mark.parametrize(
     "action,code",
-    [(pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET, "recovery_action_gpu_reset"),
-     (pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, "recovery_action_node_reboot"),
-     (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, "recovery_action_drain_p2p"),
-     (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET, "recovery_action_drain_and_reset")],
+    [
+        (pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET, "recovery_action_gpu_reset"),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT, "recovery_action_node_reboot"),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, "recovery_action_drain_p2p"),
+        (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET, "recovery_action_drain_and_reset"),
+    ],
 )
 def test_recovery_action_other_than_none_is_faulty(action, code):
     fake = FakeNvml()
@@ -66,8 +69,9 @@ def test_old_driver_without_recovery_field_is_skipped():
     assert probe(fake).check().verdict == HEALTHY
 
 
-@pytest.mark.parametrize("xid,verdict", [(79, FAULTY), (48, FAULTY), (94, DEGRADED),
-                                         (13, HEALTHY), (999, DEGRADED)])
+@pytest.mark.parametrize(
+    "xid,verdict", [(79, FAULTY), (48, FAULTY), (94, DEGRADED), (13, HEALTHY), (999, DEGRADED)]
+)
 def test_xid_events_by_list(xid, verdict):
     fake = FakeNvml()
     p = probe(fake)
@@ -94,10 +98,12 @@ def test_xid_lists_are_configurable():
 
 @pytest.mark.parametrize(
     "setup,verdict,code",
-    [(lambda g: setattr(g, "ecc_uncorrected", 2), FAULTY, "ecc_uncorrected"),
-     (lambda g: setattr(g, "remap", (0, 1, 0, 1)), FAULTY, "row_remap_failure"),
-     (lambda g: setattr(g, "remap", (3, 1, 1, 0)), DEGRADED, "row_remap_pending"),
-     (lambda g: setattr(g, "retired_pending", True), DEGRADED, "retired_pages_pending")],
+    [
+        (lambda g: setattr(g, "ecc_uncorrected", 2), FAULTY, "ecc_uncorrected"),
+        (lambda g: setattr(g, "remap", (0, 1, 0, 1)), FAULTY, "row_remap_failure"),
+        (lambda g: setattr(g, "remap", (3, 1, 1, 0)), DEGRADED, "row_remap_pending"),
+        (lambda g: setattr(g, "retired_pending", True), DEGRADED, "retired_pages_pending"),
+    ],
 )
 def test_memory_errors(setup, verdict, code):
     fake = FakeNvml()
@@ -155,9 +161,14 @@ def test_scripted_probe_matches_node_and_gpu(tmp_path):
     path = str(tmp_path / "faults.json")
     p = ScriptedProbe(path, "node-a", [0, 1])
     assert p.check().verdict == HEALTHY  # no file: no faults
-    write_faults(path, [{"node": "node-b", "verdict": "FAULTY", "code": "xid_79"},
-                        {"node": "node-a", "gpu": 5, "verdict": "FAULTY", "code": "other_gpu"},
-                        {"node": "node-a", "gpu": 1, "verdict": "DEGRADED", "code": "xid_94"}])
+    write_faults(
+        path,
+        [
+            {"node": "node-b", "verdict": "FAULTY", "code": "xid_79"},
+            {"node": "node-a", "gpu": 5, "verdict": "FAULTY", "code": "other_gpu"},
+            {"node": "node-a", "gpu": 1, "verdict": "DEGRADED", "code": "xid_94"},
+        ],
+    )
     report = p.check()
     assert report.verdict == DEGRADED and codes(report) == ["xid_94"]
     write_faults(path, [{"node": "*", "verdict": "FAULTY", "code": "xid_79"}])
@@ -166,9 +177,12 @@ def test_scripted_probe_matches_node_and_gpu(tmp_path):
 
 @pytest.mark.parametrize(
     "content,message",
-    [("not json", "not JSON"), (json.dumps({"x": 1}), 'expected {"faults": [...]}'),
-     (json.dumps({"faults": [{"node": "a", "verdict": "BAD"}]}), "faults[0].verdict = 'BAD'"),
-     (json.dumps({"faults": [{"verdict": "FAULTY"}]}), "faults[0].node must be")],
+    [
+        ("not json", "not JSON"),
+        (json.dumps({"x": 1}), 'expected {"faults": [...]}'),
+        (json.dumps({"faults": [{"node": "a", "verdict": "BAD"}]}), "faults[0].verdict = 'BAD'"),
+        (json.dumps({"faults": [{"verdict": "FAULTY"}]}), "faults[0].node must be"),
+    ],
 )
 def test_malformed_fault_script_is_an_error(tmp_path, content, message):
     path = tmp_path / "faults.json"
@@ -181,8 +195,11 @@ def test_make_probe_choices(tmp_path):
     assert make_probe(GracefulConfig(health_probe="none"), [0]).check().verdict == UNKNOWN
     auto = make_probe(GracefulConfig(nologin_path=str(tmp_path / "x")), [0])
     assert auto.name == "nvml" and auto.check().verdict == UNKNOWN  # no driver here
-    scripted = make_probe(GracefulConfig(health_probe="scripted",
-                                         health_script_path=str(tmp_path / "f.json")), [0], "n")
+    scripted = make_probe(
+        GracefulConfig(health_probe="scripted", health_script_path=str(tmp_path / "f.json")),
+        [0],
+        "n",
+    )
     assert scripted.name == "scripted" and scripted.check().verdict == HEALTHY
 
 

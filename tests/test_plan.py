@@ -12,19 +12,30 @@ from ray_graceful.notices import EvictionNotice, NoticeError
 from ray_graceful.plan import RankInfo, TopologyError, parse_topology, plan_termination
 
 NOW = 1_000_000.0
-CONFIG = GracefulConfig(checkpoint_dir="/ckpt", expected_save_s=5, plan_margin_s=1,
-                        watchdog_margin_s=1, teardown_timeout_s=25, save_budget_s=15)
+CONFIG = GracefulConfig(
+    checkpoint_dir="/ckpt",
+    expected_save_s=5,
+    plan_margin_s=1,
+    watchdog_margin_s=1,
+    teardown_timeout_s=25,
+    save_budget_s=15,
+)
 
 
 def two_replicas_per_shard():
     """4 ranks on nodes A and B; shards 0 and 1, each with one replica on each node."""
-    return [RankInfo("p", 0, "A", "0"), RankInfo("p", 1, "A", "1"),
-            RankInfo("p", 2, "B", "0"), RankInfo("p", 3, "B", "1")]
+    return [
+        RankInfo("p", 0, "A", "0"),
+        RankInfo("p", 1, "A", "1"),
+        RankInfo("p", 2, "B", "0"),
+        RankInfo("p", 3, "B", "1"),
+    ]
 
 
 def drain(node, in_s=30.0, cycle=0):
-    return EvictionNotice("drain", "spot preemption", cycle, NOW + in_s, node_id=node,
-                          received_at=NOW)
+    return EvictionNotice(
+        "drain", "spot preemption", cycle, NOW + in_s, node_id=node, received_at=NOW
+    )
 
 
 def actions(plan):
@@ -69,20 +80,28 @@ def test_sigterm_to_one_rank_and_no_checkpoint_dir():
     plan = plan_termination(two_replicas_per_shard(), [notice], {}, CONFIG, NOW)
     assert plan.order_for(("p", 1)).evicted and plan.order_for(("p", 1)).deadline == NOW + 25
     assert plan.savers[("p", "1")] == ("p", 3)  # the survivor replica
-    no_dir = plan_termination(two_replicas_per_shard(), [notice], {},
-                              CONFIG.replace(checkpoint_dir=None), NOW)
+    no_dir = plan_termination(
+        two_replicas_per_shard(), [notice], {}, CONFIG.replace(checkpoint_dir=None), NOW
+    )
     assert no_dir.abandoned == "no checkpoint_dir is configured" and no_dir.savers == {}
 
 
 def test_measured_save_time_is_used():
-    plan = plan_termination(two_replicas_per_shard(), [drain("A", 10), drain("B", 10)], {},
-                            CONFIG, NOW, expected_save_s={("p", "0"): 9.5})
+    plan = plan_termination(
+        two_replicas_per_shard(),
+        [drain("A", 10), drain("B", 10)],
+        {},
+        CONFIG,
+        NOW,
+        expected_save_s={("p", "0"): 9.5},
+    )
     assert plan.abandoned and "p/0" in plan.abandoned and "p/1" not in plan.abandoned
 
 
 def test_plan_table_is_readable():
-    text = plan_termination(two_replicas_per_shard(), [drain("B")], {("p", 1): DEGRADED},
-                            CONFIG, NOW).table(now=NOW)
+    text = plan_termination(
+        two_replicas_per_shard(), [drain("B")], {("p", 1): DEGRADED}, CONFIG, NOW
+    ).table(now=NOW)
     lines = text.splitlines()
     assert lines[0].split() == ["rank", "node", "shard", "health", "action", "deadline", "reason"]
     assert "p/0" in lines[2] and "SAVE" in lines[2] and "+25.0s" in lines[2]
@@ -96,10 +115,10 @@ def scenarios(draw):
     shards = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
     can_save = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     ranks = [RankInfo("g", i, nodes[i], str(shards[i]), can_save[i]) for i in range(n)]
-    health = {("g", i): draw(st.sampled_from([HEALTHY, UNKNOWN, DEGRADED, FAULTY]))
-              for i in range(n)}
-    drained = draw(st.lists(st.tuples(st.sampled_from("ABCDEF"), st.floats(0, 60)),
-                            max_size=4))
+    health = {
+        ("g", i): draw(st.sampled_from([HEALTHY, UNKNOWN, DEGRADED, FAULTY])) for i in range(n)
+    }
+    drained = draw(st.lists(st.tuples(st.sampled_from("ABCDEF"), st.floats(0, 60)), max_size=4))
     notices = [drain(node, s) for node, s in drained]
     return ranks, health, notices
 
@@ -125,7 +144,9 @@ def test_plan_invariants(scenario):
 
 
 def test_parse_topology_errors():
-    assert parse_topology({"ranks": [{"rank": 0, "node": "a"}]}) == [RankInfo("default", 0, "a", "0")]
+    assert parse_topology({"ranks": [{"rank": 0, "node": "a"}]}) == [
+        RankInfo("default", 0, "a", "0")
+    ]
     for bad, message in [
         ([], "non-empty list"),
         ([{"rank": -1, "node": "a"}], "ranks[0].rank = -1"),
@@ -141,18 +162,27 @@ def test_parse_topology_errors():
 
 @pytest.mark.parametrize(
     "data,message",
-    [({"source": "x", "reason": "r", "cycle": 0, "node_id": "n"}, "source 'x' is not allowed"),
-     ({"source": "cli", "reason": " ", "cycle": 0, "node_id": "n"}, "reason must be"),
-     ({"source": "cli", "reason": "r", "cycle": -1, "node_id": "n"}, "cycle -1"),
-     ({"source": "cli", "reason": "r", "cycle": 0}, "exactly one of node_id or rank"),
-     ({"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "rank": ["g", 0]},
-      "exactly one of"),
-     ({"source": "cli", "reason": "r", "cycle": 0, "rank": ["g", -2]}, "rank ('g', -2)"),
-     ({"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "deadline": -5}, "deadline -5"),
-     ({"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "deadline": 1.8e12},
-      "looks like milliseconds"),
-     ({"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "when": 1}, "unknown notice"),
-     ({"source": "cli", "cycle": 0, "node_id": "n"}, "['reason'] are required")],
+    [
+        ({"source": "x", "reason": "r", "cycle": 0, "node_id": "n"}, "source 'x' is not allowed"),
+        ({"source": "cli", "reason": " ", "cycle": 0, "node_id": "n"}, "reason must be"),
+        ({"source": "cli", "reason": "r", "cycle": -1, "node_id": "n"}, "cycle -1"),
+        ({"source": "cli", "reason": "r", "cycle": 0}, "exactly one of node_id or rank"),
+        (
+            {"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "rank": ["g", 0]},
+            "exactly one of",
+        ),
+        ({"source": "cli", "reason": "r", "cycle": 0, "rank": ["g", -2]}, "rank ('g', -2)"),
+        (
+            {"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "deadline": -5},
+            "deadline -5",
+        ),
+        (
+            {"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "deadline": 1.8e12},
+            "looks like milliseconds",
+        ),
+        ({"source": "cli", "reason": "r", "cycle": 0, "node_id": "n", "when": 1}, "unknown notice"),
+        ({"source": "cli", "cycle": 0, "node_id": "n"}, "['reason'] are required"),
+    ],
 )
 def test_malformed_notices(data, message):
     with pytest.raises(NoticeError) as info:
@@ -161,11 +191,19 @@ def test_malformed_notices(data, message):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["source", "reason", "cycle", "deadline", "node_id",
-                                        "rank", "other"]),
-                       st.one_of(st.none(), st.integers(-5, 10**13), st.text(max_size=5),
-                                 st.floats(allow_nan=True), st.lists(st.integers(), max_size=3),
-                                 st.booleans())))
+@given(
+    st.dictionaries(
+        st.sampled_from(["source", "reason", "cycle", "deadline", "node_id", "rank", "other"]),
+        st.one_of(
+            st.none(),
+            st.integers(-5, 10**13),
+            st.text(max_size=5),
+            st.floats(allow_nan=True),
+            st.lists(st.integers(), max_size=3),
+            st.booleans(),
+        ),
+    )
+)
 def test_notice_parser_accepts_or_explains(data):
     """Whatever arrives, the parser returns a valid notice or raises NoticeError - nothing else."""
     try:
@@ -178,13 +216,26 @@ def test_notice_parser_accepts_or_explains(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.none(), st.integers(), st.text(max_size=3),
-                 st.lists(st.dictionaries(st.sampled_from(["group", "rank", "node", "shard",
-                                                           "can_save", "x"]),
-                                          st.one_of(st.none(), st.integers(-2, 3),
-                                                    st.text(max_size=2), st.booleans(),
-                                                    st.floats(allow_nan=False))),
-                          max_size=4)))
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.text(max_size=3),
+        st.lists(
+            st.dictionaries(
+                st.sampled_from(["group", "rank", "node", "shard", "can_save", "x"]),
+                st.one_of(
+                    st.none(),
+                    st.integers(-2, 3),
+                    st.text(max_size=2),
+                    st.booleans(),
+                    st.floats(allow_nan=False),
+                ),
+            ),
+            max_size=4,
+        ),
+    )
+)
 def test_topology_parser_accepts_or_explains(data):
     try:
         ranks = parse_topology(data)

@@ -1,0 +1,103 @@
+"""Spares and standbys: workers that wait, and exit 0 when the job is over.
+
+A *spare* can be handed an evicted rank's slot for the next cycle; a *standby* only waits for
+the job to end. Both register with the coordinator and hold a long poll, like an active rank;
+when the driver says the job succeeded or is closed for good (``Coordinator.job_finished``),
+each is told to exit and leaves through Ray's intended-exit path with status 0 - never hanging
+until the scheduler kills it (NVIDIA's resiliency PR 266 is the anchor).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .config import GracefulConfig
+from .control import find_coordinator
+from .process_groups import SetupError
+from .teardown import hard_exit, request_ray_intended_exit, write_stderr
+
+
+@dataclass(frozen=True)
+class SpareResult:
+    """What ended the wait: ``action`` is "exit", "assigned" or "timeout"."""
+
+    action: str
+    reason: str = ""
+    group: str | None = None
+    rank: int | None = None
+    cycle: int | None = None
+
+
+def wait_as_spare(
+    role: str = "spare",
+    config: GracefulConfig | None = None,
+    timeout: float | None = None,
+    exit_on_finish: bool = True,
+) -> SpareResult:
+    """Register as a spare or standby and wait for the coordinator's word.
+
+    Returns when the job is over ("exit": with ``exit_on_finish`` the process then ends with
+    status 0 as soon as the calling actor method returns), when a spare is given a slot
+    ("assigned": join the group for ``cycle`` as ``group/rank``), or after ``timeout`` seconds.
+    """
+    import ray
+
+    if role not in ("spare", "standby"):
+        raise SetupError(f"role {role!r} is not allowed: 'spare' or 'standby'")
+    config = config or GracefulConfig.from_env()
+    handle = find_coordinator(config)
+    if handle is None:
+        raise SetupError(
+            f"wait_as_spare: no coordinator named {config.coordinator_name!r} runs in this "
+            "namespace; start one on the driver with ray_graceful.Coordinator.start()"
+        )
+    ctx = ray.get_runtime_context()
+    spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
+    answer = ray.get(
+        handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()), timeout=30
+    )
+    if not answer.get("accepted"):
+        raise SetupError(f"the coordinator refused this {role}: {answer.get('reason')}")
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait_s = config.health_interval_s
+        if end is not None:
+            wait_s = min(wait_s, end - time.monotonic())
+            if wait_s <= 0:
+                return SpareResult("timeout", f"no word from the coordinator in {timeout}s")
+        try:
+            order = ray.get(handle.poll_spare.remote(spare_id, wait_s), timeout=wait_s + 30)
+        except ray.exceptions.GetTimeoutError:
+            continue
+        except ray.exceptions.RayActorError as exc:
+            order = {"action": "exit", "reason": f"the coordinator is gone ({exc})"}
+        if order is None:
+            continue
+        if order["action"] == "assigned":
+            return SpareResult(
+                "assigned",
+                "given an evicted rank's slot",
+                order["group"],
+                order["rank"],
+                order["cycle"],
+            )
+        result = SpareResult("exit", order.get("reason", ""))
+        if exit_on_finish:
+            _exit_when_idle(config, result.reason)
+        return result
+
+
+def _exit_when_idle(config: GracefulConfig, reason: str) -> None:
+    """End this process with status 0 once the current actor method returned."""
+    write_stderr(f"ray_graceful: spare/standby exiting: {reason}\n")
+    if request_ray_intended_exit(f"ray_graceful spare exit ({reason})"):
+        # Ray exits once the running method returned; if it never does, leave anyway.
+        timer = threading.Timer(config.exit_grace_s + 5.0, hard_exit, args=(0, "spare exit"))
+        timer.daemon = True
+        timer.start()
+    else:
+        hard_exit(0, "spare exit outside a Ray worker")

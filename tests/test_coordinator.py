@@ -1,0 +1,318 @@
+"""The coordinator on a real multi-node cluster: drains, faults, who saves, commits, restarts.
+
+Nodes A and B are extra raylets (``ray.cluster_utils.Cluster``); four gloo ranks hold two
+shards, one replica of each shard on each node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.drain import drain_node
+from ray_graceful.health.scripted import write_faults
+from tests import actors
+from tests.helpers import free_port, kill_actors, report_for, wait_for
+
+SHARDS = ["0", "1", "0", "1"]
+NODES = ["a", "a", "b", "b"]
+
+
+@pytest.fixture
+def nodes(ray_cluster):
+    added = {
+        name: ray_cluster.add_node(num_cpus=2, resources={f"node_{name}": 10})
+        for name in ("a", "b")
+    }
+    ray_cluster.wait_for_nodes()
+    yield {name: node.node_id for name, node in added.items()}
+    for node in added.values():
+        ray_cluster.remove_node(node)
+
+
+@pytest.fixture
+def config(tmp_path):
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        expected_save_s=2.0,
+        teardown_timeout_s=15.0,
+        save_budget_s=8.0,
+        health_probe="scripted",
+        health_script_path=str(tmp_path / "faults.json"),
+    )
+
+
+@pytest.fixture
+def coordinator(ray_cluster, config):
+    coord = Coordinator.start(config)
+    yield coord
+    coord.shutdown()
+
+
+def start_group(config, exit_recorder, placement=NODES, resume=None, save_seconds=0.0):
+    port = free_port()
+    actor = ray.remote(actors.GracefulTrainer)
+    ranks = [
+        actor.options(
+            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+        ).remote()
+        for n in placement
+    ]
+    statuses = ray.get(
+        [
+            r.setup.remote(
+                i, len(ranks), "127.0.0.1", port, config, shard=SHARDS[i], save_seconds=save_seconds
+            )
+            for i, r in enumerate(ranks)
+        ],
+        timeout=120,
+    )
+    if resume is not None:
+        ray.get(
+            [r.load.remote(resume.shard_path(f"trainer/{SHARDS[i]}")) for i, r in enumerate(ranks)],
+            timeout=60,
+        )
+    pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
+    return ranks, pids, statuses
+
+
+def block_in_collective(ranks, steps=3):
+    """Train ``steps`` steps on every rank, then leave ranks 0-2 blocked on the absent rank 3."""
+    assert ray.get([r.train.remote(steps) for r in ranks], timeout=60) == [steps] * len(ranks)
+    pending = [r.train.remote(1000) for r in ranks[:-1]]
+    time.sleep(0.5)
+    assert not ray.wait(pending, timeout=0)[0]
+    return pending
+
+
+def wait_all_exited(exit_recorder, pids, timeout):
+    codes = {pid: exit_recorder.wait(pid, timeout) for pid in pids}
+    return codes
+
+
+def test_drain_with_deadline_saves_once_per_shard_commits_and_resumes(
+    nodes, config, coordinator, exit_recorder
+):
+    ranks, pids, statuses = start_group(config, exit_recorder)
+    assert "coordinator 'ray_graceful_coordinator', cycle 0" in statuses[0], statuses[0]
+    block_in_collective(ranks)
+
+    drained_at = time.monotonic()
+    drain_node(nodes["b"], time.time() + 12)
+    codes = wait_all_exited(exit_recorder, pids, 20)
+    everyone_out = time.monotonic() - drained_at
+    assert set(codes.values()) == {0}, codes
+    budget = config.drain_poll_interval_s + config.expected_save_s + 2.0
+    assert everyone_out < budget, f"all ranks out after {everyone_out:.2f}s (budget {budget}s)"
+
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome is not None and outcome.result == "committed", outcome.summary()
+    assert outcome.notices[0]["source"] == "drain"
+    savers = {(r["ranks"][0]["rank"], s["shard"]) for r in outcome.reports for s in r["saved"]}
+    assert savers == {(0, "trainer/0"), (1, "trainer/1")}, "the survivors on node A save"
+    assert outcome.committed["step"] == 3 and not outcome.missing
+
+    ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]
+    # The next cycle: a new group on node A only resumes at the saved step, no step lost.
+    restarted, _new_pids, statuses = start_group(config, exit_recorder, ["a"] * 4, resume=ckpt)
+    assert "cycle 1" in statuses[0]
+    assert ray.get([r.train.remote(2) for r in restarted], timeout=60) == [5] * 4
+    kill_actors(*restarted)
+
+
+def test_faulty_node_saves_nothing_and_leaves_first(nodes, config, coordinator, exit_recorder):
+    ranks, pids, _ = start_group(config, exit_recorder, save_seconds=0.5)
+    block_in_collective(ranks)
+    faulted_at = time.time()
+    write_faults(
+        config.health_script_path,
+        [
+            {
+                "node": nodes["a"],
+                "verdict": "FAULTY",
+                "code": "xid_79",
+                "detail": "GPU has fallen off the bus",
+            }
+        ],
+    )
+    codes = wait_all_exited(exit_recorder, pids, 20)
+    assert set(codes.values()) == {0}, codes
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome.result == "committed", outcome.summary()
+    assert outcome.notices[0]["source"] == "health"
+    by_rank = {r["ranks"][0]["rank"]: r for r in outcome.reports}
+    assert by_rank[0]["saved"] == [] and by_rank[1]["saved"] == []
+    assert {s["shard"] for r in (by_rank[2], by_rank[3]) for s in r["saved"]} == {
+        "trainer/0",
+        "trainer/1",
+    }
+    ends = {rank: r["started_at"] + r["finished_s"] for rank, r in by_rank.items()}
+    assert max(ends[0], ends[1]) < min(ends[2], ends[3]), "the faulty ranks leave first"
+    assert "FAULTY" in outcome.plan_table and "xid_79" in outcome.plan_table
+    assert ends[0] - faulted_at < config.health_interval_s + 3
+
+
+@pytest.fixture
+def slow_save_config(config):
+    """Saves are expected to take 14 s: no rank has that long before its deadline."""
+    return config.replace(expected_save_s=14.0)
+
+
+def test_no_viable_saver_writes_no_manifest(nodes, slow_save_config, exit_recorder):
+    config = slow_save_config
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids, _ = start_group(config, exit_recorder)
+        block_in_collective(ranks)
+        drain_node(nodes["b"], time.time() + 5)
+        codes = wait_all_exited(exit_recorder, pids, 20)
+        assert set(codes.values()) == {0}, codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "abandoned", outcome.summary()
+        assert "no replica" in outcome.reason and "trainer/0" in outcome.reason
+        assert all(r["saved"] == [] for r in outcome.reports)
+        assert all(o["action"] == "leave" for o in outcome.plan["orders"])
+        assert outcome.resume_from is None and "no committed checkpoint" in outcome.summary()
+        assert latest_committed(config.checkpoint_dir) is None
+    finally:
+        coordinator.shutdown()
+
+
+def test_bad_and_stale_notices_change_nothing(nodes, config, coordinator, exit_recorder):
+    ranks, _pids, _ = start_group(config, exit_recorder)
+    for bad, why in [
+        ({"source": "cli", "reason": "x", "node_id": "f" * 56}, "no rank of this job runs on"),
+        ({"source": "cli", "reason": "x", "rank": ["trainer", 99]}, "trainer/99 is not registered"),
+        ({"source": "cli", "reason": "x", "node_id": nodes["a"], "cycle": 7}, "stale: cycle 7"),
+        ({"source": "nope", "reason": "x", "node_id": nodes["a"]}, "source 'nope'"),
+        ({"source": "cli", "reason": "", "node_id": nodes["a"]}, "reason must be"),
+        (
+            {"source": "cli", "reason": "x", "node_id": nodes["a"], "deadline": 1.9e12},
+            "looks like milliseconds",
+        ),
+    ]:
+        answer = ray.get(coordinator.handle.notify.remote(bad), timeout=10)
+        assert answer["accepted"] is False and why in answer["reason"], (bad, answer)
+    status = coordinator.status()
+    assert not status["tearing_down"] and status["cycle"] == 0
+    assert len(status["rejected"]) == 6
+    assert ray.get([r.train.remote(2) for r in ranks], timeout=60) == [2] * 4, "still training"
+    stale = ray.get(coordinator.handle.report_sigterm.remote("nobody", 0, time.time()))
+    assert stale["accepted"] is False
+    kill_actors(*ranks)
+
+
+def test_coordinator_killed_ranks_still_leave_by_deadline(
+    nodes, config, coordinator, exit_recorder
+):
+    ranks, pids, _ = start_group(config, exit_recorder)
+    block_in_collective(ranks)
+    ray.kill(coordinator.handle)
+    time.sleep(1.0)  # the ranks' long polls fail: they note the coordinator is gone
+    sent = time.monotonic()
+    os.kill(pids[0], signal.SIGTERM)
+    assert exit_recorder.wait(pids[0], 10) == 0
+    assert time.monotonic() - sent < 2.0
+    report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report")
+    assert report["trigger"] == "signal 15"
+    kill_actors(*ranks)
+
+
+def test_sigterm_to_one_rank_tears_the_group_down_with_survivors_saving(
+    nodes, config, coordinator, exit_recorder
+):
+    ranks, pids, _ = start_group(config, exit_recorder)
+    block_in_collective(ranks)
+    sent = time.monotonic()
+    os.kill(pids[2], signal.SIGTERM)
+    codes = wait_all_exited(exit_recorder, pids, 20)
+    assert set(codes.values()) == {0}, codes
+    assert time.monotonic() - sent < config.expected_save_s + 2.0
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome.result == "committed", outcome.summary()
+    assert {n["source"] for n in outcome.notices} == {"sigterm"}
+    savers = sorted(s["shard"] for r in outcome.reports for s in r["saved"])
+    assert savers == ["trainer/0", "trainer/1"]
+    signalled = next(r for r in outcome.reports if r["pid"] == pids[2])
+    assert signalled["saved"] == [] and "coordinator order" in signalled["trigger"]
+
+
+def test_spares_and_standbys_exit_zero_when_the_job_succeeds(
+    ray_cluster, config, coordinator, exit_recorder
+):
+    worker = ray.remote(actors.SpareWorker)
+    spare, standby = (
+        worker.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
+        for _ in range(2)
+    )
+    pids = ray.get([spare.pid.remote(), standby.pid.remote()], timeout=60)
+    waits = [spare.wait.remote("spare", config), standby.wait.remote("standby", config)]
+    wait_for(lambda: len(coordinator.status()["spares"]) == 2, 30, "both to register")
+    assert not ray.wait(waits, timeout=0)[0], "they wait"
+    assert coordinator.job_finished(success=True)["spares_told"] == 2
+    results = ray.get(waits, timeout=30)
+    assert [r["action"] for r in results] == ["exit", "exit"]
+    assert [exit_recorder.wait(pid, 15) for pid in pids] == [0, 0]
+    assert coordinator.status()["spares"] == []
+
+
+def test_spare_takes_a_slot_and_standby_exits_on_permanent_close(
+    ray_cluster, config, coordinator, exit_recorder
+):
+    worker = ray.remote(actors.SpareWorker)
+    spare, standby = (
+        worker.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
+        for _ in range(2)
+    )
+    standby_pid = ray.get(standby.pid.remote(), timeout=60)
+    spare_wait = spare.wait.remote("spare", config)
+    standby_wait = standby.wait.remote("standby", config)
+    wait_for(lambda: len(coordinator.status()["spares"]) == 2, 30, "both to register")
+    assigned = coordinator.assign_spare("trainer", 2)
+    assert assigned["assigned"] is not None
+    result = ray.get(spare_wait, timeout=30)
+    assert (result["action"], result["group"], result["rank"]) == ("assigned", "trainer", 2)
+    assert ray.get(spare.pid.remote(), timeout=10), "an assigned spare stays to join the group"
+    coordinator.job_finished(success=False, permanent=True)
+    assert ray.get(standby_wait, timeout=30)["action"] == "exit"
+    assert exit_recorder.wait(standby_pid, 15) == 0
+    kill_actors(spare)
+
+
+def test_thousands_of_pending_polls_answered_at_once(ray_cluster, config, coordinator):
+    """The fan-out: 2,000 long polls held open, all answered when the notice comes."""
+    handle, n = coordinator.handle, 2000
+    ray.get(
+        [
+            handle.register.remote(
+                f"p{i}",
+                "node-x",
+                i,
+                "h",
+                [{"group": "g", "rank": i, "world_size": n, "shard": str(i % 8), "can_save": True}],
+            )
+            for i in range(n)
+        ],
+        timeout=120,
+    )
+    polls = [handle.poll.remote(f"p{i}", 0, {}, 50.0) for i in range(n)]
+    time.sleep(2.0)
+    assert not ray.wait(polls, timeout=0)[0], "the polls are held open"
+    start = time.monotonic()
+    assert coordinator.notify(node_id="node-x", reason="test", source="cli")["accepted"]
+    orders = ray.get(polls, timeout=60)
+    answered = time.monotonic() - start
+    assert all(o is not None and o["action"] == "teardown" for o in orders)
+    assert len({o["cycle"] for o in orders}) == 1
+    assert sum(len(o["saves"]) for o in orders) == 8, "one saver per shard"
+    print(f"2000 polls answered {answered:.2f}s after the notice")
