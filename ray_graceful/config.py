@@ -97,6 +97,10 @@ def _probe(value: Any) -> str | None:
     return "one of " + ", ".join(repr(p) for p in HEALTH_PROBES)
 
 
+def _train_shards(value: Any) -> str | None:
+    return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
+
+
 def _setting(default: Any, check: Callable[[Any], str | None], doc: str, **kw: Any) -> Any:
     if "default_factory" in kw:
         return field(default_factory=kw["default_factory"], metadata={"check": check, "doc": doc})
@@ -223,6 +227,12 @@ class GracefulConfig:
     )
     ignored_xids: tuple[int, ...] = _setting(
         DEFAULT_IGNORED_XIDS, _xids, "XIDs caused by applications, not hardware; ignored."
+    )
+    train_shards: str = _setting(
+        "per_rank",
+        _train_shards,
+        "Ray Train callback: 'per_rank' (every rank holds its own state: FSDP, sharded) or "
+        "'replicated' (every rank holds the same state: DDP; one rank saves).",
     )
     nologin_path: str = _setting(
         "/run/nologin",

@@ -90,7 +90,8 @@ class ControlChannel:
                 "rank": reg.group.rank,
                 "world_size": reg.group.world_size,
                 "shard": reg.shard,
-                "can_save": reg.saver is not None,
+                "can_save": reg.saver is not None or reg.cooperative,
+                "cooperative": reg.cooperative,
                 "gpus": _gpu_indices(),
             }
             for reg in self.runtime.registrations.values()
@@ -169,6 +170,10 @@ class ControlChannel:
 
     def _obey(self, order: dict[str, Any]) -> None:
         runtime = self.runtime
+        runtime.order = order
+        if any(reg.cooperative for reg in runtime.registrations.values()):
+            runtime.cooperative_stop(order)
+            return
         step = runtime.last_step
         save_orders, skipped = [], []
         for save in order.get("saves", []):

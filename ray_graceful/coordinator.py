@@ -69,6 +69,7 @@ class _Rank:
     can_save: bool
     process_id: str
     gpus: list[int] = field(default_factory=list)
+    cooperative: bool = False  # saves through the training function (Ray Train)
 
 
 @dataclass
@@ -103,6 +104,7 @@ class CoordinatorActor:
         self.outcome_events: dict[int, asyncio.Event] = {}
         self.save_times: dict[tuple[str, str], float] = {}
         self.drains_seen: dict[str, int] = {}
+        self.cooperative = False
         self._drain_task: asyncio.Task | None = None
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
@@ -180,6 +182,7 @@ class CoordinatorActor:
                 bool(entry["can_save"]),
                 process_id,
                 list(entry.get("gpus", [])),
+                bool(entry.get("cooperative", False)),
             )
             keys.append(key)
         now = time.time()
@@ -317,7 +320,7 @@ class CoordinatorActor:
     async def _teardown(self) -> None:
         await asyncio.sleep(GATHER_S)
         cycle = self.cycle
-        topology, health, notes = [], {}, {}
+        topology, health, notes, cooperative = [], {}, {}, False
         for key, rank in self.ranks.items():
             process = self.processes.get(rank.process_id)
             if process is None or process.cycle != cycle or key not in process.keys:
@@ -328,6 +331,8 @@ class CoordinatorActor:
             if process.health is not None:
                 health[key] = process.health.verdict
                 notes[key] = process.health.summary()
+            cooperative = cooperative or rank.cooperative
+        self.cooperative = cooperative
         plan = plan_termination(
             topology,
             self.notices,
@@ -335,6 +340,7 @@ class CoordinatorActor:
             self.config,
             expected_save_s=self.save_times,
             health_notes=notes,
+            destination="ray-train" if cooperative else self.config.checkpoint_dir,
         )
         self.plan = plan
         plan_at = time.time()
@@ -408,10 +414,13 @@ class CoordinatorActor:
             group = record.shard.split("/", 1)[0]
             self.save_times[(group, record.shard.split("/", 1)[-1])] = record.seconds
         committed, reason = None, ""
-        if root is None:
-            result, reason = "no-checkpoint", "no checkpoint_dir is configured"
-        elif plan.abandoned:
+        if plan.abandoned:
             result, reason = "abandoned", plan.abandoned
+        elif self.cooperative:
+            result = "ray-train"
+            reason = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
+        elif root is None:
+            result, reason = "no-checkpoint", "no checkpoint_dir is configured"
         else:
             expected = [shard_key(g, s) for g, s in plan.savers]
             step = records[0].step if records else -1

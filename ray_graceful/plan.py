@@ -123,14 +123,21 @@ def plan_termination(
     now: float | None = None,
     expected_save_s: Mapping[tuple[str, str], float] | None = None,
     health_notes: Mapping[Key, str] | None = None,
+    destination: str | None = "",
 ) -> TerminationPlan:
-    """Plan the end of a cycle; see the module docstring for the rules."""
+    """Plan the end of a cycle; see the module docstring for the rules.
+
+    ``destination`` names where savers write (a checkpoint directory, or Ray Train); None means
+    there is nowhere to write, and the plan abandons the checkpoint saying so.
+    """
     # The plan allocates a few small tuples per rank and keeps them all: at 100,000 ranks the
     # cyclic GC would rescan them over and over and double the time. Nothing here makes cycles.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan(topology, notices, health, config, now, expected_save_s, health_notes)
+        return _plan(
+            topology, notices, health, config, now, expected_save_s, health_notes, destination
+        )
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -144,6 +151,7 @@ def _plan(
     now: float | None,
     expected_save_s: Mapping[tuple[str, str], float] | None,
     health_notes: Mapping[Key, str] | None,
+    destination: str | None,
 ) -> TerminationPlan:
     now = time.time() if now is None else now
     expected = expected_save_s or {}
@@ -204,8 +212,8 @@ def _plan(
     savers: dict[tuple[str, str], Key] = {s: k for s, (_p, k) in best.items()}
     missing = [f"{g}/{s}" for g, s in shards if (g, s) not in savers]
     abandoned = None
-    if config.checkpoint_dir is None:
-        abandoned = "no checkpoint_dir is configured"
+    if destination is None:
+        abandoned = "nowhere to save: no checkpoint_dir is configured"
     elif missing:
         shown = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
         abandoned = (

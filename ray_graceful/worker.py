@@ -73,6 +73,7 @@ class Registration:
     shard: str
     saver: Saver | None
     release_only: bool = False  # an extra group registered for abort, not a rank to plan for
+    cooperative: bool = False  # the training function saves (Ray Train); see train.py
 
 
 @dataclass
@@ -89,6 +90,7 @@ class _ProcessRuntime:
     pid: int = field(default_factory=os.getpid)
     control: ControlChannel | None = None
     sigterm_seen: bool = False
+    order: dict[str, Any] | None = None  # the coordinator's order, once one arrived
     # Where the training loop last called should_stop(step): (thread id, its code object).
     step_site: tuple[int, CodeType] | None = None
 
@@ -145,6 +147,33 @@ class _ProcessRuntime:
                 else (f"no order from the coordinator within {config.order_wait_s}s")
             )
             self.begin_teardown(trigger=f"signal {signum} ({why})")
+
+    def cooperative_stop(self, order: dict[str, Any]) -> None:
+        """An order for ranks whose training function saves (Ray Train): stop, then guard.
+
+        ``should_stop()`` turns true and the training function saves at its step boundary
+        (``ray_graceful.train.emergency_checkpoint``). Whatever it does, a guard starts the
+        normal teardown shortly before the deadline, so the rank still leaves in time.
+        """
+        config = self.config_or_default()
+        self.order = order
+        self.stop_event.set()
+        deadline = float(order["deadline"])
+        guard_at = deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
+        timer = threading.Timer(
+            max(guard_at - time.time(), 0.0),
+            self.begin_teardown,
+            kwargs={
+                "trigger": f"coordinator order ({order.get('trigger', '')}); guard before the "
+                "deadline",
+                "deadline": deadline,
+                "cycle": int(order["cycle"]),
+                "save_orders": [],
+                "skip_save_reason": "saving is the training function's (Ray Train)",
+            },
+        )
+        timer.daemon = True
+        timer.start()
 
     def training_quiescent(self) -> bool:
         """True unless the training thread is inside the code that calls should_stop(step)."""
@@ -378,6 +407,7 @@ def _register(
     saver: Saver | None,
     config: GracefulConfig | None,
     release_only: bool = False,
+    cooperative: bool = False,
 ) -> SetupStatus:
     runtime = _process_runtime()
     cfg = runtime.adopt_config(config)
@@ -393,10 +423,13 @@ def _register(
                 "group; give each group its own name."
             )
         if existing is None:
-            runtime.registrations[handle.key] = Registration(handle, shard_key, saver, release_only)
+            runtime.registrations[handle.key] = Registration(
+                handle, shard_key, saver, release_only, cooperative
+            )
         else:
             existing.saver = saver or existing.saver
             existing.shard = shard_key
+            existing.cooperative = cooperative
     installed, listener = _listener_status(cfg)
     control = _connect(runtime, cfg) if not release_only else "extra group: released only"
     return SetupStatus(
@@ -406,7 +439,7 @@ def _register(
         backends=handle.backends,
         rank_source=handle.source,
         shard=shard_key,
-        can_save=saver is not None,
+        can_save=saver is not None or cooperative,
         listener_installed=installed,
         listener=listener,
         control=control,

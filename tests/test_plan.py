@@ -80,10 +80,11 @@ def test_sigterm_to_one_rank_and_no_checkpoint_dir():
     plan = plan_termination(two_replicas_per_shard(), [notice], {}, CONFIG, NOW)
     assert plan.order_for(("p", 1)).evicted and plan.order_for(("p", 1)).deadline == NOW + 25
     assert plan.savers[("p", "1")] == ("p", 3)  # the survivor replica
-    no_dir = plan_termination(
-        two_replicas_per_shard(), [notice], {}, CONFIG.replace(checkpoint_dir=None), NOW
+    nowhere = plan_termination(
+        two_replicas_per_shard(), [notice], {}, CONFIG, NOW, destination=None
     )
-    assert no_dir.abandoned == "no checkpoint_dir is configured" and no_dir.savers == {}
+    assert nowhere.abandoned == "nowhere to save: no checkpoint_dir is configured"
+    assert nowhere.savers == {}
 
 
 def test_measured_save_time_is_used():
