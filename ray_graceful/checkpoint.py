@@ -96,34 +96,26 @@ def shard_file_name(shard: str) -> str:
     return f"shard-{safe}.pt"
 
 
-class _ChecksumWriter:
-    """A file wrapper that computes CRC32 and size of what passes through (one pass)."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.crc = 0
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return self.raw.write(view)
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
 def save_state_dict(state: Any, path: str) -> tuple[int, int]:
-    """Default saver: ``torch.save`` to ``path``; returns (bytes, crc32) computed in passing."""
+    """Default saver: ``torch.save`` to ``path``, durable; returns (bytes, crc32).
+
+    ``torch.save`` given a path takes its fast C++ writer (a Python file object is ~2x slower).
+    The fsync and the CRC32 (read back from the page cache) then run side by side, so the
+    checksum costs next to nothing over the fsync that durability needs anyway.
+    """
     import torch
 
-    with open(path, "wb", buffering=8 << 20) as raw:
-        writer = _ChecksumWriter(raw)
-        torch.save(state, writer)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return writer.size, writer.crc
+    torch.save(state, path)
+    box: dict[str, tuple[int, int]] = {}
+    reader = threading.Thread(target=lambda: box.setdefault("sum", _file_checksum(path)))
+    reader.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    reader.join()
+    return box["sum"]
 
 
 def load_state_dict(path: str, map_location: Any = "cpu") -> Any:

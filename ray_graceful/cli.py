@@ -1,6 +1,16 @@
 """The ``ray-graceful`` command line.
 
-Commands: ``config`` (show or document the configuration).
+Commands:
+  notify     tell the coordinator a node or rank is going away (Kubernetes preStop, SLURM)
+  status     the coordinator's view: ranks, health, the last outcome
+  plan       a planning dry run on a scenario file (JSON or YAML)
+  demo       the main job: an eviction handled end to end on a local cluster
+  anyscale   switch the plugin on in an Anyscale job YAML
+  bench      benchmarks (release, plan, overhead, save, recovery)
+  config     the effective configuration, or its reference table
+
+Exit statuses: 0 done; 2 bad arguments or configuration; 3 no Ray cluster reachable; 4 no
+coordinator running; 5 the coordinator rejected the notice.
 """
 
 from __future__ import annotations
@@ -8,32 +18,350 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 from .config import ConfigError, GracefulConfig, config_reference_markdown
+
+EXIT_USAGE, EXIT_NO_CLUSTER, EXIT_NO_COORDINATOR, EXIT_REJECTED = 2, 3, 4, 5
+
+
+class CliError(Exception):
+    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> GracefulConfig:
+    overrides = {}
+    if getattr(args, "coordinator", None):
+        overrides["coordinator_name"] = args.coordinator
+    if getattr(args, "namespace", None):
+        overrides["coordinator_namespace"] = args.namespace
+    return GracefulConfig.from_env(**overrides)
+
+
+def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
+    import ray
+
+    from .coordinator import Coordinator
+
+    try:
+        ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+    except Exception as exc:  # ConnectionError, a missing cluster, auth: all the same here
+        raise CliError(
+            f"no Ray cluster reachable at {args.address!r}: {exc}", EXIT_NO_CLUSTER
+        ) from exc
+    try:
+        return Coordinator.connect(config, timeout=args.timeout)
+    except ValueError as exc:
+        raise CliError(
+            f"no coordinator named {config.coordinator_name!r} in namespace "
+            f"{config.coordinator_namespace!r}: is a job with ray_graceful running? "
+            "(--coordinator/--namespace pick another)",
+            EXIT_NO_COORDINATOR,
+        ) from exc
+
+
+def _parse_rank(text: str) -> tuple[str, int]:
+    group, sep, rank = text.rpartition("/")
+    if not sep or not group or not rank.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give GROUP/RANK, e.g. policy/3")
+    return group, int(rank)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
+    return value
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _cmd_notify(args: argparse.Namespace) -> int:
+    import ray
+
+    config = _config(args)
+    coordinator = _connect(args, config)
+    node_id = args.node_id
+    if args.this_node:
+        node_id = ray.get_runtime_context().get_node_id()
+    deadline = 0.0
+    if args.deadline_in is not None:
+        deadline = time.time() + args.deadline_in
+    elif args.deadline is not None:
+        deadline = args.deadline
+    answer = coordinator.notify(
+        node_id=node_id,
+        rank=args.rank,
+        reason=args.reason,
+        deadline=deadline,
+        source="cli",
+        timeout=args.timeout,
+    )
+    target = f"node {node_id}" if node_id else f"rank {args.rank[0]}/{args.rank[1]}"
+    if not answer.get("accepted"):
+        print(f"ray-graceful notify: rejected ({target}): {answer.get('reason')}", file=sys.stderr)
+        return EXIT_REJECTED
+    print(f"ray-graceful notify: accepted ({target}, cycle {answer.get('cycle')})")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    coordinator = _connect(args, _config(args))
+    status = coordinator.status(timeout=args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    print(
+        f"cycle {status['cycle']}  job {status['job_state']}"
+        f"{'  (tearing down)' if status['tearing_down'] else ''}"
+    )
+    rows = [("rank", "node", "pid", "shard", "step", "health", "seen")]
+    for r in status["ranks"]:
+        rows.append(
+            (
+                f"{r['group']}/{r['rank']}",
+                r["node_id"][:12],
+                str(r["pid"]),
+                r["shard"],
+                str(r["last_step"]),
+                r["health"],
+                f"{r['seen_s_ago']}s ago",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for spare in status["spares"]:
+        print(f"{spare['role']} {spare['id']} on {spare['node_id'][:12]} (pid {spare['pid']})")
+    if status["plan_table"]:
+        print("\ncurrent plan:\n" + status["plan_table"])
+    if status["last_outcome"]:
+        from .outcome import TerminationOutcome
+
+        print("\nlast outcome: " + TerminationOutcome.from_dict(status["last_outcome"]).summary())
+    for rejected in status["rejected"]:
+        print(f"rejected: {rejected['reason']}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .dry_run import ScenarioError, plan_file
+
+    try:
+        plan = plan_file(args.scenario, now=0.0)
+    except (ScenarioError, ConfigError, OSError) as exc:
+        raise CliError(f"{args.scenario}: {exc}") from exc
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(plan.table(now=0.0))
+    return 0
+
+
+def _cmd_anyscale(args: argparse.Namespace) -> int:
+    from .anyscale import DEFAULT_PACKAGE, AnyscaleConfigError, enable_yaml
+
+    overrides = {}
+    for item in args.set or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--set {item!r}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
+        overrides[f"RAY_GRACEFUL_{name.upper()}"] = value
+    if args.checkpoint_dir:
+        overrides["RAY_GRACEFUL_CHECKPOINT_DIR"] = args.checkpoint_dir
+    config = GracefulConfig.from_env(overrides)
+    target = args.output or args.job
+    try:
+        enable_yaml(
+            args.job,
+            target,
+            config=config,
+            package=None if args.no_package else (args.package or DEFAULT_PACKAGE),
+            train_callback=not args.no_train_callback,
+            setup_hook=not args.no_setup_hook,
+        )
+    except (AnyscaleConfigError, OSError) as exc:
+        raise CliError(f"{args.job}: {exc}") from exc
+    print(f"ray-graceful anyscale: wrote {target}")
+    return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(config_reference_markdown())
         return 0
-    config = GracefulConfig.from_env()
-    print(json.dumps(asdict(config), indent=2, sort_keys=True))
+    print(json.dumps(asdict(GracefulConfig.from_env()), indent=2, sort_keys=True))
     return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(output=args.output, steps_before=args.steps)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_benchmark
+
+    return run_benchmark(args)
+
+
+# --- parser --------------------------------------------------------------------------------
+
+
+def _connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default="auto",
+        help="Ray cluster address (default: auto, the cluster on this node)",
+    )
+    p.add_argument(
+        "--coordinator",
+        help="coordinator name (default: RAY_GRACEFUL_COORDINATOR_NAME"
+        " or ray_graceful_coordinator)",
+    )
+    p.add_argument("--namespace", help="coordinator namespace (default: ray_graceful)")
+    p.add_argument(
+        "--timeout",
+        type=_non_negative,
+        default=10.0,
+        help="seconds to wait for the coordinator (default 10)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ray-graceful",
         description="Bounded, clean, reported endings for distributed PyTorch training on Ray.",
+        epilog="Exit statuses: 0 done; 2 bad arguments or configuration; 3 no Ray cluster; "
+        "4 no coordinator; 5 notice rejected.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    notify = sub.add_parser(
+        "notify",
+        help="tell the coordinator a node or rank is going away",
+        description="Tell the running job's coordinator that a node or a rank is going away. "
+        "Use it as a Kubernetes preStop hook (ray-graceful notify --this-node --deadline-in 25 "
+        "--reason 'pod terminating') or from a SLURM --signal handler.",
+    )
+    target = notify.add_mutually_exclusive_group(required=True)
+    target.add_argument("--this-node", action="store_true", help="the Ray node this runs on")
+    target.add_argument("--node-id", help="a Ray node id (hex)")
+    target.add_argument("--rank", type=_parse_rank, help="one rank, as GROUP/RANK")
+    notify.add_argument("--reason", required=True, help="why (shown in the plan and outcome)")
+    when = notify.add_mutually_exclusive_group()
+    when.add_argument(
+        "--deadline-in",
+        type=_non_negative,
+        metavar="SECONDS",
+        help="the node or rank is gone this many seconds from now",
+    )
+    when.add_argument(
+        "--deadline",
+        type=_non_negative,
+        metavar="UNIX_SECONDS",
+        help="the node or rank is gone at this time",
+    )
+    _connection_options(notify)
+    notify.set_defaults(func=_cmd_notify)
+
+    status = sub.add_parser(
+        "status",
+        help="the coordinator's view: ranks, health, outcome",
+        description="Show the running coordinator's ranks, their health "
+        "and last step, and the last termination outcome.",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _connection_options(status)
+    status.set_defaults(func=_cmd_status)
+
+    plan = sub.add_parser(
+        "plan",
+        help="a planning dry run on a scenario file",
+        description="Plan who saves and who leaves for the scenario in FILE "
+        "(JSON or YAML: ranks, notices, health, config) and print the table. "
+        "Deadlines print relative to now.",
+    )
+    plan.add_argument("scenario", metavar="FILE")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_cmd_plan)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the main job: an eviction handled end to end",
+        description="Start a local multi-node Ray cluster, train a small "
+        "model on CPU ranks, drain one node and fault another, and show the "
+        "plan, the teardown, the committed checkpoint and the resume.",
+    )
+    demo.add_argument(
+        "--output",
+        default="demo-output",
+        help="directory for the outcome JSON and the timeline PNG",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=6, help="training steps before the eviction (default 6)"
+    )
+    demo.set_defaults(func=_cmd_demo)
+
+    anyscale = sub.add_parser(
+        "anyscale",
+        help="switch the plugin on in an Anyscale job YAML",
+        description="Read an Anyscale job YAML and write it back with "
+        "ray_graceful on: its settings, the Ray Train callback and the "
+        "worker setup hook in env_vars, the package in requirements. The "
+        "job's own env_vars are kept; a conflicting one is an error.",
+    )
+    anyscale.add_argument("job", metavar="JOB_YAML")
+    anyscale.add_argument("-o", "--output", help="where to write (default: in place)")
+    anyscale.add_argument("--checkpoint-dir", help="emergency checkpoint directory")
+    anyscale.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="any GracefulConfig field, e.g. --set save_budget_s=12",
+    )
+    anyscale.add_argument(
+        "--package", help="requirement to install (default: ray-graceful==this version)"
+    )
+    anyscale.add_argument(
+        "--no-package",
+        action="store_true",
+        help="do not add the package (it is in the image already)",
+    )
+    anyscale.add_argument(
+        "--no-train-callback",
+        action="store_true",
+        help="do not set RAY_TRAIN_CALLBACKS (not a Ray Train job)",
+    )
+    anyscale.add_argument(
+        "--no-setup-hook",
+        action="store_true",
+        help="do not set the worker setup hook (no async actors)",
+    )
+    anyscale.set_defaults(func=_cmd_anyscale)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     config = sub.add_parser(
         "config",
-        help="print the configuration read from RAY_GRACEFUL_* variables",
-        description="Print the effective configuration (from RAY_GRACEFUL_* variables) as "
-        "JSON, or the reference table of every setting as Markdown.",
+        help="the effective configuration, or its reference",
+        description="Print the configuration read from RAY_GRACEFUL_* "
+        "variables as JSON, or (--markdown) the reference table.",
     )
     config.add_argument("--markdown", action="store_true", help="print the reference table")
     config.set_defaults(func=_cmd_config)
@@ -45,9 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except CliError as exc:
+        print(f"ray-graceful {args.command}: {exc}", file=sys.stderr)
+        return exc.status
     except ConfigError as exc:
-        print(f"ray-graceful: {exc}", file=sys.stderr)
-        return 2
+        print(f"ray-graceful {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

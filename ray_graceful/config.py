@@ -180,6 +180,18 @@ class GracefulConfig:
         _name,
         "Name of the coordinator actor that workers look up in their Ray namespace.",
     )
+    coordinator_namespace: str = _setting(
+        "ray_graceful",
+        _name,
+        "Ray namespace of the coordinator actor: fixed, so workers of any job and the CLI "
+        "(ray-graceful notify) find it without knowing the job's namespace.",
+    )
+    notice_gather_s: float = _setting(
+        0.2,
+        _seconds_or_zero,
+        "After the first notice of a cycle, how long the coordinator gathers further notices "
+        "(a drain and a fault together, a SIGTERM to every rank) before it plans.",
+    )
     drain_poll_interval_s: float = _setting(
         1.0,
         _seconds,

@@ -37,7 +37,7 @@ def find_coordinator(config: GracefulConfig) -> Any | None:
 
         if not ray.is_initialized():
             return None
-        return ray.get_actor(config.coordinator_name)
+        return ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
     except (ValueError, ImportError):
         return None
 

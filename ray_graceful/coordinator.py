@@ -36,7 +36,6 @@ from .plan import RankInfo, TerminationPlan, plan_termination
 from .teardown import write_stderr
 
 Key = tuple[str, int]
-GATHER_S = 0.1  # notices arriving together (a SIGTERM to every rank) go into one plan
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_POLL_S = 60.0
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
@@ -318,7 +317,7 @@ class CoordinatorActor:
     # --- the teardown of a cycle -----------------------------------------------------------
 
     async def _teardown(self) -> None:
-        await asyncio.sleep(GATHER_S)
+        await asyncio.sleep(self.config.notice_gather_s)
         cycle = self.cycle
         topology, health, notes, cooperative = [], {}, {}, False
         for key, rank in self.ranks.items():
@@ -598,13 +597,12 @@ class Coordinator:
         self.config = config
 
     @classmethod
-    def start(
-        cls, config: GracefulConfig | None = None, namespace: str | None = None
-    ) -> Coordinator:
-        """Start this job's coordinator (named ``config.coordinator_name``) on this node.
+    def start(cls, config: GracefulConfig | None = None) -> Coordinator:
+        """Start this job's coordinator on this node (the driver's, usually the head).
 
-        Workers find it by name from ``graceful_setup``. Starting it twice in one namespace
-        is an error that says so.
+        It is named ``config.coordinator_name`` in ``config.coordinator_namespace``; workers
+        and the CLI find it there. Starting a second one under the same name is an error that
+        says so (give concurrent jobs on one cluster different names).
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -612,17 +610,18 @@ class Coordinator:
         config = config or GracefulConfig.from_env()
         ctx = ray.get_runtime_context()
         try:
-            ray.get_actor(config.coordinator_name, namespace=namespace)
+            ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
         except ValueError:
             pass
         else:
             raise RuntimeError(
-                f"a coordinator named {config.coordinator_name!r} already runs in this "
-                "namespace: use Coordinator.connect(), or give another coordinator_name"
+                f"a coordinator named {config.coordinator_name!r} already runs in namespace "
+                f"{config.coordinator_namespace!r}: use Coordinator.connect(), or set another "
+                "coordinator_name (RAY_GRACEFUL_COORDINATOR_NAME) for this job"
             )
         actor = ray.remote(CoordinatorActor).options(
             name=config.coordinator_name,
-            namespace=namespace,
+            namespace=config.coordinator_namespace,
             num_cpus=0,
             max_concurrency=MAX_CONCURRENCY,
             max_restarts=0,
@@ -635,14 +634,12 @@ class Coordinator:
         return cls(handle, config)
 
     @classmethod
-    def connect(
-        cls, name: str | None = None, namespace: str | None = None, timeout: float = 10.0
-    ) -> Coordinator:
-        """Find a running coordinator (the CLI uses this); ValueError if there is none."""
+    def connect(cls, config: GracefulConfig | None = None, timeout: float = 10.0) -> Coordinator:
+        """Find the running coordinator (the CLI uses this); ValueError if there is none."""
         import ray
 
-        config = GracefulConfig.from_env()
-        handle = ray.get_actor(name or config.coordinator_name, namespace=namespace)
+        config = config or GracefulConfig.from_env()
+        handle = ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
         ray.get(handle.ping.remote(), timeout=timeout)
         return cls(handle, config)
 

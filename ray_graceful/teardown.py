@@ -27,8 +27,10 @@ import gc
 import json
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -79,6 +81,7 @@ class TeardownReport:
     deadline: float
     steps: list[StepRecord] = field(default_factory=list)
     saved: list[dict[str, Any]] = field(default_factory=list)
+    last_step: int | None = None  # the last step boundary the training loop reported
     exit_path: str | None = None
     exit_code: int | None = None
     finished_s: float | None = None
@@ -229,6 +232,24 @@ def request_ray_intended_exit(detail: str) -> bool:
         write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
         return False
     return True
+
+
+def _busy_threads() -> str:
+    """Where each non-ray_graceful thread is, innermost frame first: what held the exit."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    where = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        if name.startswith("ray_graceful-"):
+            continue
+        stack = traceback.extract_stack(frame)[-3:]
+        where.append(
+            f"{name} at "
+            + " <- ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)
+            )
+        )
+    return "; ".join(where) or "no other thread"
 
 
 class Teardown:
@@ -450,7 +471,7 @@ class Teardown:
             self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
             record.detail += (
                 f"; the process was still alive after {self.config.exit_grace_s}s "
-                "(a task had not returned), so os._exit"
+                f"(a task had not returned: {_busy_threads()}), so os._exit"
             )
             write_report_file(self.report, self.config.report_dir)
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")

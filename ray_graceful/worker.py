@@ -229,6 +229,7 @@ class _ProcessRuntime:
                 quiescent=self.training_quiescent,
                 exit_process=exit_process,
             )
+            self.teardown.report.last_step = self.last_step
             self.teardown.start()
             return self.teardown
 

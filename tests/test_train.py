@@ -17,7 +17,7 @@ from ray.train.torch import TorchTrainer
 from ray_graceful import GracefulConfig
 from ray_graceful.drain import drain_node
 from ray_graceful.train import GracefulTrainCallback, resume_step
-from tests.train_job import train_func
+from ray_graceful.train_job import train_func
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""A small TorchTrainer job (DDP on gloo, CPU) for the Ray Train tests and the recovery bench.
+"""A small TorchTrainer job (DDP on gloo, CPU): the Ray Train test and `bench recovery` run it.
 
-It writes one line per executed step to ``progress`` (attempt, rank, step) so a test can tell
-where each attempt started and whether a step ran twice. Periodic checkpoints every
+It appends one line per executed step to ``progress`` (rank, step) and one per attempt to
+``attempt_file`` (rank, "start", step), so a test can tell where each attempt started and
+whether a step ran twice. Periodic checkpoints every
 ``every`` steps; an emergency checkpoint when ray_graceful says stop.
 """
 

@@ -1,0 +1,760 @@
+"""``ray-graceful bench <name>``: the numbers behind docs/benchmarks.md, with their baselines.
+
+- ``release``  N ranks all-reducing on gloo (or NCCL); one rank is evicted mid-collective by
+               SIGTERM, or its node is drained with a deadline. Time from the eviction to the
+               first rank out, every rank out, and the coordinator's outcome - and, in the same
+               run, the same job without the plugin (its survivors wait out the collective
+               timeout: a lower bound of the real 600-1800 s).
+- ``plan``     planning time for 1,000 / 10,000 / 100,000 ranks with mixed health and deadlines.
+- ``overhead`` training step time with the plugin installed and idle, against without.
+- ``save``     emergency-save throughput against the directory's raw sequential write speed
+               and a plain ``torch.save``, measured in the same run.
+- ``recovery`` a Ray Train run preempted mid-way: time to resumed training and steps lost,
+               with the callback and without.
+
+Each prints a table and writes JSON (``--json``, default ``bench-output/<name>.json``).
+Every Ray benchmark starts its own local cluster in a private temp directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .config import GracefulConfig
+from .worker import GracefulWorkerMixin
+
+BENCHMARKS = ("release", "plan", "overhead", "save", "recovery")
+
+
+# --- common ------------------------------------------------------------------------------
+
+
+def _machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_cluster(
+    extra_nodes: int = 0, head_cpus: int = 4, node_resources: dict[str, float] | None = None
+) -> Iterator[tuple[Any, list[Any]]]:
+    """A private multi-node Ray cluster on this machine; the driver attached to it."""
+    work = tempfile.mkdtemp(prefix="ray-graceful-bench-")
+    os.environ["RAY_TMPDIR"] = work
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "include_dashboard": False,
+            "resources": {"bench_head": 1000},
+        },
+    )
+    nodes = [
+        cluster.add_node(num_cpus=2, resources={f"bench_n{i}": 1000, **(node_resources or {})})
+        for i in range(extra_nodes)
+    ]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+# --- release -----------------------------------------------------------------------------
+
+
+class BenchRank:
+    """A rank that all-reduces in a loop (the job without the plugin)."""
+
+    def start(
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        timeout_s: float,
+        backend: str,
+        config: GracefulConfig | None = None,
+    ) -> int:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        self.backend = backend
+        self.step = 0
+        if config is not None:
+            self.graceful_setup("bench", shard=str(rank), config=config)  # type: ignore[attr-defined]
+        return os.getpid()
+
+    def should_stop(self, step: int | None = None) -> bool:
+        return False
+
+    def train(self, steps: int) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        tensor = torch.ones(1 << 18, device=device)  # 1 MiB of float32
+        try:
+            for _ in range(steps):
+                dist.all_reduce(tensor)
+                self.step += 1
+                if self.should_stop(self.step):
+                    break
+        except Exception as exc:
+            return {"released_at": time.time(), "error": str(exc)[-80:], "step": self.step}
+        return {"released_at": time.time(), "error": None, "step": self.step}
+
+
+class GracefulBenchRank(GracefulWorkerMixin, BenchRank):
+    """The same rank with the plugin adopted."""
+
+
+def _release_once(
+    ray: Any, cluster: Any, n: int, graceful: bool, how: str, timeout_s: float, backend: str
+) -> dict[str, Any]:
+    """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
+
+    A rank is *out* when its process is gone or, without the plugin, when its collective
+    returned an error (the process itself then lingers until someone kills it).
+    """
+    from .coordinator import Coordinator
+    from .drain import drain_node
+
+    work = tempfile.mkdtemp(prefix="release-")
+    config = GracefulConfig(report_dir=os.path.join(work, "reports"), drain_poll_interval_s=1.0)
+    coordinator = Coordinator.start(config) if graceful else None
+    cls = GracefulBenchRank if graceful else BenchRank
+    gpus = 1.0 / n if backend == "nccl" else 0
+    node = cluster.add_node(num_cpus=2, resources={"bench_evicted": 1000})
+    cluster.wait_for_nodes()
+    ranks: list[Any] = []
+    try:
+        port = _free_port()
+        for i in range(n):
+            where = {"bench_evicted": 1} if i == 0 else {"bench_head": 1}
+            ranks.append(
+                ray.remote(cls).options(num_cpus=0, num_gpus=gpus, resources=where).remote()
+            )
+        pids = ray.get(
+            [
+                r.start.remote(i, n, port, timeout_s, backend, config if graceful else None)
+                for i, r in enumerate(ranks)
+            ],
+            timeout=300,
+        )
+        training = {r.train.remote(10**9): i for i, r in enumerate(ranks)}
+        time.sleep(1.0)
+        t0 = time.time()
+        if how == "sigterm":
+            os.kill(pids[0], signal.SIGTERM)
+        else:
+            drain_node(node.node_id, t0 + 30.0, "bench: drain")
+        out: dict[int, float] = {}
+        end = t0 + timeout_s + 30
+        while len(out) < n and time.time() < end:
+            for i, pid in enumerate(pids):
+                if i not in out and not _alive(pid):
+                    out[i] = time.time()
+            ready, _ = ray.wait(list(training), timeout=0)
+            for ref in ready:
+                i = training.pop(ref)
+                try:
+                    out.setdefault(i, ray.get(ref)["released_at"])
+                except Exception:  # the actor died: it was out when its process went
+                    out.setdefault(i, time.time())
+            time.sleep(0.002)
+        outcome_s = None
+        if coordinator is not None:
+            outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+            if outcome is not None and outcome.notices:
+                first = min(notice["received_at"] for notice in outcome.notices)
+                outcome_s = first + outcome.timings["outcome"] - t0
+        return {
+            "n": n,
+            "graceful": graceful,
+            "how": how,
+            "first_out_s": min(out.values()) - t0 if out else None,
+            "all_out_s": max(out.values()) - t0 if len(out) == n else None,
+            "stuck": n - len(out),
+            "outcome_s": outcome_s,
+        }
+    finally:
+        for r in ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(r)
+        if coordinator is not None:
+            coordinator.shutdown()
+        cluster.remove_node(node)
+
+
+def bench_release(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    results: list[dict[str, Any]] = []
+    sizes = [int(x) for x in args.sizes.split(",")]
+    hows = args.how.split(",")
+    with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
+        for how in hows:
+            for n in sizes:
+                for rep in range(args.reps):
+                    r = _release_once(ray, cluster, n, True, how, args.timeout, args.backend)
+                    results.append({**r, "rep": rep})
+                    print(f"  {how} N={n} rep {rep}: all out {r['all_out_s']}s", flush=True)
+                if args.baseline:
+                    b = _release_once(ray, cluster, n, False, how, args.timeout, args.backend)
+                    results.append({**b, "rep": 0})
+                    print(
+                        f"  baseline {how} N={n}: all out {b['all_out_s']}s, {b['stuck']} stuck",
+                        flush=True,
+                    )
+    rows = []
+    for how in hows:
+        for n in sizes:
+            runs = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, how, True)]
+            alls = [r["all_out_s"] for r in runs if r["all_out_s"] is not None]
+            firsts = [r["first_out_s"] for r in runs if r["first_out_s"] is not None]
+            outcomes = [r["outcome_s"] for r in runs if r["outcome_s"] is not None]
+            base = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, how, False)]
+            waited = args.timeout + 30
+            if not base:
+                base_text, speedup = "-", "-"
+            elif base[0]["all_out_s"] is not None:
+                base_text = f"{base[0]['all_out_s']:.2f}"
+                speedup = f"{base[0]['all_out_s'] / statistics.median(alls):.0f}x" if alls else "-"
+            else:
+                base_text = f"never ({base[0]['stuck']}/{n} stuck after {waited:.0f}s)"
+                speedup = f">{waited / statistics.median(alls):.0f}x" if alls else "-"
+            rows.append(
+                [
+                    how,
+                    n,
+                    len(runs),
+                    _pct(firsts, 0.5),
+                    _pct(alls, 0.5),
+                    _pct(alls, 0.9),
+                    max(alls) if alls else float("nan"),
+                    _pct(outcomes, 0.5),
+                    base_text,
+                    speedup,
+                ]
+            )
+    table = _table(
+        [
+            "eviction",
+            "N",
+            "reps",
+            "first out p50 s",
+            "all out p50 s",
+            "p90 s",
+            "max s",
+            "outcome p50 s",
+            "baseline: all out s",
+            "vs baseline",
+        ],
+        rows,
+    )
+    table += (
+        f"\nbaseline: the same job without the plugin, collective timeout "
+        f"{args.timeout:.0f}s (the real default is 600 s for NCCL, 1800 s for gloo)"
+    )
+    return {"results": results, "table": table}
+
+
+# --- plan ----------------------------------------------------------------------------------
+
+
+def bench_plan(args: argparse.Namespace) -> dict[str, Any]:
+    import random
+
+    from .health import VERDICTS
+    from .notices import EvictionNotice
+    from .plan import RankInfo, plan_termination
+
+    rng = random.Random(0)
+    config = GracefulConfig(checkpoint_dir="/bench")
+    rows, results = [], []
+    for n in [int(x) for x in args.sizes.split(",")]:
+        ranks = [RankInfo("g", i, f"node{i // 8}", str(i % 256)) for i in range(n)]
+        health = {("g", i): rng.choice(VERDICTS) for i in range(0, n, 5)}
+        now = time.time()
+        notices = [
+            EvictionNotice(
+                "drain", "bench", 0, now + rng.uniform(5, 60), node_id=f"node{j}", received_at=now
+            )
+            for j in range(0, n // 8, 7)
+        ]
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            plan = plan_termination(ranks, notices, health, config, now)
+            times.append(time.perf_counter() - start)
+        results.append(
+            {"n": n, "seconds": times, "savers": len(plan.savers), "abandoned": plan.abandoned}
+        )
+        rows.append(
+            [
+                n,
+                len(notices),
+                len(health),
+                _pct(times, 0.5) * 1000,
+                min(times) * 1000,
+                max(times) * 1000,
+                len(plan.savers),
+            ]
+        )
+    table = _table(
+        ["ranks", "drained nodes", "health verdicts", "p50 ms", "min ms", "max ms", "shards saved"],
+        rows,
+    )
+    return {"results": results, "table": table}
+
+
+# --- overhead ------------------------------------------------------------------------------
+
+
+class StepRank(BenchRank):
+    """A training step: a matmul-sized compute and a gradient all-reduce."""
+
+    def steps(self, count: int) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        weights = torch.randn(256, 256)
+        x = torch.randn(64, 256)
+        grad = torch.ones(1 << 16)
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            for _ in range(4):
+                x = torch.tanh(x @ weights)
+            dist.all_reduce(grad)
+            self.step += 1
+            self.should_stop(self.step)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+class GracefulStepRank(GracefulWorkerMixin, StepRank):
+    pass
+
+
+def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from .coordinator import Coordinator
+
+    samples: dict[str, list[float]] = {"without": [], "with": []}
+    rounds: dict[str, list[float]] = {"without": [], "with": []}
+    with local_cluster() as _:
+        work = tempfile.mkdtemp(prefix="overhead-")
+        config = GracefulConfig(report_dir=work)
+        coordinator = Coordinator.start(config)
+        groups = {}
+        for label, cls in (("without", StepRank), ("with", GracefulStepRank)):
+            port = _free_port()
+            ranks = [ray.remote(cls).options(num_cpus=0).remote() for _ in range(2)]
+            ray.get(
+                [
+                    r.start.remote(i, 2, port, 60, "gloo", config if label == "with" else None)
+                    for i, r in enumerate(ranks)
+                ],
+                timeout=120,
+            )
+            ray.get([r.steps.remote(50) for r in ranks], timeout=120)  # warm up
+            groups[label] = ranks
+        for _ in range(args.rounds):  # alternate, so drift hits both alike
+            for label in ("without", "with"):
+                times = ray.get([r.steps.remote(args.steps) for r in groups[label]], timeout=600)
+                step_times = [max(a, b) for a, b in zip(*times, strict=True)]
+                samples[label].extend(step_times)
+                rounds[label].append(statistics.median(step_times))
+        coordinator.shutdown()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    noise = {k: (_pct(v, 0.75) - _pct(v, 0.25)) for k, v in samples.items()}
+    spread = {k: max(v) / min(v) - 1 for k, v in rounds.items()}
+    delta = med["with"] / med["without"] - 1
+    rows = [
+        [k, len(samples[k]), med[k] * 1e3, noise[k] * 1e3, spread[k] * 100]
+        for k in ("without", "with")
+    ]
+    table = _table(["plugin", "steps", "median ms", "IQR ms", "round-to-round spread %"], rows)
+    table += f"\nmedian step time with the plugin: {delta * 100:+.2f}% vs without"
+    return {
+        "results": {
+            "samples_ms": {k: [x * 1e3 for x in v] for k, v in samples.items()},
+            "round_medians_ms": {k: [x * 1e3 for x in v] for k, v in rounds.items()},
+            "delta": delta,
+        },
+        "table": table,
+    }
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_save(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from .checkpoint import save_state_dict, write_shard
+
+    directory = args.dir or tempfile.mkdtemp(prefix="save-")
+    os.makedirs(directory, exist_ok=True)
+    rows, results = [], []
+    for mb in [int(x) for x in args.sizes.split(",")]:
+        state = {f"layer{i}": torch.randn(mb * (1 << 20) // 4 // 16) for i in range(16)}
+        nbytes = sum(t.numel() * 4 for t in state.values())
+        chunk = bytearray(os.urandom(8 << 20))
+        timings: dict[str, list[float]] = {
+            "raw": [],
+            "torch.save": [],
+            "torch.save+fsync": [],
+            "ray_graceful": [],
+        }
+        for rep in range(args.reps):
+            path = os.path.join(directory, f"raw-{rep}")
+            start = time.perf_counter()
+            with open(path, "wb", buffering=0) as f:
+                left = nbytes
+                while left > 0:
+                    left -= f.write(chunk[: min(len(chunk), left)])
+                os.fsync(f.fileno())
+            timings["raw"].append(time.perf_counter() - start)
+            os.remove(path)
+
+            path = os.path.join(directory, f"plain-{rep}.pt")
+            start = time.perf_counter()
+            torch.save(state, path)
+            timings["torch.save"].append(time.perf_counter() - start)
+            _fsync_file(path)
+            os.remove(path)
+
+            path = os.path.join(directory, f"plainsync-{rep}.pt")
+            start = time.perf_counter()
+            torch.save(state, path)
+            _fsync_file(path)
+            timings["torch.save+fsync"].append(time.perf_counter() - start)
+            os.remove(path)
+
+            start = time.perf_counter()
+            record = write_shard(
+                directory, rep, "bench", lambda p, _step, state=state: save_state_dict(state, p)
+            )
+            timings["ray_graceful"].append(time.perf_counter() - start)
+            os.remove(os.path.join(directory, f"step-{rep:08d}", record.file))
+        mbs = {k: nbytes / (1 << 20) / statistics.median(v) for k, v in timings.items()}
+        results.append({"mb": mb, "bytes": nbytes, "seconds": timings, "mb_per_s": mbs})
+        rows.append(
+            [
+                mb,
+                mbs["raw"],
+                mbs["torch.save"],
+                mbs["torch.save+fsync"],
+                mbs["ray_graceful"],
+                f"{mbs['ray_graceful'] / mbs['raw'] * 100:.0f}%",
+                f"{mbs['ray_graceful'] / mbs['torch.save+fsync'] * 100:.0f}%",
+            ]
+        )
+        state.clear()  # free this size's tensors before the next
+    table = _table(
+        [
+            "MB",
+            "raw MB/s",
+            "torch.save MB/s",
+            "torch.save+fsync MB/s",
+            "ray_graceful MB/s",
+            "of raw",
+            "of torch.save+fsync",
+        ],
+        rows,
+    )
+    table += (
+        f"\ndirectory: {directory}; ray_graceful = torch.save to a temp name, its fsync beside "
+        "a CRC32 read-back, rename, directory fsync"
+    )
+    return {"results": results, "table": table}
+
+
+# --- recovery ------------------------------------------------------------------------------
+
+
+def _recovery_once(
+    graceful: bool, total: int, every: int, step_s: float, evict_after: int
+) -> dict[str, Any]:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from .drain import drain_node
+    from .train import GracefulTrainCallback
+    from .train_job import train_func
+
+    with local_cluster(extra_nodes=3, head_cpus=2, node_resources={"bench_slot": 1}) as (
+        cluster,
+        nodes,
+    ):
+        work = tempfile.mkdtemp(prefix="recovery-")
+        progress, attempts = os.path.join(work, "progress"), os.path.join(work, "attempts")
+        callbacks = []
+        if graceful:
+            callbacks.append(
+                GracefulTrainCallback(
+                    GracefulConfig(
+                        report_dir=os.path.join(work, "reports"),
+                        drain_poll_interval_s=0.5,
+                        health_interval_s=0.5,
+                        train_shards="replicated",
+                        expected_save_s=1.0,
+                    )
+                )
+            )
+        trainer = TorchTrainer(
+            train_func,
+            train_loop_config={
+                "total": total,
+                "step_s": step_s,
+                "every": every,
+                "progress": progress,
+                "attempt_file": attempts,
+                "graceful": graceful,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
+            ),
+            run_config=RunConfig(
+                storage_path=os.path.join(work, "storage"),
+                name="run",
+                callbacks=callbacks,
+                failure_config=FailureConfig(max_failures=3),
+            ),
+        )
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
+        thread.start()
+
+        def executed() -> list[tuple[int, int]]:
+            try:
+                with open(progress) as f:
+                    return [tuple(map(int, line.split())) for line in f]  # type: ignore[misc]
+            except FileNotFoundError:
+                return []
+
+        while len(executed()) < 2 * evict_after and thread.is_alive():
+            time.sleep(0.05)
+        at_eviction = max(s for _r, s in executed())
+        busy = [
+            n
+            for n in nodes
+            if ray._private.state.available_resources_per_node()
+            .get(n.node_id, {})
+            .get("bench_slot", 0)
+            == 0
+        ]
+        t0 = time.time()
+        drain_node(busy[0].node_id, t0 + 10.0, "bench: spot reclaim")
+        time.sleep(10.0)
+        cluster.remove_node(busy[0])  # the reclaim itself, at the deadline
+        seen_restart = None
+        while thread.is_alive():
+            with contextlib.suppress(FileNotFoundError), open(attempts) as f:
+                if len(f.readlines()) > 2 and seen_restart is None:
+                    seen_restart = time.time()
+            time.sleep(0.05)
+        thread.join()
+        with open(attempts) as f:
+            starts = [int(line.split()[2]) for line in f]
+        resumed_at = starts[2] if len(starts) > 2 else None
+        rank0 = [s for r, s in executed() if r == 0]
+        return {
+            "graceful": graceful,
+            "evicted_at_step": at_eviction,
+            "resumed_at_step": resumed_at,
+            # A step executed twice is a step lost: the work between the checkpoint the run
+            # resumed from and the eviction was done again.
+            "steps_lost": len(rank0) - len(set(rank0)),
+            "steps_executed_rank0": len(rank0),
+            "restart_seen_s": (seen_restart - t0) if seen_restart else None,
+            "error": str(box["result"].error) if box["result"].error else None,
+        }
+
+
+def bench_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    rows, results = [], []
+    for graceful in (True, False):
+        r = _recovery_once(graceful, args.total, args.every, args.step_s, args.evict_after)
+        results.append(r)
+        print(f"  recovery graceful={graceful}: {r}", flush=True)
+        rows.append(
+            [
+                "with ray_graceful" if graceful else "without",
+                r["evicted_at_step"],
+                r["resumed_at_step"],
+                r["steps_lost"],
+                r["restart_seen_s"],
+            ]
+        )
+    table = _table(
+        ["run", "evicted at step", "resumed at step", "steps lost", "restart seen s after drain"],
+        rows,
+    )
+    return {"results": results, "table": table}
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks against their baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+
+    release = names.add_parser("release", help="eviction to every rank out, vs the baseline")
+    release.add_argument("--sizes", default="2,4,8,16", help="ranks per run (default 2,4,8,16)")
+    release.add_argument("--reps", type=int, default=5, help="repetitions per size (default 5)")
+    release.add_argument("--how", default="sigterm,drain", help="sigterm, drain, or both")
+    release.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="collective timeout; the baseline waits this long (default 60)",
+    )
+    release.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the runs without the plugin",
+    )
+    release.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl needs a GPU per rank"
+    )
+
+    plan = names.add_parser("plan", help="planning time for many ranks")
+    plan.add_argument("--sizes", default="1000,10000,100000")
+    plan.add_argument("--reps", type=int, default=7)
+
+    overhead = names.add_parser("overhead", help="step time with the plugin idle, vs without")
+    overhead.add_argument("--steps", type=int, default=300, help="steps per round")
+    overhead.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+
+    save = names.add_parser("save", help="emergency-save MB/s vs raw writes and torch.save")
+    save.add_argument("--sizes", default="64,256,1024", help="state dict sizes in MB")
+    save.add_argument("--reps", type=int, default=3)
+    save.add_argument("--dir", help="directory to write to (default: a temp directory)")
+
+    recovery = names.add_parser("recovery", help="Ray Train: preemption to resumed training")
+    recovery.add_argument("--total", type=int, default=30)
+    recovery.add_argument("--every", type=int, default=10, help="periodic checkpoint interval")
+    recovery.add_argument("--step-s", type=float, default=0.3)
+    recovery.add_argument(
+        "--evict-after", type=int, default=16, help="steps before the node is reclaimed"
+    )
+
+    for p in (release, plan, overhead, save, recovery):
+        p.add_argument(
+            "--json", help="where to write the results (default bench-output/<name>.json)"
+        )
+    bench.set_defaults(func=run_benchmark)
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    run = {
+        "release": bench_release,
+        "plan": bench_plan,
+        "overhead": bench_overhead,
+        "save": bench_save,
+        "recovery": bench_recovery,
+    }[args.bench]
+    command = "ray-graceful " + " ".join(sys.argv[1:])
+    started = time.time()
+    out = run(args)
+    out.update(
+        {
+            "benchmark": args.bench,
+            "command": command.strip(),
+            "machine": _machine(),
+            "seconds": time.time() - started,
+            "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        }
+    )
+    print(out["table"])
+    path = args.json or os.path.join("bench-output", f"{args.bench}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2, sort_keys=True, default=str)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,370 @@
+"""``ray-graceful demo``: an eviction handled end to end, on a local multi-node Ray cluster.
+
+Six CPU ranks (gloo) on three worker nodes hold three shards, two replicas each::
+
+    node A: ranks 0, 1 (shards 0, 2)    node B: ranks 2, 3 (shards 0, 1)
+    node C: ranks 4, 5 (shards 1, 2)
+
+Mid-training, node B is drained by Ray with a deadline (a spot reclaim) and node A's GPU
+reports XID 79 through the scripted health probe. The coordinator plans - A's ranks never save,
+B saves what only it can still save in time, C saves the rest - releases every rank from its
+collective, commits the checkpoint, and a new group on the healthy nodes resumes at the saved
+step. The outcome JSON and a timeline PNG land in ``--output``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from .checkpoint import latest_committed, load_state_dict
+from .config import GracefulConfig
+from .worker import GracefulWorkerMixin
+
+PLACEMENT = ["A", "A", "B", "B", "C", "C"]
+SHARDS = ["0", "2", "0", "1", "1", "2"]
+STEP_S = 0.25
+
+
+class DemoWorker(GracefulWorkerMixin):
+    """A hand-built worker as a user writes one: the mixin, and one call after init."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(16, 16)
+        self.step = 0
+
+    def start(
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        shard: str,
+        config: GracefulConfig,
+        resume: str | None = None,
+    ) -> str:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
+        if resume is not None:
+            saved = load_state_dict(resume)
+            self.model.load_state_dict(saved["state"]["model"])
+            self.step = saved["step"]
+        status = self.graceful_setup(
+            "demo",
+            shard=shard,
+            config=config,
+            state_dict=lambda: {"model": self.model.state_dict()},
+        )
+        return str(status)
+
+    def train(self, steps: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        for _ in range(steps):
+            grads = [torch.ones_like(p) for p in self.model.parameters()]
+            for g in grads:
+                dist.all_reduce(g)  # the collective a rank can be stuck in
+            with torch.no_grad():
+                for p, g in zip(self.model.parameters(), grads, strict=True):
+                    p.sub_(0.001 * g)
+            self.step += 1
+            if self.should_stop(self.step):
+                break
+            time.sleep(STEP_S)
+        return self.step
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:5.1f}s] {text}", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_group(
+    ray: Any, config: GracefulConfig, placement: list[str], resume: Any = None
+) -> tuple[list[Any], list[str]]:
+    port = _free_port()
+    worker = ray.remote(DemoWorker)
+    ranks = [
+        worker.options(num_cpus=0, resources={f"demo_{node}": 1}).remote() for node in placement
+    ]
+    statuses = ray.get(
+        [
+            r.start.remote(
+                i,
+                len(ranks),
+                port,
+                SHARDS[i],
+                config,
+                resume.shard_path(f"demo/{SHARDS[i]}") if resume else None,
+            )
+            for i, r in enumerate(ranks)
+        ],
+        timeout=180,
+    )
+    return ranks, statuses
+
+
+def run_demo(output: str = "demo-output", steps_before: int = 6) -> int:
+    os.makedirs(output, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="ray-graceful-demo-")
+    os.environ["RAY_TMPDIR"] = work  # a private cluster: nothing shared with other Ray users
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from .coordinator import Coordinator
+    from .drain import drain_node
+    from .health.scripted import write_faults
+    from .outcome import TerminationOutcome
+
+    clock = _Clock()
+    config = GracefulConfig(
+        report_dir=os.path.join(work, "reports"),
+        checkpoint_dir=os.path.join(work, "checkpoints"),
+        health_probe="scripted",
+        health_script_path=os.path.join(work, "faults.json"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        notice_gather_s=0.6,
+        expected_save_s=2.0,
+        teardown_timeout_s=20.0,
+        save_budget_s=10.0,
+    )
+    clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False, "resources": {"demo_H": 100}},
+    )
+    nodes = {name: cluster.add_node(num_cpus=2, resources={f"demo_{name}": 100}) for name in "ABC"}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        coordinator = Coordinator.start(config)
+        clock.say("coordinator started; 6 ranks: 3 shards x 2 replicas, gloo on CPU")
+        ranks, statuses = _start_group(ray, config, PLACEMENT)
+        print("    " + statuses[0].replace("\n", "\n    "))
+        training = [r.train.remote(10_000) for r in ranks]
+        _wait_steps(coordinator, steps_before, clock)
+
+        deadline = time.time() + 12.0
+        drain_node(nodes["B"].node_id, deadline, "demo: spot instance reclaimed")
+        clock.say("EVICTION  Ray drains node B (a spot reclaim), deadline in 12.0s")
+        write_faults(
+            config.health_script_path,
+            [
+                {
+                    "node": nodes["A"].node_id,
+                    "gpu": None,
+                    "verdict": "FAULTY",
+                    "code": "xid_79",
+                    "detail": "XID 79: GPU has fallen off the bus (injected)",
+                }
+            ],
+        )
+        clock.say("FAULT     node A: XID 79, GPU has fallen off the bus (scripted probe)")
+
+        plan = _wait_for(lambda: coordinator.status()["plan_table"], 30)
+        clock.say("PLAN")
+        print("    " + plan.replace("\n", "\n    "))
+        outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+        if outcome is None:
+            clock.say("no outcome within 60s: see the worker logs")
+            return 1
+        _show_teardown(outcome, clock)
+        ray.wait(training, num_returns=len(training), timeout=10)
+
+        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        if committed is None:
+            clock.say(f"no committed checkpoint: {outcome.reason}")
+            return 1
+        clock.say(
+            f"COMMITTED step {committed.step}: {len(committed.shards)} shards, "
+            f"manifest written last ({committed.path})"
+        )
+        last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
+        lost = max(last_steps) - committed.step if last_steps else 0
+
+        restart = ["C", "H", "C", "H", "C", "H"]
+        clock.say("RESTART   a new group of 6 on the healthy nodes (C and the head) loads it")
+        new_ranks, _ = _start_group(ray, config, restart, resume=committed)
+        steps = ray.get([r.train.remote(2) for r in new_ranks], timeout=120)
+        clock.say(
+            f"resumed at step {committed.step}, trained to step {steps[0]}: {lost} step(s) lost"
+        )
+        for r in new_ranks:
+            ray.kill(r)
+
+        path = os.path.join(output, "outcome.json")
+        with open(path, "w") as f:
+            json.dump(outcome.to_dict(), f, indent=2, sort_keys=True)
+        png = _timeline_png(outcome, os.path.join(output, "timeline.png"))
+        print()
+        print("SUMMARY")
+        print("  eviction:   node B drained with a 12 s deadline; node A FAULTY (XID 79)")
+        print(f"  plan:       {outcome.plan_table.splitlines()[-1]}")
+        print(
+            f"  teardown:   {len(outcome.reports)} ranks out, "
+            f"{outcome.timings.get('last_report', 0):.2f}s after the first notice; "
+            f"exit status 0 via Ray's intended exit: "
+            f"{sum(r['exit_path'] == 'ray_intended' for r in outcome.reports)}/"
+            f"{len(outcome.reports)}"
+        )
+        print(f"  checkpoint: committed at step {committed.step}; resumed there, {lost} lost")
+        print(f"  wrote:      {path}" + (f", {png}" if png else ""))
+        print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")
+        coordinator.job_finished(success=True)
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _wait_for(fn: Any, timeout: float) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing after {timeout}s")
+
+
+def _wait_steps(coordinator: Any, steps: int, clock: _Clock) -> None:
+    shown = 0
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        done = [r["last_step"] or 0 for r in coordinator.status()["ranks"]]
+        step = min(done) if done else 0
+        if step > shown:
+            shown = step
+            clock.say(f"training  step {step}")
+        if step >= steps:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("training did not progress")
+
+
+def _show_teardown(outcome: Any, clock: _Clock) -> None:
+    t0 = min(n["received_at"] for n in outcome.notices)
+    clock.say("TEARDOWN  each rank, from the first notice:")
+    for report in sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"]):
+        rank = report["ranks"][0]["rank"]
+        start = report["started_at"] - t0
+        steps = ", ".join(
+            f"{s['name']} {s['status']}"
+            + (f" {s['duration_s'] * 1000:.0f}ms" if s["duration_s"] > 0.001 else "")
+            for s in report["steps"]
+            if s["name"] != "exit"
+        )
+        saved = f" SAVED {report['saved'][0]['shard']}" if report["saved"] else ""
+        print(
+            f"    rank {rank} ({PLACEMENT[rank]}): order at +{start:.2f}s, out at "
+            f"+{start + (report['finished_s'] or 0):.2f}s{saved}  [{steps}]"
+        )
+
+
+def _timeline_png(outcome: Any, path: str) -> str | None:
+    """One bar per rank, one segment per teardown step, from the first notice."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "    (matplotlib not installed: no timeline picture; pip install matplotlib)",
+            file=sys.stderr,
+        )
+        return None
+    colors = {
+        "stop": "#999999",
+        "release_peers": "#d62728",
+        "drain_device": "#9467bd",
+        "save": "#2ca02c",
+        "destroy_process_group": "#1f77b4",
+        "exit": "#ff7f0e",
+    }
+    t0 = min(n["received_at"] for n in outcome.notices)
+    reports = sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"])
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(reports) + 2.0))
+    for row, report in enumerate(reports):
+        base = report["started_at"] - t0
+        for step in report["steps"]:
+            width = max(step["duration_s"], 0.004)
+            ax.barh(
+                row,
+                width,
+                left=base + step["started_s"],
+                color=colors.get(step["name"]),
+                edgecolor="none",
+            )
+        ax.text(
+            base + (report["finished_s"] or 0) + 0.01,
+            row,
+            " saved " + report["saved"][0]["shard"] if report["saved"] else " left",
+            va="center",
+            fontsize=8,
+        )
+    for notice in outcome.notices:
+        at = notice["received_at"] - t0
+        ax.axvline(at, color="#444444", linestyle="--", linewidth=0.8)
+        ax.text(at, -0.75, f" {notice['source']}", fontsize=7, va="bottom")
+    ax.axvline(outcome.timings.get("plan", 0), color="black", linestyle=":", linewidth=1)
+    ax.text(outcome.timings.get("plan", 0), -0.75, " plan", fontsize=7, va="bottom")
+    ax.set_xlim(left=-0.02)
+    ax.set_yticks(range(len(reports)))
+    ax.set_yticklabels(
+        [f"rank {r['ranks'][0]['rank']} ({PLACEMENT[r['ranks'][0]['rank']]})" for r in reports]
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel(
+        "seconds since the first eviction notice (dashed: notices; dotted: the plan, "
+        "after the gathering window)"
+    )
+    ax.set_title("ray_graceful teardown timeline")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(
+        handles,
+        list(colors),
+        loc="upper left",
+        bbox_to_anchor=(0, -0.18),
+        fontsize=7,
+        ncol=6,
+        frameon=False,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "demo"
+    sys.exit(run_demo())
