@@ -51,6 +51,7 @@ def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
 
     from .coordinator import Coordinator
 
+    _check_reachable(args.address, args.timeout)
     try:
         ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
     except Exception as exc:  # ConnectionError, a missing cluster, auth: all the same here
@@ -66,6 +67,20 @@ def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
             "(--coordinator/--namespace pick another)",
             EXIT_NO_COORDINATOR,
         ) from exc
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for a minute)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("auto", "ray://", "local")):
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=max(timeout, 0.5)):
+            pass
+    except OSError as exc:
+        raise CliError(f"no Ray cluster reachable at {address!r}: {exc}", EXIT_NO_CLUSTER) from exc
 
 
 def _parse_rank(text: str) -> tuple[str, int]:
