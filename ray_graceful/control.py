@@ -61,6 +61,7 @@ class ControlChannel:
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
         self.node_id = ctx.get_node_id()
+        self.actor_id = ctx.get_actor_id() or ""
         self.cycle: int | None = None
         self.alive = True
         self.state = "connecting"
@@ -106,6 +107,7 @@ class ControlChannel:
                     socket.gethostname(),
                     ranks,
                     self.probe.check().to_dict(),
+                    self.actor_id,
                 ),
                 timeout=REGISTER_TIMEOUT_S,
             )

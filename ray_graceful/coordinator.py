@@ -48,6 +48,7 @@ class _Process:
     pid: int
     hostname: str
     keys: list[Key]
+    actor_id: str
     cycle: int
     registered_at: float
     last_seen: float
@@ -57,6 +58,7 @@ class _Process:
     order: dict[str, Any] | None = None
     delivered: bool = False
     report: dict[str, Any] | None = None
+    lost: bool = False  # found dead without a notice: no report will come
 
 
 @dataclass
@@ -123,6 +125,7 @@ class CoordinatorActor:
             except Exception as exc:
                 self._reject({"source": "drain"}, f"could not read Ray's drain state: {exc!r}")
                 drains = {}
+            await self._watch_lost()
             for node_id, deadline_ms in drains.items():
                 if self.drains_seen.get(node_id) == self.cycle:
                     continue
@@ -142,6 +145,33 @@ class CoordinatorActor:
                 )
             await asyncio.sleep(self.config.drain_poll_interval_s)
 
+    async def _watch_lost(self) -> None:
+        """A registered rank's actor died with no notice: its peers must not wait for it."""
+        if self.teardown_task is not None:
+            return
+        watched = {p.actor_id: p for p in self._active() if p.actor_id}
+        if not watched:
+            return
+        try:
+            dead = await asyncio.to_thread(_dead_actors, set(watched))
+        except Exception:
+            return  # the GCS is unreachable for a moment: next round
+        for actor_id in dead:
+            watched[actor_id].lost = True
+        notices = [
+            EvictionNotice(
+                "lost",
+                "the rank's process died without a notice",
+                self.cycle,
+                time.time(),
+                rank=key,
+            )
+            for actor_id in dead
+            for key in watched[actor_id].keys
+        ]
+        if notices:
+            await self._accept(notices)
+
     def _active(self) -> list[_Process]:
         return [p for p in self.processes.values() if p.cycle == self.cycle]
 
@@ -155,6 +185,7 @@ class CoordinatorActor:
         hostname: str,
         ranks: list[dict[str, Any]],
         health: dict[str, Any] | None = None,
+        actor_id: str = "",
     ) -> dict[str, Any]:
         """A worker process registers its ranks; returns the cycle it belongs to."""
         self._ensure_background()
@@ -187,7 +218,9 @@ class CoordinatorActor:
         now = time.time()
         process = self.processes.get(process_id)
         if process is None or process.cycle != self.cycle:
-            process = _Process(process_id, node_id, pid, hostname, [], self.cycle, now, now)
+            process = _Process(
+                process_id, node_id, pid, hostname, [], actor_id, self.cycle, now, now
+            )
             self.processes[process_id] = process
         process.keys = sorted(set(process.keys) | set(keys))
         if health is not None:
@@ -373,6 +406,7 @@ class CoordinatorActor:
                 },
             )
         orders_at = time.time()
+        self._check_all_reported()
         last_deadline = max((o.deadline for o in plan.orders), default=time.time())
         try:
             await asyncio.wait_for(
@@ -392,13 +426,17 @@ class CoordinatorActor:
         if process is None or cycle != self.cycle:
             return self._reject({"process": process_id, "cycle": cycle}, self._stale(cycle))
         process.report = report
+        self._check_all_reported()
+        return {"accepted": True}
+
+    def _check_all_reported(self) -> None:
+        """Every process that got an order has reported, or died without a notice."""
         if (
             self.all_reported is not None
             and self.plan is not None
-            and all(p.report is not None for p in self._active() if p.order is not None)
+            and all(p.report is not None or p.lost for p in self._active() if p.order is not None)
         ):
             self.all_reported.set()
-        return {"accepted": True}
 
     def _conclude(
         self, cycle: int, plan: TerminationPlan, plan_at: float, orders_at: float
@@ -406,7 +444,11 @@ class CoordinatorActor:
         t0 = self.first_notice_at or plan_at
         involved = [p for p in self._active() if p.order is not None]
         reports = [p.report for p in involved if p.report is not None]
-        missing = [f"{p.hostname}:{p.pid}" for p in involved if p.report is None]
+        missing = [
+            f"{p.hostname}:{p.pid}" + (" (died without a notice)" if p.lost else "")
+            for p in involved
+            if p.report is None
+        ]
         root = self.config.checkpoint_dir
         records = [ShardRecord.from_dict(s) for r in reports for s in r.get("saved", [])]
         for record in records:
@@ -511,6 +553,11 @@ class CoordinatorActor:
             self.spares.pop(spare_id, None)
         return order
 
+    async def leave_spare(self, spare_id: str, reason: str) -> dict:
+        """A spare or standby is going away (SIGTERM): never hand it a slot."""
+        spare = self.spares.pop(spare_id, None)
+        return {"accepted": spare is not None, "reason": reason}
+
     def _order_spare(self, spare: _Spare, order: dict[str, Any]) -> None:
         if spare.waiter is not None and not spare.waiter.done():
             spare.waiter.set_result(order)
@@ -589,6 +636,19 @@ class CoordinatorActor:
         return "ok"
 
 
+def _dead_actors(actor_ids: set[str]) -> set[str]:
+    """Which of ``actor_ids`` the GCS lists as DEAD (one call per watched actor)."""
+    import ray
+
+    state = ray._private.state.state
+    dead = set()
+    for actor_id in actor_ids:
+        info = state.actor_table(actor_id)
+        if info and info.get("State") == "DEAD":
+            dead.add(actor_id)
+    return dead
+
+
 class Coordinator:
     """The driver's handle on the coordinator actor."""
 
@@ -597,7 +657,7 @@ class Coordinator:
         self.config = config
 
     @classmethod
-    def start(cls, config: GracefulConfig | None = None) -> Coordinator:
+    def start(cls, config: GracefulConfig | None = None, node_id: str | None = None) -> Coordinator:
         """Start this job's coordinator on this node (the driver's, usually the head).
 
         It is named ``config.coordinator_name`` in ``config.coordinator_namespace``; workers
@@ -626,7 +686,9 @@ class Coordinator:
             max_concurrency=MAX_CONCURRENCY,
             max_restarts=0,
             # Next to the driver (the head, usually): the node least likely to be evicted.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id or ctx.get_node_id(), soft=node_id is None
+            ),
             runtime_env={"env_vars": {"RAY_GRACEFUL_COORDINATOR": "1"}},
         )
         handle = actor.remote(config, ctx.get_job_id())

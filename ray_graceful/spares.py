@@ -9,6 +9,7 @@ until the scheduler kills it (NVIDIA's resiliency PR 266 is the anchor).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from .config import GracefulConfig
 from .control import find_coordinator
 from .process_groups import SetupError
 from .teardown import hard_exit, request_ray_intended_exit, write_stderr
+from .worker import _listener_status, _process_runtime
 
 
 @dataclass(frozen=True)
@@ -42,53 +44,76 @@ def wait_as_spare(
 
     Returns when the job is over ("exit": with ``exit_on_finish`` the process then ends with
     status 0 as soon as the calling actor method returns), when a spare is given a slot
-    ("assigned": join the group for ``cycle`` as ``group/rank``), or after ``timeout`` seconds.
+    ("assigned": join the group for ``cycle`` as ``group/rank``), when the process gets SIGTERM
+    ("exit", it is being evicted itself), or after ``timeout`` seconds ("timeout").
     """
     import ray
 
     if role not in ("spare", "standby"):
         raise SetupError(f"role {role!r} is not allowed: 'spare' or 'standby'")
-    config = config or GracefulConfig.from_env()
+    runtime = _process_runtime()
+    config = runtime.adopt_config(config)
     handle = find_coordinator(config)
     if handle is None:
         raise SetupError(
-            f"wait_as_spare: no coordinator named {config.coordinator_name!r} runs in this "
-            "namespace; start one on the driver with ray_graceful.Coordinator.start()"
+            f"wait_as_spare: no coordinator named {config.coordinator_name!r} runs in namespace "
+            f"{config.coordinator_namespace!r}; start one on the driver with "
+            "ray_graceful.Coordinator.start()"
         )
     ctx = ray.get_runtime_context()
     spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
+    runtime.spare_id = spare_id
+    _listener_status(config, "wait_as_spare on the main thread", warn=False)
     answer = ray.get(
         handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()), timeout=30
     )
     if not answer.get("accepted"):
         raise SetupError(f"the coordinator refused this {role}: {answer.get('reason')}")
+
+    box: dict[str, SpareResult] = {}
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                order = ray.get(
+                    handle.poll_spare.remote(spare_id, config.health_interval_s),
+                    timeout=config.health_interval_s + 30,
+                )
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError as exc:
+                order = {"action": "exit", "reason": f"the coordinator is gone ({exc})"}
+            if order is None:
+                continue
+            if order["action"] == "assigned":
+                box["result"] = SpareResult(
+                    "assigned",
+                    "given an evicted rank's slot",
+                    order["group"],
+                    order["rank"],
+                    order["cycle"],
+                )
+            else:
+                box["result"] = SpareResult("exit", order.get("reason", ""))
+            done.set()
+
+    threading.Thread(target=poll, name="ray_graceful-spare-poll", daemon=True).start()
     end = None if timeout is None else time.monotonic() + timeout
-    while True:
-        wait_s = config.health_interval_s
-        if end is not None:
-            wait_s = min(wait_s, end - time.monotonic())
-            if wait_s <= 0:
-                return SpareResult("timeout", f"no word from the coordinator in {timeout}s")
-        try:
-            order = ray.get(handle.poll_spare.remote(spare_id, wait_s), timeout=wait_s + 30)
-        except ray.exceptions.GetTimeoutError:
-            continue
-        except ray.exceptions.RayActorError as exc:
-            order = {"action": "exit", "reason": f"the coordinator is gone ({exc})"}
-        if order is None:
-            continue
-        if order["action"] == "assigned":
-            return SpareResult(
-                "assigned",
-                "given an evicted rank's slot",
-                order["group"],
-                order["rank"],
-                order["cycle"],
-            )
-        result = SpareResult("exit", order.get("reason", ""))
-        if exit_on_finish:
-            _exit_when_idle(config, result.reason)
-        return result
+    while not done.wait(0.05):
+        if runtime.stop_event.is_set():
+            with contextlib.suppress(Exception):
+                ray.get(handle.leave_spare.remote(spare_id, "SIGTERM"), timeout=2)
+            box["result"] = SpareResult("exit", "SIGTERM: this spare is being evicted")
+            break
+        if end is not None and time.monotonic() > end:
+            box["result"] = SpareResult("timeout", f"no word from the coordinator in {timeout}s")
+            break
+    done.set()
+    runtime.spare_id = None if box["result"].action == "assigned" else spare_id
+    if box["result"].action == "exit" and exit_on_finish:
+        _exit_when_idle(config, box["result"].reason)
+    return box["result"]
 
 
 def _exit_when_idle(config: GracefulConfig, reason: str) -> None:

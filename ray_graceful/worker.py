@@ -91,18 +91,22 @@ class _ProcessRuntime:
     control: ControlChannel | None = None
     sigterm_seen: bool = False
     order: dict[str, Any] | None = None  # the coordinator's order, once one arrived
+    spare_id: str | None = None  # set while this process waits as a spare or standby
     # Where the training loop last called should_stop(step): (thread id, its code object).
     step_site: tuple[int, CodeType] | None = None
 
     # --- signals ---------------------------------------------------------------------------
 
     def claims_signals(self) -> bool:
-        return bool(self.registrations)
+        return bool(self.registrations) or self.spare_id is not None
 
     def on_sigterm(self, signum: int, count: int) -> bool:
         """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
-        if os.getpid() != self.pid or not self.registrations:
+        if os.getpid() != self.pid or not self.claims_signals():
             return False
+        if not self.registrations:  # a spare or standby: nothing to save, just leave
+            self.stop_event.set()
+            return True
         if count >= 2:
             config = self.config_or_default()
             running = self.teardown
@@ -118,6 +122,8 @@ class _ProcessRuntime:
         """Backstop from the Python-level handler, for a signal the listener did not see."""
         if os.getpid() == self.pid and self.registrations:
             self._first_sigterm(signum)
+        elif os.getpid() == self.pid and self.spare_id is not None:
+            self.stop_event.set()
 
     def _first_sigterm(self, signum: int) -> None:
         with self.lock:
@@ -288,7 +294,7 @@ def _process_runtime() -> _ProcessRuntime:
 
 
 def _listener_status(
-    config: GracefulConfig, where: str = "graceful_setup on the main thread"
+    config: GracefulConfig, where: str = "graceful_setup on the main thread", warn: bool = True
 ) -> tuple[bool, str]:
     """Install the listener where possible; say what happened."""
     runtime = _process_runtime()
@@ -304,8 +310,10 @@ def _listener_status(
             "ray_graceful.install_signal_handling() in the actor's __init__, or start the job "
             "with runtime_env={'worker_process_setup_hook': 'ray_graceful.hooks.setup'}."
         )
-        if config.strict:
+        if config.strict and warn:
             raise SetupError("SIGTERM listener " + message)
+        if not warn:
+            return False, message
         warnings.warn(
             "ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4
         )
