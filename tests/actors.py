@@ -134,10 +134,12 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         shard: str | None = None,
         hang_save: str | None = None,
         save_seconds: float = 0.0,
+        fail_save: bool = False,
     ) -> str:
         self.init(rank, world, addr, port)
         self._hang_save = hang_save
         self._save_seconds = save_seconds
+        self._fail_save = fail_save
         status = self.graceful_setup("trainer", shard=shard, config=config, state_dict=self._state)
         return str(status)
 
@@ -147,6 +149,8 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
                 pass  # tell the test the save has started ...
             threading.Event().wait()  # ... and never return
         time.sleep(getattr(self, "_save_seconds", 0.0))  # a save of a realistic size
+        if getattr(self, "_fail_save", False):
+            raise OSError(28, "No space left on device (injected)")
         return {"model": self.model.state_dict(), "step": self.step}
 
     def setup_before_init(self, config: GracefulConfig) -> str:
