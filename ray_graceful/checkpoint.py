@@ -109,11 +109,7 @@ def save_state_dict(state: Any, path: str) -> tuple[int, int]:
     box: dict[str, tuple[int, int]] = {}
     reader = threading.Thread(target=lambda: box.setdefault("sum", _file_checksum(path)))
     reader.start()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
     reader.join()
     return box["sum"]
 
@@ -125,7 +121,8 @@ def load_state_dict(path: str, map_location: Any = "cpu") -> Any:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -151,21 +148,13 @@ def _file_checksum(path: str) -> tuple[int, int]:
 
 
 def _fsync_tree(path: str) -> None:
-    if os.path.isdir(path):
-        for base, _dirs, files in os.walk(path):
-            for name in files:
-                fd = os.open(os.path.join(base, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            _fsync_dir(base)
-    else:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if not os.path.isdir(path):
+        fsync_path(path)
+        return
+    for base, _dirs, files in os.walk(path):
+        for name in files:
+            fsync_path(os.path.join(base, name))
+        fsync_path(base)
 
 
 def write_shard(
@@ -204,7 +193,7 @@ def write_shard(
         if os.path.isdir(final) and not os.path.islink(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except BaseException:
         _remove(tmp)
         raise
@@ -228,7 +217,7 @@ def _write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def commit(

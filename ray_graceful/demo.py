@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 from .checkpoint import latest_committed, load_state_dict
 from .config import GracefulConfig
+from .process_groups import free_port
 from .worker import GracefulWorkerMixin
 
 PLACEMENT = ["A", "A", "B", "B", "C", "C"]
@@ -99,16 +99,10 @@ class _Clock:
         print(f"[{time.monotonic() - self.t0:5.1f}s] {text}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_group(
     ray: Any, config: GracefulConfig, placement: list[str], resume: Any = None
 ) -> tuple[list[Any], list[str]]:
-    port = _free_port()
+    port = free_port()
     worker = ray.remote(DemoWorker)
     ranks = [
         worker.options(num_cpus=0, resources={f"demo_{node}": 1}).remote() for node in placement

@@ -21,15 +21,21 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 Endpoint = tuple[str, int]
 
 
 @dataclass(frozen=True)
 class GlooAddresses:
-    """The listening endpoints of every rank of one gloo group."""
+    """The listening endpoints of every rank of one gloo group, and this rank's connections.
+
+    ``inodes`` are the group's connected sockets as found at setup, by inode: a socket whose
+    peer has already reset it no longer has a peer address to match, but keeps its inode.
+    """
 
     listeners: frozenset[Endpoint]
+    inodes: frozenset[int] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.listeners)
@@ -59,35 +65,55 @@ def read_group_addresses(process_group: object) -> GlooAddresses:
         if not key.rsplit("/", 1)[-1].isdigit():
             continue
         listeners |= parse_sockaddrs(bytes(store.get(key)))
-    own = {local for local, remote in _tcp_sockets().values() if remote is None}
+    listeners = {_normal(e) for e in listeners}
+    sockets = _tcp_sockets()
+    own = {s.local for s in sockets.values() if s.listening}
     # Only trust the parse if this rank's own listener is among the addresses found.
-    if not listeners & {_normal(e) for e in own} and not {p for _, p in listeners} & {
-        p for _, p in own
-    }:
+    if not listeners & own and not {p for _, p in listeners} & {p for _, p in own}:
         return GlooAddresses(frozenset())
-    return GlooAddresses(frozenset(_normal(e) for e in listeners))
+    found = GlooAddresses(frozenset(listeners))
+    return GlooAddresses(found.listeners, frozenset(s.inode for s in _matching(found, sockets)))
 
 
 def shutdown_connections(addresses: GlooAddresses) -> int:
     """Shut down this process's connections of the group; returns how many."""
-    listeners = addresses.listeners
-    own_listen_ports = {
-        local[1]
-        for local, remote in _tcp_sockets().values()
-        if remote is None and (local in listeners or local[1] in {p for _, p in listeners})
-    }
+    sockets = _tcp_sockets()
+    matched = {sock.inode for sock in _matching(addresses, sockets)} | addresses.inodes
     count = 0
-    for fd, (local, remote) in _tcp_sockets().items():
-        if remote is None:
-            continue  # a listener: never touch
-        if remote in listeners or local[1] in own_listen_ports:
-            try:
-                with socket.socket(fileno=os.dup(fd)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-                count += 1
-            except OSError:
-                pass  # closed meanwhile: released anyway
+    for fd, sock in sockets.items():
+        if sock.inode not in matched or sock.listening:
+            continue  # not the group's; and a listener never (gloo calls std::terminate)
+        try:
+            with socket.socket(fileno=os.dup(fd)) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # its peer already reset it: released all the same
+        count += 1
     return count
+
+
+class _Socket(NamedTuple):
+    inode: int
+    local: Endpoint
+    remote: Endpoint | None  # None: a listener, or a connection its peer has reset
+    listening: bool
+
+
+def _matching(addresses: GlooAddresses, sockets: dict[int, _Socket]) -> list[_Socket]:
+    """The connected sockets whose remote end is a gloo listener, or whose local end is ours."""
+    listeners = addresses.listeners
+    listener_ports = {port for _, port in listeners}
+    own_ports = {
+        s.local[1]
+        for s in sockets.values()
+        if s.listening and (s.local in listeners or s.local[1] in listener_ports)
+    }
+    return [
+        s
+        for s in sockets.values()
+        if not s.listening
+        and ((s.remote is not None and s.remote in listeners) or s.local[1] in own_ports)
+    ]
 
 
 def _normal(endpoint: Endpoint) -> Endpoint:
@@ -97,9 +123,9 @@ def _normal(endpoint: Endpoint) -> Endpoint:
     return host, port
 
 
-def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
-    """This process's TCP sockets: fd -> (local, remote or None for a listener)."""
-    out: dict[int, tuple[Endpoint, Endpoint | None]] = {}
+def _tcp_sockets() -> dict[int, _Socket]:
+    """This process's TCP sockets by fd."""
+    out: dict[int, _Socket] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -107,7 +133,8 @@ def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
     for name in names:
         fd = int(name)
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith("socket:["):
                 continue
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -122,7 +149,8 @@ def _tcp_sockets() -> dict[int, tuple[Endpoint, Endpoint | None]]:
                 remote: Endpoint | None = _normal(sock.getpeername()[:2])
             except OSError:
                 remote = None
-            out[fd] = (local, remote)
+            listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            out[fd] = _Socket(int(target[len("socket:[") : -1]), local, remote, listening)
         except OSError:
             continue
         finally:

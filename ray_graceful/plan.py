@@ -30,6 +30,7 @@ from .notices import EvictionNotice
 Key = tuple[str, int]
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
 _SEVERITY_OK = frozenset(VERDICTS)
+_HEALTH_WORDS = {HEALTHY: "healthy", UNKNOWN: "health unknown", DEGRADED: "degraded"}
 
 
 class TopologyError(ValueError):
@@ -231,7 +232,7 @@ def _plan(
         group, rank, node, shard, can_save = info
         if key in saver_keys:
             who = "evicted replica" if evicted else "survivor"
-            action, reason = "save", f"saves shard {shard} ({verdict.lower()} {who})"
+            action, reason = "save", f"saves shard {shard} ({who}, {_HEALTH_WORDS[verdict]})"
         elif verdict == FAULTY:
             note = notes.get(key)
             action, reason = (

@@ -10,6 +10,7 @@ by version number: ``choose_nccl_abort``), gloo connections are shut down (``glo
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,13 @@ class GroupHandle:
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.rank)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host``: a rendezvous port for ``init_process_group``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _env_int(name: str) -> int | None:

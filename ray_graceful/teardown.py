@@ -234,6 +234,21 @@ def request_ray_intended_exit(detail: str) -> bool:
     return True
 
 
+STUCK_IN_COLLECTIVE_S = 0.3
+
+
+def _thread_in_collective() -> bool:
+    """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
+    own = {t.ident for t in threading.enumerate() if t.name.startswith("ray_graceful-")}
+    marker = os.path.join("torch", "distributed", "")
+    for ident, frame in sys._current_frames().items():
+        if ident in own or ident == threading.get_ident():
+            continue
+        if marker in frame.f_code.co_filename:
+            return True
+    return False
+
+
 def _busy_threads() -> str:
     """Where each non-ray_graceful thread is, innermost frame first: what held the exit."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -467,15 +482,36 @@ class Teardown:
                 exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
             except Exception as exc:
                 write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
-            time.sleep(max(min(self.config.exit_grace_s, self.remaining()), 0.0))
+            waited = self._wait_for_intended_exit()
             self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
             record.detail += (
-                f"; the process was still alive after {self.config.exit_grace_s}s "
+                f"; the process was still alive after {waited:.2f}s "
                 f"(a task had not returned: {_busy_threads()}), so os._exit"
             )
             write_report_file(self.report, self.config.report_dir)
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
+
+    def _wait_for_intended_exit(self) -> float:
+        """Give Ray's exit up to ``exit_grace_s`` to end the process; returns the time waited.
+
+        Ray's exit waits for the running task to return. A task still inside a collective
+        ``STUCK_IN_COLLECTIVE_S`` after the peers were released will not return (gloo can miss
+        a shut-down connection while a send is queued), so waiting longer only costs time.
+        """
+        started = time.monotonic()
+        limit = max(min(self.config.exit_grace_s, self.remaining()), 0.0)
+        released = any(r.name == "release_peers" and r.status == "ran" for r in self.report.steps)
+        stuck_since: float | None = None
+        while (waited := time.monotonic() - started) < limit:
+            if released and _thread_in_collective():
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since >= STUCK_IN_COLLECTIVE_S:
+                    break
+            else:
+                stuck_since = None
+            time.sleep(0.02)
+        return waited
 
     def _watchdog(self) -> None:
         delay = self.remaining()

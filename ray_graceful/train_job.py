@@ -1,8 +1,8 @@
 """A small TorchTrainer job (DDP on gloo, CPU): the Ray Train test and `bench recovery` run it.
 
-It appends one line per executed step to ``progress`` (rank, step) and one per attempt to
-``attempt_file`` (rank, "start", step), so a test can tell where each attempt started and
-whether a step ran twice. Periodic checkpoints every
+It appends one line per executed step to ``progress`` (rank, step, time) and one per attempt
+to ``attempt_file`` (rank, "start", step, time), so a test can tell where each attempt started,
+when training was going again, and whether a step ran twice. Periodic checkpoints every
 ``every`` steps; an emergency checkpoint when ray_graceful says stop.
 """
 
@@ -36,7 +36,7 @@ def train_func(config: dict) -> None:
             model.module.load_state_dict(torch.load(path))
     attempt = config["attempt_file"]
     with open(attempt, "a") as f:
-        f.write(f"{rank} start {start}\n")
+        f.write(f"{rank} start {start} {time.time()}\n")
 
     def save(directory: str) -> None:
         torch.save(model.module.state_dict(), os.path.join(directory, "model.pt"))
@@ -48,7 +48,7 @@ def train_func(config: dict) -> None:
         opt.step()
         time.sleep(config["step_s"])
         with open(config["progress"], "a") as f:
-            f.write(f"{rank} {step + 1}\n")
+            f.write(f"{rank} {step + 1} {time.time()}\n")
         done = step + 1
         if config.get("graceful", True) and should_stop(done):
             emergency_checkpoint(save, done)

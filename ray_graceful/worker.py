@@ -530,22 +530,13 @@ class GracefulWorkerMixin:
                 f"{type(self).__name__} overrides emergency_checkpoint and also passed "
                 "state_dict=: use one of them."
             )
-        if overridden:
-            return after_init_process_group(
-                name,
-                process_group=process_group,
-                rank=rank,
-                world_size=world_size,
-                shard=shard,
-                saver=self.emergency_checkpoint,
-                config=config,
-            )
         return after_init_process_group(
             name,
             process_group=process_group,
             rank=rank,
             world_size=world_size,
             shard=shard,
+            saver=self.emergency_checkpoint if overridden else None,
             state_dict=state_dict,
             config=config,
         )

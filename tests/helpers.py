@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray_graceful.process_groups import free_port as free_port  # re-exported for the tests
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:

@@ -32,7 +32,7 @@ def three_nodes(ray_cluster):
 def _progress(path):
     try:
         with open(path) as f:
-            return [line.split() for line in f]
+            return [line.split()[:2] for line in f]  # rank, step (then a timestamp)
     except FileNotFoundError:
         return []
 

@@ -20,7 +20,8 @@ class FaultLog:
     def record(self, scenario: str, ranks: int, released: int, hangs: int, checkpoint: str):
         """``checkpoint``: "committed", "abandoned (correct)", or "n/a"."""
         _results[scenario].append(
-            {"ranks": ranks, "released": released, "hangs": hangs, "checkpoint": checkpoint})
+            {"ranks": ranks, "released": released, "hangs": hangs, "checkpoint": checkpoint}
+        )
 
 
 @pytest.fixture
@@ -37,14 +38,18 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("RG_FAULTS_SUMMARY")
     if not path or not _results:
         return
-    rows = ["| scenario | repetitions | ranks released | checkpoint | hangs |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| scenario | repetitions | ranks released | checkpoint | hangs |",
+        "|---|---|---|---|---|",
+    ]
     for scenario, runs in _results.items():
         released = sum(r["released"] for r in runs)
         total = sum(r["ranks"] for r in runs)
         outcomes = sorted({r["checkpoint"] for r in runs})
-        rows.append(f"| {scenario} | {len(runs)} | {released}/{total} | "
-                    f"{', '.join(outcomes)} | {sum(r['hangs'] for r in runs)} |")
+        rows.append(
+            f"| {scenario} | {len(runs)} | {released}/{total} | "
+            f"{', '.join(outcomes)} | {sum(r['hangs'] for r in runs)} |"
+        )
     with open(path, "w") as f:
         json.dump(_results, f, indent=2)
     with open(os.path.splitext(path)[0] + ".md", "w") as f:

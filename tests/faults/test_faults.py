@@ -29,9 +29,14 @@ DEADLINE_S = 12.0
 @pytest.fixture
 def config(tmp_path):
     return GracefulConfig(
-        report_dir=str(tmp_path / "reports"), checkpoint_dir=str(tmp_path / "ckpt"),
-        drain_poll_interval_s=0.5, health_interval_s=0.5, expected_save_s=1.0,
-        teardown_timeout_s=DEADLINE_S, save_budget_s=6.0, exit_grace_s=1.0,
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        expected_save_s=1.0,
+        teardown_timeout_s=DEADLINE_S,
+        save_budget_s=6.0,
+        exit_grace_s=1.0,
     )
 
 
@@ -44,9 +49,15 @@ def coordinator(ray_cluster, config):
 
 def seed_committed(config) -> None:
     """A committed checkpoint at step 1: what the job resumes from if this cycle's is lost."""
-    records = [write_shard(config.checkpoint_dir, 1, f"trainer/{s}",
-                           lambda p, step: save_state_dict({"step": step}, p))
-               for s in ("0", "1")]
+    records = [
+        write_shard(
+            config.checkpoint_dir,
+            1,
+            f"trainer/{s}",
+            lambda p, step: save_state_dict({"step": step}, p),
+        )
+        for s in ("0", "1")
+    ]
     commit(config.checkpoint_dir, 1, ["trainer/0", "trainer/1"], records)
 
 
@@ -54,12 +65,29 @@ def start(config, exit_recorder, **per_rank):
     """Four ranks; ``per_rank`` maps a setup keyword to {rank: value}."""
     port = free_port()
     actor = ray.remote(actors.GracefulTrainer)
-    ranks = [actor.options(num_cpus=0, resources={"head": 1},  # never on a node a test drains
-                           runtime_env=exit_recorder.runtime_env()).remote()
-             for _ in range(4)]
-    ray.get([r.setup.remote(i, 4, "127.0.0.1", port, config, shard=SHARDS[i],
-                            **{k: v.get(i) for k, v in per_rank.items() if i in v})
-             for i, r in enumerate(ranks)], timeout=120)
+    ranks = [
+        actor.options(
+            num_cpus=0,
+            resources={"head": 1},  # never on a node a test drains
+            runtime_env=exit_recorder.runtime_env(),
+        ).remote()
+        for _ in range(4)
+    ]
+    ray.get(
+        [
+            r.setup.remote(
+                i,
+                4,
+                "127.0.0.1",
+                port,
+                config,
+                shard=SHARDS[i],
+                **{k: v.get(i) for k, v in per_rank.items() if i in v},
+            )
+            for i, r in enumerate(ranks)
+        ],
+        timeout=120,
+    )
     pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
     pending = [r.train.remote(10**6) for r in ranks[:-1]]  # rank 3 absent: 0-2 block
@@ -100,8 +128,9 @@ def run_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ra
 def test_sigterm_during_a_collective(rep, fault_log, config, coordinator, exit_recorder):
     ranks, pids = start(config, exit_recorder)
     os.kill(pids[1], signal.SIGTERM)
-    outcome = run_and_record("SIGTERM during a collective", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "SIGTERM during a collective", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "committed"
 
 
@@ -111,8 +140,9 @@ def test_sigterm_during_a_save(rep, fault_log, config, coordinator, exit_recorde
     wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
     time.sleep(0.5)  # the savers (ranks 0 and 1, survivors) are inside their 1.5 s saves
     os.kill(pids[0], signal.SIGTERM)
-    outcome = run_and_record("SIGTERM during a save", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "SIGTERM during a save", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "committed", "a SIGTERM mid-save lets the save finish"
 
 
@@ -120,16 +150,18 @@ def test_sigterm_twice(rep, fault_log, config, coordinator, exit_recorder):
     ranks, pids = start(config, exit_recorder)
     os.kill(pids[2], signal.SIGTERM)
     os.kill(pids[2], signal.SIGTERM)
-    run_and_record("SIGTERM twice to one rank", fault_log, config, coordinator, exit_recorder,
-                   pids, ranks)
+    run_and_record(
+        "SIGTERM twice to one rank", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
 
 
 def test_sigterm_to_every_rank_at_once(rep, fault_log, config, coordinator, exit_recorder):
     ranks, pids = start(config, exit_recorder)
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
-    outcome = run_and_record("SIGTERM to every rank at once", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "SIGTERM to every rank at once", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "committed", "evicted replicas with time left still save"
     assert len({n["rank"][1] for n in outcome.notices}) == 4, "one plan for all four"
 
@@ -151,8 +183,9 @@ def test_sigterm_to_a_spare(rep, fault_log, config, coordinator, exit_recorder):
 def test_worker_killed_with_sigkill(rep, fault_log, config, coordinator, exit_recorder):
     ranks, pids = start(config, exit_recorder)
     os.kill(pids[2], signal.SIGKILL)  # no notice at all: the coordinator must notice the loss
-    outcome = run_and_record("a worker killed with SIGKILL", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "a worker killed with SIGKILL", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.notices[0]["source"] == "lost"
     assert outcome.result == "committed", "rank 2's shard has a replica on rank 0"
     assert any("died without a notice" in m for m in outcome.missing)
@@ -184,8 +217,9 @@ def test_coordinator_node_drained(rep, fault_log, ray_cluster, config, exit_reco
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         released, hangs = settle(exit_recorder, pids)
-        fault_log.record("drain of the coordinator's node", 4, released, hangs,
-                         "n/a (no coordinator)")
+        fault_log.record(
+            "drain of the coordinator's node", 4, released, hangs, "n/a (no coordinator)"
+        )
         kill_actors(*ranks)
         assert hangs == 0
     finally:
@@ -205,8 +239,9 @@ def test_a_save_that_hangs(rep, fault_log, config, coordinator, exit_recorder, t
     hang = str(tmp_path / "hanging")
     ranks, pids = start(config, exit_recorder, hang_save={0: hang, 2: hang})
     os.kill(pids[3], signal.SIGTERM)
-    outcome = run_and_record("a save that hangs", fault_log, config, coordinator, exit_recorder,
-                             pids, ranks)
+    outcome = run_and_record(
+        "a save that hangs", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "abandoned" and "trainer/0" in outcome.reason
 
 
@@ -214,8 +249,9 @@ def test_a_save_that_raises(rep, fault_log, config, coordinator, exit_recorder):
     seed_committed(config)
     ranks, pids = start(config, exit_recorder, fail_save={0: True, 2: True})
     os.kill(pids[3], signal.SIGTERM)
-    outcome = run_and_record("a save that raises", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "a save that raises", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "abandoned"
     saver = next(r for r in outcome.reports if r["ranks"][0]["rank"] == 0)
     save = next(s for s in saver["steps"] if s["name"] == "save")
@@ -229,9 +265,14 @@ def test_a_save_killed_halfway(rep, fault_log, config, coordinator, exit_recorde
     wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
     time.sleep(1.0)  # rank 0 (saving shard 0) is half way through its save
     os.kill(pids[0], signal.SIGKILL)
-    outcome = run_and_record("a save killed halfway", fault_log, config, coordinator,
-                             exit_recorder, pids, ranks)
+    outcome = run_and_record(
+        "a save killed halfway", fault_log, config, coordinator, exit_recorder, pids, ranks
+    )
     assert outcome.result == "abandoned" and "trainer/0" in outcome.reason
-    leftovers = [n for _b, _d, files in os.walk(config.checkpoint_dir) for n in files
-                 if n.startswith(".tmp-")]
+    leftovers = [
+        n
+        for _b, _d, files in os.walk(config.checkpoint_dir)
+        for n in files
+        if n.startswith(".tmp-")
+    ]
     assert latest_committed(config.checkpoint_dir).step == 1, leftovers
