@@ -67,8 +67,8 @@ def main() -> None:
     parser.add_argument(
         "--notify-after",
         type=float,
-        default=8.0,
-        help="seconds into the run when the driver sends the notice",
+        default=3.0,
+        help="seconds after the ranks registered when the driver sends the notice",
     )
     args = parser.parse_args()
     ray.init(address=args.address)
@@ -86,15 +86,20 @@ def main() -> None:
     )
 
     def evict_later() -> None:
+        coordinator = None
+        for _ in range(240):  # the callback starts the coordinator; the ranks register with it
+            try:
+                coordinator = coordinator or Coordinator.connect(config)
+                if any(r["rank"] == 1 for r in coordinator.status()["ranks"]):
+                    break
+            except ValueError:  # no coordinator yet
+                pass
+            time.sleep(0.5)
         time.sleep(args.notify_after)
-        coordinator = Coordinator.connect(config)
-        print(
-            coordinator.notify(
-                rank=("train", 1),
-                reason="example: rank 1 is being evicted",
-                deadline=time.time() + 20,
-            )
+        answer = coordinator.notify(
+            rank=("train", 1), reason="example: rank 1 is being evicted", deadline=time.time() + 20
         )
+        print(f"notice: {answer}")
 
     threading.Thread(target=evict_later, daemon=True).start()
     result = trainer.fit()

@@ -10,6 +10,7 @@ by version number: ``choose_nccl_abort``), gloo connections are shut down (``glo
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,27 @@ class GroupHandle:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host``: a rendezvous port for ``init_process_group``."""
+    """A TCP port free right now on ``host``: a rendezvous port for ``init_process_group``.
+
+    Picked below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by
+    default): a port the kernel hands out for ``bind(0)`` is in the ephemeral range, where any
+    outgoing connection (Ray opens many) may take it before the store binds it.
+    """
+    low = 20000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = list(range(low, ephemeral_low))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

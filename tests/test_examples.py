@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -34,7 +35,8 @@ def test_actor_group_example(ray_cluster):
 def test_ray_train_example(ray_cluster):
     result = run_example("ray_train.py", ray_cluster.address)
     assert result.returncode == 0, result.stderr[-3000:]
-    starts = [line for line in result.stdout.splitlines() if line.startswith("attempt starts")]
-    assert starts[0] == "attempt starts at step 0"
-    assert len(starts) == 2 and starts[1] != "attempt starts at step 0", starts
+    assert "notice: {'accepted': True" in result.stdout
+    # Worker lines reach the driver prefixed, and Ray may repeat them: keep each start once.
+    starts = list(dict.fromkeys(re.findall(r"attempt starts at step (\d+)", result.stdout)))
+    assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) > 0, starts
     assert "finished at step 40; error: None" in result.stdout
