@@ -124,12 +124,15 @@ def _start_group(
     return ranks, statuses
 
 
-def run_demo(output: str = "demo-output", steps_before: int = 6) -> int:
+def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = None) -> int:
+    """Run the demo on a private local cluster, or on nodes added to ``cluster`` (the tests')."""
     os.makedirs(output, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ray-graceful-demo-")
-    os.environ["RAY_TMPDIR"] = work  # a private cluster: nothing shared with other Ray users
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    own_cluster = cluster is None
+    if own_cluster:
+        os.environ["RAY_TMPDIR"] = work  # a private cluster: nothing shared with other Ray users
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
     from ray.cluster_utils import Cluster
 
@@ -150,15 +153,27 @@ def run_demo(output: str = "demo-output", steps_before: int = 6) -> int:
         expected_save_s=2.0,
         teardown_timeout_s=20.0,
         save_budget_s=10.0,
+        coordinator_name=f"demo-{os.getpid()}",
     )
-    clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "resources": {"demo_H": 100}},
-    )
-    nodes = {name: cluster.add_node(num_cpus=2, resources={f"demo_{name}": 100}) for name in "ABC"}
+    if own_cluster:
+        clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "include_dashboard": False,
+                "resources": {"demo_H": 100},
+            },
+        )
+        names = "ABC"
+    else:
+        clock.say("adding nodes A, B, C and H to the running Ray cluster")
+        names = "ABCH"
+    nodes = {name: cluster.add_node(num_cpus=2, resources={f"demo_{name}": 100}) for name in names}
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    if own_cluster:
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    coordinator = None
     try:
         coordinator = Coordinator.start(config)
         clock.say("coordinator started; 6 ranks: 3 shards x 2 replicas, gloo on CPU")
@@ -236,8 +251,14 @@ def run_demo(output: str = "demo-output", steps_before: int = 6) -> int:
         coordinator.job_finished(success=True)
         return 0
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if own_cluster:
+            ray.shutdown()
+            cluster.shutdown()
+        else:
+            if coordinator is not None:
+                coordinator.shutdown()
+            for node in nodes.values():
+                cluster.remove_node(node)
 
 
 def _wait_for(fn: Any, timeout: float) -> Any:

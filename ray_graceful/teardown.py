@@ -385,7 +385,7 @@ class Teardown:
                 raise RuntimeError(
                     f"the training thread was still inside its step after {waited:.1f}s (not "
                     "released from its collective, not at should_stop): a save now could "
-                    "capture a half-applied update, so none was started"
+                    f"capture a half-applied update, so none was started ({_busy_threads()})"
                 )
             time.sleep(0.005)
         return time.monotonic() - started

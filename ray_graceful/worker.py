@@ -487,12 +487,19 @@ def _should_stop(step: int | None) -> bool:
     return runtime.stop_event.is_set()
 
 
+# Modules whose frames sit between a training loop and ``_should_stop``: the public
+# ``should_stop`` wrappers, and Ray's method wrappers. Named exactly, not by the package prefix:
+# a loop may itself live in a ``ray_graceful.*`` module (the demo, the benchmarks).
+_WRAPPER_MODULES = ("ray_graceful.worker", "ray_graceful.train")
+
+
 def _caller_code() -> CodeType:
     """The code of the user's function that called should_stop (Ray may wrap the method)."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
-        ("ray_graceful.", "ray.")
-    ):
+    while frame.f_back is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module not in _WRAPPER_MODULES and not module.startswith("ray."):
+            break
         frame = frame.f_back
     return frame.f_code
 

@@ -91,6 +91,14 @@ class Trainer:
     def should_stop(self, step: int | None = None) -> bool:
         return False  # the user's own loop control, before adopting the mixin
 
+    def make_extra_group(self) -> None:
+        """A second gloo group (collective: every rank calls it), never registered for abort."""
+        self.extra_group = dist.new_group(backend="gloo")
+
+    def all_reduce_on_extra_group(self) -> bool:
+        dist.all_reduce(torch.ones(8), group=self.extra_group)
+        return True
+
     def fork_sleeper(self) -> int:
         """Fork a child (as a DataLoader does) that sleeps; returns once the child runs."""
         read_fd, write_fd = os.pipe()

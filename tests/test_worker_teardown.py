@@ -165,6 +165,32 @@ def test_hanging_save_cannot_pass_the_deadline(ray_cluster, exit_recorder, tmp_p
     assert not list((tmp_path / "c").rglob("shard-*")), "an abandoned save must not land"
 
 
+def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
+    ray_cluster, exit_recorder, tmp_path
+):
+    """A collective the release cannot end (here: a group nobody registered) does not return,
+    so waiting ``exit_grace_s`` for Ray's exit is pointless: the rank leaves at once, says so."""
+    config = GracefulConfig(report_dir=str(tmp_path / "r"), exit_grace_s=8.0)
+    Actor = ray.remote(actors.GracefulTrainer)
+    ranks, pids, _ = start_group(Actor, exit_recorder, config)
+    ray.get([r.make_extra_group.remote() for r in ranks], timeout=60)
+    blocked = [r.all_reduce_on_extra_group.remote() for r in ranks[:-1]]  # the last never joins
+    time.sleep(1.0)
+    assert not ray.wait(blocked, timeout=0)[0]
+
+    sent = time.monotonic()
+    os.kill(pids[0], signal.SIGTERM)
+    code = exit_recorder.wait(pids[0], timeout=15)
+    elapsed = time.monotonic() - sent
+    assert code == 0
+    assert elapsed < config.exit_grace_s / 2, f"waited {elapsed:.2f}s for a task that cannot return"
+    report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report")
+    exit_step = next(s for s in report["steps"] if s["name"] == "exit")
+    assert report["exit_path"] == "hard", report
+    assert "still alive" in exit_step["detail"] and "all_reduce" in exit_step["detail"], exit_step
+    kill_actors(*ranks)
+
+
 def test_forked_child_does_not_run_the_teardown(ray_cluster, exit_recorder, config):
     Actor = ray.remote(actors.GracefulTrainer)
     actor = Actor.options(num_cpus=0, runtime_env=exit_recorder.runtime_env()).remote()
