@@ -71,14 +71,14 @@ def read_group_addresses(process_group: object) -> GlooAddresses:
     # Only trust the parse if this rank's own listener is among the addresses found.
     if not listeners & own and not {p for _, p in listeners} & {p for _, p in own}:
         return GlooAddresses(frozenset())
-    found = GlooAddresses(frozenset(listeners))
-    return GlooAddresses(found.listeners, frozenset(s.inode for s in _matching(found, sockets)))
+    found = frozenset(listeners)
+    return GlooAddresses(found, frozenset(s.inode for s in _matching(found, sockets)))
 
 
 def shutdown_connections(addresses: GlooAddresses) -> int:
     """Shut down this process's connections of the group; returns how many."""
     sockets = _tcp_sockets()
-    matched = {sock.inode for sock in _matching(addresses, sockets)} | addresses.inodes
+    matched = {sock.inode for sock in _matching(addresses.listeners, sockets)} | addresses.inodes
     count = 0
     for fd, sock in sockets.items():
         if sock.inode not in matched or sock.listening:
@@ -99,9 +99,8 @@ class _Socket(NamedTuple):
     listening: bool
 
 
-def _matching(addresses: GlooAddresses, sockets: dict[int, _Socket]) -> list[_Socket]:
+def _matching(listeners: frozenset[Endpoint], sockets: dict[int, _Socket]) -> list[_Socket]:
     """The connected sockets whose remote end is a gloo listener, or whose local end is ours."""
-    listeners = addresses.listeners
     listener_ports = {port for _, port in listeners}
     own_ports = {
         s.local[1]

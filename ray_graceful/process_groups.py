@@ -54,9 +54,8 @@ def free_port(host: str = "127.0.0.1") -> int:
             ephemeral_low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    candidates = list(range(low, ephemeral_low))
-    random.shuffle(candidates)
-    for port in candidates[:200]:
+    candidates = range(low, ephemeral_low)
+    for port in random.sample(candidates, k=min(200, len(candidates))):
         with socket.socket() as s:
             try:
                 s.bind((host, port))

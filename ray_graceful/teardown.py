@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import FrameType
 from typing import Any
 
 from .checkpoint import ShardRecord, write_shard
@@ -237,26 +238,23 @@ def request_ray_intended_exit(detail: str) -> bool:
 STUCK_IN_COLLECTIVE_S = 0.3
 
 
+def _other_threads() -> list[tuple[str, FrameType]]:
+    """(name, current frame) of every thread that is not one of ray_graceful's own."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = [(names.get(i, str(i)), frame) for i, frame in sys._current_frames().items()]
+    return [(name, frame) for name, frame in threads if not name.startswith("ray_graceful-")]
+
+
 def _thread_in_collective() -> bool:
     """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
-    own = {t.ident for t in threading.enumerate() if t.name.startswith("ray_graceful-")}
     marker = os.path.join("torch", "distributed", "")
-    for ident, frame in sys._current_frames().items():
-        if ident in own or ident == threading.get_ident():
-            continue
-        if marker in frame.f_code.co_filename:
-            return True
-    return False
+    return any(marker in frame.f_code.co_filename for _name, frame in _other_threads())
 
 
 def _busy_threads() -> str:
     """Where each non-ray_graceful thread is, innermost frame first: what held the exit."""
-    names = {t.ident: t.name for t in threading.enumerate()}
     where = []
-    for ident, frame in sys._current_frames().items():
-        name = names.get(ident, str(ident))
-        if name.startswith("ray_graceful-"):
-            continue
+    for name, frame in _other_threads():
         stack = traceback.extract_stack(frame)[-3:]
         where.append(
             f"{name} at "
