@@ -23,10 +23,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from . import __version__
+from . import __version__, ray_adapter
 from .config import ENV_PREFIX, ConfigError, GracefulConfig
 
-SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+SETUP_HOOK_VAR = ray_adapter.SETUP_HOOK_ENV_VAR
 SETUP_HOOK = "ray_graceful.hooks.setup"
 TRAIN_CALLBACKS_VAR = "RAY_TRAIN_CALLBACKS"
 TRAIN_CALLBACK = "ray_graceful.train.GracefulTrainCallback"
@@ -131,8 +131,10 @@ def enable_yaml(source: str, target: str | None = None, **kwargs: Any) -> Any:
 
     try:
         job = JobConfig.from_yaml(source)
-    except (TypeError, ValueError) as exc:
-        raise AnyscaleConfigError(f"{source}: not a valid Anyscale job config: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise AnyscaleConfigError(f"not valid YAML: {str(exc)[:500]}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        raise AnyscaleConfigError(f"not a valid Anyscale job config: {str(exc)[:500]}") from None
     patched = enable(job, **kwargs)
     if target is not None:
         with open(target, "w") as f:

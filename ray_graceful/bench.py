@@ -186,7 +186,7 @@ def _release_once(
     returned an error (the process itself then lingers until someone kills it).
     """
     from .coordinator import Coordinator
-    from .drain import drain_node
+    from .ray_adapter import drain_node
 
     work = tempfile.mkdtemp(prefix="release-")
     config = GracefulConfig(report_dir=os.path.join(work, "reports"), drain_poll_interval_s=1.0)
@@ -260,7 +260,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     results: list[dict[str, Any]] = []
-    sizes = [int(x) for x in args.sizes.split(",")]
+    sizes = list(args.sizes)
     hows = args.how.split(",")
     with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
         for how in hows:
@@ -348,7 +348,7 @@ def bench_plan(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     config = GracefulConfig(checkpoint_dir="/bench")
     rows, results = [], []
-    for n in [int(x) for x in args.sizes.split(",")]:
+    for n in args.sizes:
         ranks = [RankInfo("g", i, f"node{i // 8}", str(i % 256)) for i in range(n)]
         health = {("g", i): rng.choice(VERDICTS) for i in range(0, n, 5)}
         now = time.time()
@@ -483,7 +483,7 @@ def bench_save(args: argparse.Namespace) -> dict[str, Any]:
     directory = args.dir or tempfile.mkdtemp(prefix="save-")
     os.makedirs(directory, exist_ok=True)
     rows, results = [], []
-    for mb in [int(x) for x in args.sizes.split(",")]:
+    for mb in args.sizes:
         state = {f"layer{i}": torch.randn(mb * (1 << 20) // 4 // 16) for i in range(16)}
         nbytes = sum(t.numel() * 4 for t in state.values())
         chunk = bytearray(os.urandom(8 << 20))
@@ -568,7 +568,7 @@ def _recovery_once(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .drain import drain_node
+    from .ray_adapter import drain_node
     from .train import GracefulTrainCallback
     from .train_job import train_func
 
@@ -702,6 +702,8 @@ def bench_recovery(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_bench_parser(sub: Any) -> None:
+    from .cli import positive_int, positive_ints, positive_seconds
+
     bench = sub.add_parser(
         "bench",
         help="benchmarks against their baselines",
@@ -711,14 +713,18 @@ def add_bench_parser(sub: Any) -> None:
     names = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
 
     release = names.add_parser("release", help="eviction to every rank out, vs the baseline")
-    release.add_argument("--sizes", default="2,4,8,16", help="ranks per run (default 2,4,8,16)")
-    release.add_argument("--reps", type=int, default=5, help="repetitions per size (default 5)")
+    release.add_argument(
+        "--sizes", type=positive_ints, default="2,4,8,16", help="ranks per run (default 2,4,8,16)"
+    )
+    release.add_argument(
+        "--reps", type=positive_int, default=5, help="repetitions per size (default 5)"
+    )
     release.add_argument(
         "--how", default="sigterm,drain", help="sigterm, drain or sigterm,drain (default)"
     )
     release.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         help="collective timeout; the baseline waits this long (default 60)",
     )
@@ -733,29 +739,40 @@ def add_bench_parser(sub: Any) -> None:
     )
 
     plan = names.add_parser("plan", help="planning time for many ranks")
-    plan.add_argument("--sizes", default="1000,10000,100000")
-    plan.add_argument("--reps", type=int, default=7)
+    plan.add_argument("--sizes", type=positive_ints, default="1000,10000,100000")
+    plan.add_argument("--reps", type=positive_int, default=7)
 
     overhead = names.add_parser("overhead", help="step time with the plugin idle, vs without")
-    overhead.add_argument("--steps", type=int, default=100, help="steps per round (default 100)")
-    overhead.add_argument("--rounds", type=int, default=12, help="alternating rounds (default 12)")
+    overhead.add_argument(
+        "--steps", type=positive_int, default=100, help="steps per round (default 100)"
+    )
+    overhead.add_argument(
+        "--rounds", type=positive_int, default=12, help="alternating rounds (default 12)"
+    )
 
     save = names.add_parser("save", help="emergency-save MB/s vs raw writes and torch.save")
-    save.add_argument("--sizes", default="64,256,1024", help="state dict sizes in MB")
-    save.add_argument("--reps", type=int, default=3)
+    save.add_argument(
+        "--sizes", type=positive_ints, default="64,256,1024", help="state dict sizes in MB"
+    )
+    save.add_argument("--reps", type=positive_int, default=3)
     save.add_argument("--dir", help="directory to write to (default: a temp directory)")
 
     recovery = names.add_parser("recovery", help="Ray Train: preemption to resumed training")
-    recovery.add_argument("--total", type=int, default=80, help="steps in the run (default 80)")
     recovery.add_argument(
-        "--every", type=int, default=10, help="periodic checkpoint interval (default 10)"
-    )
-    recovery.add_argument("--step-s", type=float, default=0.3, help="seconds per step")
-    recovery.add_argument(
-        "--evict-after", type=int, default=16, help="steps before the node is drained"
+        "--total", type=positive_int, default=80, help="steps in the run (default 80)"
     )
     recovery.add_argument(
-        "--deadline", type=float, default=10.0, help="drain deadline in seconds (default 10)"
+        "--every", type=positive_int, default=10, help="periodic checkpoint interval (default 10)"
+    )
+    recovery.add_argument("--step-s", type=positive_seconds, default=0.3, help="seconds per step")
+    recovery.add_argument(
+        "--evict-after", type=positive_int, default=16, help="steps before the node is drained"
+    )
+    recovery.add_argument(
+        "--deadline",
+        type=positive_seconds,
+        default=10.0,
+        help="drain deadline in seconds (default 10)",
     )
 
     for p in (release, plan, overhead, save, recovery):

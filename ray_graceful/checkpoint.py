@@ -10,22 +10,29 @@ A rank writes its shard to a temporary name, fsyncs it, and renames it into plac
 is abandoned (over budget, raised, killed) never gets its final name. The coordinator writes the
 manifest only when every shard of the topology was saved at the same step, so a checkpoint is
 either complete and listed, or not listed at all. ``latest_committed(root)`` is what a restart
-loads: the newest manifest whose shard files are all present with the recorded sizes (and,
-if asked, checksums).
+loads: the newest manifest whose shard files are all present with the recorded sizes and
+checksums (a torn or altered shard is refused, and the next older checkpoint is taken).
+
+A committed checkpoint is never touched again. A save at a step that is already committed (a
+notice in the first step after a resume) keeps the committed shard and reports it as reused;
+a manifest entry must name the shard's own file inside its step directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -50,13 +57,33 @@ class ShardRecord:
     group: str = ""
     rank: int = -1
     seconds: float = 0.0
+    reused: bool = False  # the step was already committed: the committed shard was kept
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardRecord:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        """From a report or a manifest entry; CheckpointError if it is not one."""
+        if not isinstance(data, Mapping):
+            raise CheckpointError(f"a shard record is a mapping, got {type(data).__name__}")
+        try:
+            record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        except TypeError as exc:
+            raise CheckpointError(f"not a shard record: {exc}") from None
+        kinds = {"shard": str, "file": str, "step": int, "bytes": int, "crc32": int}
+        for name, kind in kinds.items():
+            value = getattr(record, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CheckpointError(
+                    f"shard record field {name} = {value!r}: not a {kind.__name__}"
+                )
+        if record.file != shard_file_name(record.shard):
+            raise CheckpointError(
+                f"shard {record.shard!r} names file {record.file!r}; its file is "
+                f"{shard_file_name(record.shard)!r} inside its step directory"
+            )
+        return record
 
 
 @dataclass(frozen=True)
@@ -115,10 +142,13 @@ def save_state_dict(state: Any, path: str) -> tuple[int, int]:
 
 
 def load_state_dict(path: str, map_location: Any = "cpu") -> Any:
-    """Load what ``save_state_dict`` wrote (weights_only=False: it holds the step too)."""
+    """Load what ``save_state_dict`` wrote: tensors, numbers, strings and containers only.
+
+    ``weights_only=True``: a checkpoint file cannot run code when loaded.
+    """
     import torch
 
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def fsync_path(path: str) -> None:
@@ -176,6 +206,9 @@ def write_shard(
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     name = shard_file_name(shard)
+    committed = _committed_record(directory, step, shard)
+    if committed is not None:
+        return ShardRecord(**{**committed.to_dict(), "group": group, "rank": rank, "reused": True})
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}")
     started = time.monotonic()
@@ -190,14 +223,52 @@ def write_shard(
             size, crc = result
         if abandoned is not None and abandoned.is_set():
             raise CheckpointError("save abandoned by the teardown (over budget); not renamed")
-        if os.path.isdir(final) and not os.path.islink(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if _committed_record(directory, step, shard) is not None:  # committed meanwhile
+            raise CheckpointError(f"step {step} was committed during the save; left as it is")
+        _replace_uncommitted(tmp, final)
         fsync_path(directory)
     except BaseException:
         _remove(tmp)
         raise
     return ShardRecord(shard, step, name, size, crc, group, rank, time.monotonic() - started)
+
+
+def _committed_record(directory: str, step: int, shard: str) -> ShardRecord | None:
+    """The committed record of ``shard`` at this step, if the step is committed.
+
+    A committed step that lacks the shard is an error: it is never modified.
+    """
+    manifest_path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(manifest_path):
+        return None
+    manifest, reason = _read_manifest(directory, step)
+    if manifest is None:
+        raise CheckpointError(
+            f"step {step} at {directory} has a manifest that cannot be read ({reason}); "
+            "nothing is written next to it"
+        )
+    raw = manifest["shards"].get(shard)
+    if raw is None:
+        raise CheckpointError(
+            f"step {step} is committed without shard {shard!r}; a committed checkpoint is "
+            "never modified"
+        )
+    return ShardRecord.from_dict(raw)
+
+
+def _replace_uncommitted(tmp: str, final: str) -> None:
+    """Put ``tmp`` at ``final``: a file atomically; an old directory is moved aside first.
+
+    Only ever called for an uncommitted step (a leftover of a save that was not committed),
+    so nothing a restart could load is lost at any point.
+    """
+    if os.path.isdir(final) and not os.path.islink(final):
+        aside = f"{final}.old-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(final, aside)
+        os.replace(tmp, final)
+        _remove(aside)
+    else:
+        os.replace(tmp, final)
 
 
 def _remove(path: str) -> None:
@@ -252,7 +323,20 @@ def commit(
     if unexpected:
         raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
     directory = step_dir(root, step)
+    existing, _reason = _read_manifest(directory, step)
+    if existing is not None:
+        if sorted(existing["shards"]) != sorted(expected_shards):
+            raise CheckpointError(
+                f"step {step} is already committed with shards {sorted(existing['shards'])}; "
+                "a committed checkpoint is never modified"
+            )
+        return os.path.join(directory, MANIFEST)  # committed before: kept as it is
     for record in by_shard.values():
+        if record.file != shard_file_name(record.shard):
+            raise CheckpointError(
+                f"shard {record.shard!r} reports file {record.file!r}, not its own "
+                f"{shard_file_name(record.shard)!r}; not committed"
+            )
         path = os.path.join(directory, record.file)
         size = _path_size(path)
         if size != record.bytes:
@@ -284,44 +368,88 @@ def _path_size(path: str) -> int | None:
         return None
 
 
-def latest_committed(root: str, verify_checksums: bool = False) -> CommittedCheckpoint | None:
+def latest_committed(root: str, verify_checksums: bool = True) -> CommittedCheckpoint | None:
     """The newest committed, intact checkpoint under ``root``, or None.
 
-    Skips a step directory with no manifest (a save that did not finish), an unreadable or
-    torn manifest, and one whose shard files are missing or of the wrong size (or, with
-    ``verify_checksums``, content).
+    Skips, with a logged reason, a step directory with no manifest (a save that did not
+    finish), a manifest that is unreadable, torn or of the wrong shape, and one whose shard
+    files are missing, of the wrong size, or (``verify_checksums``, the default) of the wrong
+    content. Verifying reads every shard once; pass False only where the storage itself is
+    trusted to catch corruption.
     """
+    for step, directory, checkpoint, reason in scan_checkpoints(root, verify_checksums):
+        if checkpoint is not None:
+            return checkpoint
+        if reason != "no manifest (not committed)":
+            logger.warning(
+                "ray_graceful: skipped checkpoint step %s (%s): %s", step, directory, reason
+            )
+    return None
+
+
+def scan_checkpoints(
+    root: str, verify_checksums: bool = True
+) -> Iterator[tuple[int, str, CommittedCheckpoint | None, str]]:
+    """Every step directory under ``root``, newest first: (step, dir, checkpoint, why not)."""
     if not os.path.isdir(root):
-        return None
+        return
     steps = []
     for name in os.listdir(root):
         match = _STEP_DIR.match(name)
         if match:
             steps.append((int(match.group(1)), os.path.join(root, name)))
     for step, directory in sorted(steps, reverse=True):
-        checkpoint = _read_committed(step, directory, verify_checksums)
-        if checkpoint is not None:
-            return checkpoint
-    return None
+        checkpoint, reason = _read_committed(step, directory, verify_checksums)
+        yield step, directory, checkpoint, reason
 
 
-def _read_committed(step: int, directory: str, verify: bool) -> CommittedCheckpoint | None:
+def _read_manifest(directory: str, step: int) -> tuple[dict[str, Any] | None, str]:
+    """The manifest of a step directory if it is well formed, else (None, why)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return None, "no manifest (not committed)"
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
-        if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
-            return None
-        shards = {}
-        for key, raw in manifest["shards"].items():
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read(16 << 20))
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"manifest unreadable: {type(exc).__name__}: {str(exc)[:200]}"
+    if not isinstance(manifest, dict):
+        return None, f"manifest is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format") != FORMAT_VERSION:
+        return None, f"manifest format {str(manifest.get('format'))[:40]!r}, not {FORMAT_VERSION}"
+    if manifest.get("step") != step:
+        return None, f"manifest says step {str(manifest.get('step'))[:40]}, its directory {step}"
+    shards = manifest.get("shards")
+    if not isinstance(shards, dict) or not shards:
+        return None, 'manifest lists no shards ("shards" must be a non-empty object)'
+    return manifest, ""
+
+
+def _read_committed(
+    step: int, directory: str, verify: bool
+) -> tuple[CommittedCheckpoint | None, str]:
+    manifest, reason = _read_manifest(directory, step)
+    if manifest is None:
+        return None, reason
+    shards = {}
+    for key, raw in manifest["shards"].items():
+        try:
             record = ShardRecord.from_dict(raw)
-            path = os.path.join(directory, record.file)
-            if _path_size(path) != record.bytes:
-                return None
+        except CheckpointError as exc:
+            return None, f"shard {str(key)[:80]!r}: {exc}"
+        if record.shard != key or record.step != step:
+            return (
+                None,
+                f"shard {str(key)[:80]!r}: its record says {record.shard!r} step {record.step}",
+            )
+        path = os.path.join(directory, record.file)
+        try:
+            size = _path_size(path)
+            if size != record.bytes:
+                return None, f"shard {key!r}: {size} bytes on disk, {record.bytes} committed"
             if verify and _file_checksum(path) != (record.bytes, record.crc32):
-                return None
-            shards[key] = path
-        if not shards:
-            return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return CommittedCheckpoint(step, directory, shards, manifest)
+                return None, f"shard {key!r}: checksum differs from the committed one (torn)"
+        except OSError as exc:
+            return None, f"shard {key!r}: {exc}"
+        shards[key] = path
+    return CommittedCheckpoint(step, directory, shards, manifest), ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -59,14 +60,15 @@ def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
             f"no Ray cluster reachable at {args.address!r}: {exc}", EXIT_NO_CLUSTER
         ) from exc
     try:
-        return Coordinator.connect(config, timeout=args.timeout)
+        return Coordinator.connect(config, timeout=args.timeout, job_id=args.job)
     except ValueError as exc:
         raise CliError(
-            f"no coordinator named {config.coordinator_name!r} in namespace "
-            f"{config.coordinator_namespace!r}: is a job with ray_graceful running? "
-            "(--coordinator/--namespace pick another)",
+            f"no coordinator to talk to in namespace {config.coordinator_namespace!r}: {exc}. "
+            "Is a job with ray_graceful running? (--job, --coordinator, --namespace pick one)",
             EXIT_NO_COORDINATOR,
         ) from exc
+    except Exception as exc:  # it died, or timed out answering
+        raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
 
 
 def _check_reachable(address: str, timeout: float) -> None:
@@ -90,13 +92,66 @@ def _parse_rank(text: str) -> tuple[str, int]:
     return group, int(rank)
 
 
-def _non_negative(text: str) -> float:
+def _seconds(text: str, minimum: float, allow_equal: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds")
+    if value < minimum or (value == minimum and not allow_equal):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: seconds must be {'>=' if allow_equal else '>'} {minimum:g}"
+        )
+    return value
+
+
+def _non_negative(text: str) -> float:
+    return _seconds(text, 0.0, allow_equal=True)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    return _seconds(text, 0.0, allow_equal=False)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma-separated list of integers >= 1, e.g. '2,4,8'."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1 separated by commas")
+    try:
+        return [positive_int(p) for p in parts]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give integers >= 1 separated by commas, e.g. 2,4,8"
+        ) from None
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _unix_time(text: str) -> float:
+    value = _non_negative(text)
+    if value <= time.time():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a Unix time in the past ({time.time() - value:.0f}s ago); for seconds "
+            "from now use --deadline-in"
+        )
     return value
 
 
@@ -116,14 +171,17 @@ def _cmd_notify(args: argparse.Namespace) -> int:
         deadline = time.time() + args.deadline_in
     elif args.deadline is not None:
         deadline = args.deadline
-    answer = coordinator.notify(
-        node_id=node_id,
-        rank=args.rank,
-        reason=args.reason,
-        deadline=deadline,
-        source="cli",
-        timeout=args.timeout,
-    )
+    try:
+        answer = coordinator.notify(
+            node_id=node_id,
+            rank=args.rank,
+            reason=args.reason,
+            deadline=deadline,
+            source="cli",
+            timeout=args.timeout,
+        )
+    except Exception as exc:
+        raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
     target = f"node {node_id}" if node_id else f"rank {args.rank[0]}/{args.rank[1]}"
     if not answer.get("accepted"):
         print(f"ray-graceful notify: rejected ({target}): {answer.get('reason')}", file=sys.stderr)
@@ -134,7 +192,10 @@ def _cmd_notify(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     coordinator = _connect(args, _config(args))
-    status = coordinator.status(timeout=args.timeout)
+    try:
+        status = coordinator.status(timeout=args.timeout)
+    except Exception as exc:
+        raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
@@ -173,15 +234,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .dry_run import ScenarioError, plan_file
+    from .plan import TopologyError
 
+    now = time.time() if args.now is None else args.now
     try:
-        plan = plan_file(args.scenario, now=0.0)
-    except (ScenarioError, ConfigError, OSError) as exc:
+        plan = plan_file(args.scenario, now=now)
+    except (ScenarioError, ConfigError, TopologyError) as exc:
         raise CliError(f"{args.scenario}: {exc}") from exc
+    except OSError as exc:
+        raise CliError(f"{args.scenario}: cannot read it: {exc.strerror or exc}") from exc
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+        print(json.dumps({"now": now, **plan.to_dict()}, indent=2, sort_keys=True))
     else:
-        print(plan.table(now=0.0))
+        print(f"now = {now:.3f} (Unix seconds); deadlines below are relative to it")
+        print(plan.table(now=now))
     return 0
 
 
@@ -207,8 +273,10 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
             train_callback=not args.no_train_callback,
             setup_hook=not args.no_setup_hook,
         )
-    except (AnyscaleConfigError, OSError) as exc:
+    except AnyscaleConfigError as exc:
         raise CliError(f"{args.job}: {exc}") from exc
+    except OSError as exc:
+        raise CliError(f"{args.job}: {exc.strerror or exc}") from exc
     print(f"ray-graceful anyscale: wrote {target}")
     return 0
 
@@ -244,10 +312,16 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--coordinator",
-        help="coordinator name (default: RAY_GRACEFUL_COORDINATOR_NAME"
-        " or ray_graceful_coordinator)",
+        type=_non_empty,
+        help="coordinator name, where the jobs set RAY_GRACEFUL_COORDINATOR_NAME (default: the "
+        "job's own coordinator)",
     )
     p.add_argument("--namespace", help="coordinator namespace (default: ray_graceful)")
+    p.add_argument(
+        "--job",
+        type=_non_empty,
+        help="the Ray job whose coordinator to talk to (default: the only one running)",
+    )
     p.add_argument(
         "--timeout",
         type=_non_negative,
@@ -274,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = notify.add_mutually_exclusive_group(required=True)
     target.add_argument("--this-node", action="store_true", help="the Ray node this runs on")
-    target.add_argument("--node-id", help="a Ray node id (hex)")
+    target.add_argument("--node-id", type=_non_empty, help="a Ray node id (hex)")
     target.add_argument("--rank", type=_parse_rank, help="one rank, as GROUP/RANK")
     notify.add_argument("--reason", required=True, help="why (shown in the plan and outcome)")
     when = notify.add_mutually_exclusive_group()
@@ -286,9 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     when.add_argument(
         "--deadline",
-        type=_non_negative,
+        type=_unix_time,
         metavar="UNIX_SECONDS",
-        help="the node or rank is gone at this time",
+        help="the node or rank is gone at this time (Unix seconds, in the future)",
     )
     _connection_options(notify)
     notify.set_defaults(func=_cmd_notify)
@@ -308,9 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a planning dry run on a scenario file",
         description="Plan who saves and who leaves for the scenario in FILE "
         "(JSON or YAML: ranks, notices, health, config) and print the table. "
-        "Deadlines print relative to now.",
+        "Deadlines print relative to now (printed first; --now sets it).",
     )
     plan.add_argument("scenario", metavar="FILE")
+    plan.add_argument(
+        "--now",
+        type=_non_negative,
+        metavar="UNIX_SECONDS",
+        help="the time to plan at (default: the current time); deadline_in_s counts from it",
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=_cmd_plan)
 
@@ -327,7 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for the outcome JSON and the timeline PNG",
     )
     demo.add_argument(
-        "--steps", type=int, default=6, help="training steps before the eviction (default 6)"
+        "--steps",
+        type=positive_int,
+        default=6,
+        help="training steps before the eviction (default 6)",
     )
     demo.set_defaults(func=_cmd_demo)
 

@@ -8,6 +8,17 @@ An Anyscale job or a KubeRay pod turns the plugin on and tunes it through enviro
 variables: ``GracefulConfig.from_env()`` reads ``RAY_GRACEFUL_<FIELD>`` for every field. A bad
 value, or a ``RAY_GRACEFUL_*`` variable that is not ours and not Ray's, raises ``ConfigError``
 naming the variable, the value and what is allowed.
+
+The prefix is shared with Ray itself: Ray reads ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` and
+``RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S`` (``ray/_private/ray_constants.py``, checked in Ray
+2.48-2.60), and KubeRay users set them. Those, and the whole ``RAY_GRACEFUL_SHUTDOWN_`` family
+(no field of ours starts with ``shutdown_``), are Ray's and are left alone. The plugin's own
+process markers never use the prefix (they start with ``_RAY_GRACEFUL``), so a job-wide
+environment that reaches the plugin's own actors never trips over them.
+
+Every duration has an upper bound as well as a lower one: a value a thread cannot wait for
+(``threading`` overflows near 1e10 s), a gathering window that never plans, or a drain poll that
+busy-loops the GCS is a mistake, and is refused with what is allowed.
 """
 
 from __future__ import annotations
@@ -23,8 +34,15 @@ from typing import Any
 
 ENV_PREFIX = "RAY_GRACEFUL_"
 
-# Ray's own variables that share our prefix. They are Ray's to read; from_env leaves them be.
-RAY_OWN_VARIABLES = frozenset({"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"})
+# Ray's own variables that share our prefix (Ray 2.48-2.60, ray_constants.py). They are Ray's to
+# read; from_env leaves them be, and the whole RAY_GRACEFUL_SHUTDOWN_ family with them.
+RAY_OWN_VARIABLES = frozenset(
+    {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S"}
+)
+RAY_OWN_PREFIX = "RAY_GRACEFUL_SHUTDOWN_"
+
+# The longest duration any setting may have: a day. Longer is a unit mistake (ms for s).
+MAX_SECONDS = 86_400.0
 
 # NVIDIA's XID catalog, as mirrored by public GPU-health tools (see docs/health.md).
 DEFAULT_FATAL_XIDS = (46, 48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 143)
@@ -39,24 +57,30 @@ class ConfigError(ValueError):
 
 
 def _default_report_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "ray_graceful", "reports")
+    # Not "<tmp>/ray_graceful": a folder named like the package shadows it for any script run
+    # from the temp dir with an editable install.
+    return os.path.join(tempfile.gettempdir(), "ray-graceful-reports")
 
 
 # --- checks: each returns None when the value is fine, else a description of what is allowed.
 
 
-def _seconds(value: Any) -> str | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and math.isfinite(value) and value > 0:
-        return None
-    return "a finite number of seconds > 0"
+def _between(low: float, high: float, low_open: bool = True) -> Callable[[Any], str | None]:
+    """A check for a number of seconds in (low, high] (or [low, high] with low_open=False)."""
+    sign = ">" if low_open else ">="
+
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        above = ok and math.isfinite(value) and (value > low if low_open else value >= low)
+        if above and value <= high:
+            return None
+        return f"a number of seconds {sign} {low:g} and <= {high:g}"
+
+    return check
 
 
-def _seconds_or_zero(value: Any) -> str | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and math.isfinite(value) and value >= 0:
-        return None
-    return "a finite number of seconds >= 0"
+_seconds = _between(0.0, MAX_SECONDS)
+_seconds_or_zero = _between(0.0, MAX_SECONDS, low_open=False)
 
 
 def _exit_code(value: Any) -> str | None:
@@ -75,8 +99,14 @@ def _name(value: Any) -> str | None:
     return "a non-empty name without surrounding spaces"
 
 
+def _optional_name(value: Any) -> str | None:
+    return None if value == "" else _name(value)
+
+
 def _path(value: Any) -> str | None:
-    return None if isinstance(value, str) and value.strip() else "a non-empty path"
+    if isinstance(value, str) and value.strip() and value == value.strip() and "\0" not in value:
+        return None
+    return "a non-empty path without surrounding spaces"
 
 
 def _optional_path(value: Any) -> str | None:
@@ -142,7 +172,7 @@ class GracefulConfig:
     )
     exit_grace_s: float = _setting(
         2.0,
-        _seconds,
+        _between(0.0, 60.0),
         "How long Ray's intended-exit path may take (it waits for the actor's running task to "
         "return) before the rank exits hard with os._exit.",
     )
@@ -154,7 +184,7 @@ class GracefulConfig:
     )
     order_wait_s: float = _setting(
         2.0,
-        _seconds,
+        _between(0.0, 60.0),
         "After reporting a SIGTERM to the coordinator, how long a rank waits for its order "
         "before tearing itself down on its own.",
     )
@@ -176,9 +206,11 @@ class GracefulConfig:
         default_factory=_default_report_dir,
     )
     coordinator_name: str = _setting(
-        "ray_graceful_coordinator",
-        _name,
-        "Name of the coordinator actor that workers look up in their Ray namespace.",
+        "",
+        _optional_name,
+        "Name of the coordinator actor. Empty (the default): one coordinator per Ray job, named "
+        "after the job, so one job's notices can never stop another's ranks. A name shares one "
+        "coordinator between the jobs that give it (they must trust each other).",
     )
     coordinator_namespace: str = _setting(
         "ray_graceful",
@@ -188,27 +220,28 @@ class GracefulConfig:
     )
     notice_gather_s: float = _setting(
         0.2,
-        _seconds_or_zero,
+        _between(0.0, 10.0, low_open=False),
         "After the first notice of a cycle, how long the coordinator gathers further notices "
         "(a drain and a fault together, a SIGTERM to every rank) before it plans.",
     )
     drain_poll_interval_s: float = _setting(
         1.0,
-        _seconds,
+        _between(0.05, 60.0, low_open=False),
         "How often the coordinator polls Ray's drain state (the notice that carries a node's "
         "deadline).",
     )
     health_interval_s: float = _setting(
         5.0,
-        _seconds,
+        _between(0.1, 300.0, low_open=False),
         "How often each worker checks its GPUs' health and renews its long poll to the "
         "coordinator (so a FAULTY verdict becomes a notice within this time).",
     )
     quiesce_timeout_s: float = _setting(
         2.0,
         _seconds,
-        "Before an emergency save, how long to wait for the training thread to leave its step "
-        "(released from its collective, or at should_stop); a save is not started mid-step.",
+        "How long the teardown waits for the training thread to reach its step boundary "
+        "(parked in should_stop(step)) or leave its loop; a thread inside a collective is "
+        "released first, then waited for as long again. A save never starts mid-step.",
     )
     expected_save_s: float = _setting(
         5.0,
@@ -257,8 +290,11 @@ class GracefulConfig:
             value = getattr(self, f.name)
             allowed = f.metadata["check"](value)
             if allowed is not None:
+                from .notices import short
+
+                shown = short(value)
                 raise ConfigError(
-                    f"GracefulConfig.{f.name} = {value!r} is not allowed: must be {allowed}."
+                    f"GracefulConfig.{f.name} = {shown} is not allowed: must be {allowed}."
                 )
         if self.watchdog_margin_s >= self.teardown_timeout_s:
             raise ConfigError(
@@ -271,12 +307,27 @@ class GracefulConfig:
                 f"save_budget_s + watchdog_margin_s ({self.watchdog_margin_s}) must be at most "
                 f"teardown_timeout_s = {self.teardown_timeout_s}."
             )
-        overlap = set(self.fatal_xids) & set(self.ignored_xids)
-        if overlap:
-            raise ConfigError(
-                f"GracefulConfig: XIDs {sorted(overlap)} are both fatal_xids and ignored_xids; "
-                "an XID may be in one list only."
-            )
+        lists = {
+            "fatal_xids": self.fatal_xids,
+            "degraded_xids": self.degraded_xids,
+            "ignored_xids": self.ignored_xids,
+        }
+        names = list(lists)
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                overlap = set(lists[first]) & set(lists[second])
+                if overlap:
+                    raise ConfigError(
+                        f"GracefulConfig: XIDs {sorted(overlap)} are both {first} and "
+                        f"{second}; an XID may be in one list only."
+                    )
+        for name in ("cuda_sync_timeout_s", "destroy_timeout_s", "quiesce_timeout_s"):
+            if getattr(self, name) >= self.teardown_timeout_s:
+                raise ConfigError(
+                    f"GracefulConfig.{name} = {getattr(self, name)} must be smaller than "
+                    f"teardown_timeout_s = {self.teardown_timeout_s}: it bounds one step of "
+                    "the teardown."
+                )
         if self.health_probe == "scripted" and self.health_script_path is None:
             raise ConfigError(
                 "GracefulConfig.health_probe = 'scripted' needs health_script_path: the file "
@@ -292,7 +343,7 @@ class GracefulConfig:
         known = {ENV_PREFIX + f.name.upper(): f for f in fields(cls)}
         values: dict[str, Any] = {}
         for name, raw in env.items():
-            if not name.startswith(ENV_PREFIX) or name in RAY_OWN_VARIABLES:
+            if not name.startswith(ENV_PREFIX) or is_rays_own(name):
                 continue
             f = known.get(name)
             if f is None:
@@ -318,9 +369,18 @@ class GracefulConfig:
                 out[ENV_PREFIX + f.name.upper()] = value
         return out
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
     def replace(self, **changes: Any) -> GracefulConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def is_rays_own(name: str) -> bool:
+    """Whether ``name`` is one of Ray's own ``RAY_GRACEFUL_*`` variables (not a setting of ours)."""
+    return name in RAY_OWN_VARIABLES or name.startswith(RAY_OWN_PREFIX)
 
 
 def _format_env(value: Any) -> str:
@@ -361,8 +421,12 @@ def _parse_env(name: str, raw: str, f: dataclasses.Field) -> Any:
         except ValueError:
             raise bad("comma-separated XID numbers, e.g. '48,79,95'") from None
     if kind == "str | None":
-        return text or None
-    return text
+        if raw == "":
+            return None  # set but empty: unset, as for any optional setting
+        if not text:
+            raise bad("a non-empty path, or the empty string for none")
+        return raw
+    return raw
 
 
 def config_reference_markdown() -> str:
@@ -374,7 +438,7 @@ def config_reference_markdown() -> str:
     default = GracefulConfig()
     for f in fields(GracefulConfig):
         shown = (
-            "(system temp)/ray_graceful/reports"
+            "(system temp)/ray-graceful-reports"
             if f.name == "report_dir"
             else repr(getattr(default, f.name))
         )

@@ -13,6 +13,7 @@ tears the rank down on its own, exactly as without a coordinator.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -20,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from .config import GracefulConfig
 from .health import HealthProbe, NullProbe, make_probe
-from .teardown import SaveOrder, TeardownReport, write_stderr
+from .teardown import SaveOrder, TeardownReport
 
 if TYPE_CHECKING:
     from .worker import _ProcessRuntime
+
+logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 15.0
 REPORT_TIMEOUT_S = 2.0
@@ -31,13 +34,16 @@ SIGTERM_REPORT_TIMEOUT_S = 1.0
 
 
 def find_coordinator(config: GracefulConfig) -> Any | None:
-    """The coordinator's handle in this job's namespace, or None (not in Ray / none started)."""
+    """This job's coordinator, or None (not in Ray / none started for this job)."""
     try:
         import ray
 
+        from .coordinator import coordinator_name
+
         if not ray.is_initialized():
             return None
-        return ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
+        name = coordinator_name(config, ray.get_runtime_context().get_job_id())
+        return ray.get_actor(name, namespace=config.coordinator_namespace)
     except (ValueError, ImportError):
         return None
 
@@ -60,6 +66,7 @@ class ControlChannel:
         self.config = config
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
+        self.job_id = ctx.get_job_id() or ""
         self.node_id = ctx.get_node_id()
         self.actor_id = ctx.get_actor_id() or ""
         self.cycle: int | None = None
@@ -75,7 +82,7 @@ class ControlChannel:
             try:
                 self._probe = make_probe(self.config, _gpu_indices(), self.node_id)
             except Exception as exc:  # an explicit health_probe='nvml' without NVML, say
-                write_stderr(f"ray_graceful: health probe unavailable: {exc}\n")
+                logger.warning("ray_graceful: health probe unavailable: %s", exc)
                 self._probe = NullProbe(f"probe failed to start: {exc}", "probe_failed")
         return self._probe
 
@@ -100,14 +107,17 @@ class ControlChannel:
         ]
         try:
             answer = ray.get(
+                # No health here: NVML may be slow to start (or wedged); the first poll, on the
+                # control thread, carries the first verdict.
                 self.handle.register.remote(
                     self.process_id,
                     self.node_id,
                     os.getpid(),
                     socket.gethostname(),
                     ranks,
-                    self.probe.check().to_dict(),
+                    None,
                     self.actor_id,
+                    self.job_id,
                 ),
                 timeout=REGISTER_TIMEOUT_S,
             )
@@ -157,6 +167,13 @@ class ControlChannel:
             if order is None:
                 continue
             if order.get("action") == "teardown":
+                if order.get("job_id", self.job_id) != self.job_id:
+                    logger.error(
+                        "ray_graceful: ignored an order for job %s (this is job %s)",
+                        order.get("job_id"),
+                        self.job_id,
+                    )
+                    continue
                 self.order_received.set()
                 self._obey(order)
                 return
@@ -165,9 +182,9 @@ class ControlChannel:
 
     def _lost(self, why: str) -> None:
         self.alive, self.state = False, f"lost: {why}"
-        write_stderr(
-            f"ray_graceful: coordinator link lost ({why}); SIGTERM now tears this rank down on "
-            "its own\n"
+        logger.warning(
+            "ray_graceful: coordinator link lost (%s); SIGTERM now tears this rank down on its own",
+            why,
         )
 
     def _obey(self, order: dict[str, Any]) -> None:
@@ -176,21 +193,15 @@ class ControlChannel:
         if any(reg.cooperative for reg in runtime.registrations.values()):
             runtime.cooperative_stop(order)
             return
-        step = runtime.last_step
         save_orders, skipped = [], []
         for save in order.get("saves", []):
             reg = runtime.registrations.get((save["group"], save["rank"]))
             if reg is None or reg.saver is None:
                 skipped.append(f"{save['shard']}: this process has no saver for it")
-            elif step is None:
-                skipped.append(
-                    f"{save['shard']}: no step boundary recorded (call should_stop(step))"
-                )
             else:
                 save_orders.append(
                     SaveOrder(
                         save["root"],
-                        step,
                         save["shard"],
                         order["save_budget_s"],
                         reg.saver,
@@ -235,4 +246,4 @@ class ControlChannel:
                 timeout=REPORT_TIMEOUT_S,
             )
         except Exception as exc:
-            write_stderr(f"ray_graceful: the report did not reach the coordinator: {exc!r}\n")
+            logger.warning("ray_graceful: the report did not reach the coordinator: %r", exc)

@@ -20,20 +20,22 @@ spare can be handed an evicted rank's slot for the next cycle.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import ray_adapter
 from .checkpoint import CheckpointError, ShardRecord, commit, latest_committed, shard_key
 from .config import GracefulConfig
-from .drain import draining_nodes
 from .health import FAULTY, UNKNOWN, HealthReport
 from .notices import EvictionNotice, NoticeError
 from .outcome import OutcomeMetrics, TerminationOutcome
 from .plan import RankInfo, TerminationPlan, plan_termination
-from .teardown import write_stderr
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[str, int]
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
@@ -81,6 +83,16 @@ class _Spare:
     pid: int
     waiter: asyncio.Future | None = None
     order: dict[str, Any] | None = None
+    assigned: bool = False  # handed a slot: never handed another
+
+
+def coordinator_name(config: GracefulConfig, job_id: str) -> str:
+    """The coordinator's actor name: the configured one, else one per Ray job.
+
+    Per job by default, so that a second job on the same cluster never registers with, or is
+    stopped by, the first job's coordinator (issue: one job cannot stop another).
+    """
+    return config.coordinator_name or f"ray_graceful_coordinator-{job_id}"
 
 
 class CoordinatorActor:
@@ -107,6 +119,7 @@ class CoordinatorActor:
         self.drains_seen: dict[str, int] = {}
         self.cooperative = False
         self._drain_task: asyncio.Task | None = None
+        self.failures: list[str] = []  # errors of background tasks, shown in the outcome
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
         except Exception:  # metrics are a courtesy; the coordinator works without them
@@ -115,49 +128,76 @@ class CoordinatorActor:
     # --- background ------------------------------------------------------------------------
 
     def _ensure_background(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.get_running_loop().create_task(self._watch_drains())
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.get_running_loop().create_task(self._supervise_watcher())
+
+    async def _supervise_watcher(self) -> None:
+        """Run the watcher; an unexpected error is logged and the watcher restarted."""
+        while True:
+            try:
+                await self._watch_drains()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.exception("ray_graceful coordinator: the drain watcher failed; restarting")
+                self.failures.append(f"drain watcher: {type(exc).__name__}: {exc}")
+                del self.failures[:-20]
+                await asyncio.sleep(self.config.drain_poll_interval_s)
 
     async def _watch_drains(self) -> None:
         while True:
             try:
-                drains = await asyncio.to_thread(draining_nodes)
+                drains = await asyncio.to_thread(ray_adapter.draining_nodes)
             except Exception as exc:
                 self._reject({"source": "drain"}, f"could not read Ray's drain state: {exc!r}")
                 drains = {}
             await self._watch_lost()
             for node_id, deadline_ms in drains.items():
+                if not isinstance(deadline_ms, int) or deadline_ms < 0:
+                    self._reject(
+                        {"source": "drain", "node_id": node_id},
+                        f"Ray's drain state gave deadline {deadline_ms!r}: not milliseconds",
+                    )
+                    continue
                 if self.drains_seen.get(node_id) == self.cycle:
                     continue
                 if not any(p.node_id == node_id for p in self._active()):
                     continue  # a node this job has no rank on
                 self.drains_seen[node_id] = self.cycle
-                await self._accept(
-                    [
-                        EvictionNotice(
-                            "drain",
-                            "Ray is draining the node",
-                            self.cycle,
-                            deadline_ms / 1000.0,
-                            node_id=node_id,
-                        )
-                    ]
-                )
+                try:
+                    notice = EvictionNotice(
+                        "drain",
+                        "Ray is draining the node",
+                        self.cycle,
+                        deadline_ms / 1000.0,
+                        node_id=node_id,
+                    )
+                except NoticeError as exc:
+                    self._reject({"source": "drain", "node_id": node_id}, str(exc))
+                    continue
+                await self._accept([notice])
             await asyncio.sleep(self.config.drain_poll_interval_s)
 
     async def _watch_lost(self) -> None:
-        """A registered rank's actor died with no notice: its peers must not wait for it."""
-        if self.teardown_task is not None:
-            return
-        watched = {p.actor_id: p for p in self._active() if p.actor_id}
+        """A registered rank's actor died with no notice: its peers must not wait for it.
+
+        Watched in every state: a rank killed mid-teardown has no report coming, and the cycle
+        concludes as soon as every other process reported instead of at the last deadline.
+        """
+        watched = {p.actor_id: p for p in self._active() if p.actor_id and not p.lost}
         if not watched:
             return
         try:
-            dead = await asyncio.to_thread(_dead_actors, set(watched))
-        except Exception:
+            dead = await asyncio.to_thread(ray_adapter.dead_actors, set(watched))
+        except Exception as exc:
+            logger.warning("ray_graceful coordinator: cannot read the actor table: %r", exc)
             return  # the GCS is unreachable for a moment: next round
         for actor_id in dead:
             watched[actor_id].lost = True
+        if dead:
+            self._check_all_reported()
+        if self.plan is not None:
+            return  # orders are out: the dead rank's peers were released with them
         notices = [
             EvictionNotice(
                 "lost",
@@ -186,9 +226,17 @@ class CoordinatorActor:
         ranks: list[dict[str, Any]],
         health: dict[str, Any] | None = None,
         actor_id: str = "",
+        job_id: str = "",
     ) -> dict[str, Any]:
         """A worker process registers its ranks; returns the cycle it belongs to."""
         self._ensure_background()
+        if self.job_id and job_id != self.job_id and not self.config.coordinator_name:
+            return self._reject(
+                {"process": process_id, "job_id": job_id},
+                f"this coordinator belongs to job {self.job_id}, not to job {job_id or '?'}; "
+                "each job starts its own (or set the same coordinator_name in every job that "
+                "should share one)",
+            )
         if self.teardown_task is not None:
             return {
                 "accepted": False,
@@ -283,7 +331,7 @@ class CoordinatorActor:
         entry = {"at": time.time(), "reason": reason, "what": what}
         self.rejected.append(entry)
         del self.rejected[:-200]
-        write_stderr(f"ray_graceful coordinator: rejected {what}: {reason}\n")
+        logger.warning("ray_graceful coordinator: rejected %s: %s", _short(what), reason)
         if self.metrics is not None:
             self.metrics.rejected.inc()
         return {"accepted": False, "reason": reason, "cycle": self.cycle}
@@ -295,15 +343,20 @@ class CoordinatorActor:
             return self._reject({"process": process_id}, "SIGTERM from an unregistered process")
         if cycle != self.cycle:
             return self._reject({"process": process_id, "cycle": cycle}, self._stale(cycle))
-        notices = [
-            EvictionNotice("sigterm", "SIGTERM", cycle, 0.0, rank=key, received_at=received_at)
-            for key in process.keys
-        ]
+        try:
+            notices = [
+                EvictionNotice("sigterm", "SIGTERM", cycle, 0.0, rank=key, received_at=received_at)
+                for key in process.keys
+            ]
+        except NoticeError as exc:
+            return self._reject({"process": process_id}, str(exc))
         return await self._accept(notices)
 
     async def notify(self, data: dict[str, Any]) -> dict[str, Any]:
         """An explicit notice (CLI, API); ``cycle`` defaults to the current one."""
         self._ensure_background()
+        if not isinstance(data, dict):
+            return self._reject({"notice": data}, "a notice is a mapping of notice fields")
         values = dict(data)
         values.setdefault("cycle", self.cycle)
         values.setdefault("source", "api")
@@ -350,8 +403,31 @@ class CoordinatorActor:
     # --- the teardown of a cycle -----------------------------------------------------------
 
     async def _teardown(self) -> None:
-        await asyncio.sleep(self.config.notice_gather_s)
+        """Plan, order, gather reports, conclude: a cycle always concludes, whatever fails.
+
+        Any error on the way is logged and becomes the outcome's reason (result "failed"), and
+        the next cycle starts: a restarted group can always register again.
+        """
         cycle = self.cycle
+        try:
+            await self._run_teardown(cycle)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("ray_graceful coordinator: cycle %s failed while concluding", cycle)
+            outcome = TerminationOutcome(
+                cycle=cycle,
+                job_id=self.job_id,
+                result="failed",
+                notices=[n.to_dict() for n in self.notices + self.late_notices],
+                rejected=list(self.rejected),
+                plan=self.plan.to_dict() if self.plan else {},
+                reason=f"the coordinator failed while concluding: {type(exc).__name__}: {exc}",
+            )
+            self._finish_cycle(outcome)
+
+    async def _run_teardown(self, cycle: int) -> None:
+        await asyncio.sleep(self.config.notice_gather_s)
         topology, health, notes, cooperative = [], {}, {}, False
         for key, rank in self.ranks.items():
             process = self.processes.get(rank.process_id)
@@ -376,7 +452,7 @@ class CoordinatorActor:
         )
         self.plan = plan
         plan_at = time.time()
-        write_stderr(f"ray_graceful coordinator: plan for cycle {cycle}\n{plan.table()}\n")
+        logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle, plan.table())
         by_process: dict[str, list] = {}
         for order in plan.orders:
             process_id = self.ranks[(order.group, order.rank)].process_id
@@ -397,6 +473,7 @@ class CoordinatorActor:
                 self.processes[process_id],
                 {
                     "action": "teardown",
+                    "job_id": self.job_id,
                     "cycle": cycle,
                     "deadline": min(o.deadline for o in orders),
                     "trigger": trigger,
@@ -497,12 +574,15 @@ class CoordinatorActor:
         )
 
     def _finish_cycle(self, outcome: TerminationOutcome) -> None:
-        outcome.publish(self.config.report_dir)
+        try:
+            outcome.publish(self.config.report_dir)
+        except Exception:
+            logger.exception("ray_graceful coordinator: could not publish the outcome")
         if self.metrics is not None:
             try:
                 self.metrics.record(outcome)
             except Exception:
-                pass
+                logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         self.outcomes[outcome.cycle] = outcome
         self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
         # The next cycle: the group that restarts registers into it; late messages are stale.
@@ -537,7 +617,7 @@ class CoordinatorActor:
             return {"action": "unknown", "reason": "this spare is not registered"}
         if spare.order is not None:
             order, spare.order = spare.order, None
-            if order["action"] == "exit":
+            if order["action"] in ("exit", "assigned"):
                 self.spares.pop(spare_id, None)
             return order
         future = asyncio.get_running_loop().create_future()
@@ -549,8 +629,8 @@ class CoordinatorActor:
         finally:
             spare.waiter = None
         spare.order = None
-        if order["action"] == "exit":
-            self.spares.pop(spare_id, None)
+        if order["action"] in ("exit", "assigned"):
+            self.spares.pop(spare_id, None)  # it has its word: it leaves the pool
         return order
 
     async def leave_spare(self, spare_id: str, reason: str) -> dict:
@@ -576,8 +656,9 @@ class CoordinatorActor:
     async def assign_spare(self, group: str, rank: int) -> dict:
         """Hand a waiting spare the slot of ``group/rank`` for the next cycle."""
         for spare in self.spares.values():
-            if spare.role == "spare" and spare.order is None:
+            if spare.role == "spare" and spare.order is None and not spare.assigned:
                 order = {"action": "assigned", "group": group, "rank": rank, "cycle": self.cycle}
+                spare.assigned = True
                 self._order_spare(spare, order)
                 return {"assigned": spare.spare_id, **order}
         return {"assigned": None, "reason": "no spare is waiting"}
@@ -608,7 +689,9 @@ class CoordinatorActor:
         return {
             "cycle": self.cycle,
             "job_state": self.job_state,
+            "job_id": self.job_id,
             "tearing_down": self.teardown_task is not None,
+            "failures": list(self.failures),
             "ranks": ranks,
             "spares": [
                 {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
@@ -621,7 +704,15 @@ class CoordinatorActor:
         }
 
     async def wait_outcome(self, cycle: int | None, timeout: float) -> dict | None:
-        cycle = self.cycle if cycle is None else cycle
+        """The outcome of ``cycle``; without one, of the cycle the caller is waiting for.
+
+        That is the cycle in flight if a teardown is under way or no cycle concluded yet;
+        otherwise the last concluded one (a driver asking right after an eviction wants that
+        eviction's outcome, not the next one's).
+        """
+        if cycle is None:
+            in_flight = self.teardown_task is not None or not self.outcomes
+            cycle = self.cycle if in_flight else max(self.outcomes)
         if cycle in self.outcomes:
             return self.outcomes[cycle].to_dict()
         event = self.outcome_events.setdefault(cycle, asyncio.Event())
@@ -636,17 +727,25 @@ class CoordinatorActor:
         return "ok"
 
 
-def _dead_actors(actor_ids: set[str]) -> set[str]:
-    """Which of ``actor_ids`` the GCS lists as DEAD (one call per watched actor)."""
+class CoordinatorExists(RuntimeError):
+    """A coordinator of that name already runs."""
+
+
+def running_coordinators(config: GracefulConfig) -> list[str]:
+    """Names of the coordinators alive in ``config.coordinator_namespace``."""
     import ray
 
-    state = ray._private.state.state
-    dead = set()
-    for actor_id in actor_ids:
-        info = state.actor_table(actor_id)
-        if info and info.get("State") == "DEAD":
-            dead.add(actor_id)
-    return dead
+    prefix = config.coordinator_name or "ray_graceful_coordinator"
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == config.coordinator_namespace and a["name"].startswith(prefix)
+    )
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Coordinator:
@@ -660,27 +759,27 @@ class Coordinator:
     def start(cls, config: GracefulConfig | None = None, node_id: str | None = None) -> Coordinator:
         """Start this job's coordinator on this node (the driver's, usually the head).
 
-        It is named ``config.coordinator_name`` in ``config.coordinator_namespace``; workers
-        and the CLI find it there. Starting a second one under the same name is an error that
-        says so (give concurrent jobs on one cluster different names).
+        It is named after this Ray job (or ``config.coordinator_name``) in
+        ``config.coordinator_namespace``; the job's workers and the CLI find it there. Starting
+        a second one under the same name raises ``CoordinatorExists``.
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         config = config or GracefulConfig.from_env()
         ctx = ray.get_runtime_context()
+        name = coordinator_name(config, ctx.get_job_id())
         try:
-            ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
+            ray.get_actor(name, namespace=config.coordinator_namespace)
         except ValueError:
             pass
         else:
-            raise RuntimeError(
-                f"a coordinator named {config.coordinator_name!r} already runs in namespace "
-                f"{config.coordinator_namespace!r}: use Coordinator.connect(), or set another "
-                "coordinator_name (RAY_GRACEFUL_COORDINATOR_NAME) for this job"
+            raise CoordinatorExists(
+                f"a coordinator named {name!r} already runs in namespace "
+                f"{config.coordinator_namespace!r}: use Coordinator.connect()"
             )
         actor = ray.remote(CoordinatorActor).options(
-            name=config.coordinator_name,
+            name=name,
             namespace=config.coordinator_namespace,
             num_cpus=0,
             max_concurrency=MAX_CONCURRENCY,
@@ -689,19 +788,38 @@ class Coordinator:
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node_id or ctx.get_node_id(), soft=node_id is None
             ),
-            runtime_env={"env_vars": {"RAY_GRACEFUL_COORDINATOR": "1"}},
         )
         handle = actor.remote(config, ctx.get_job_id())
         ray.get(handle.ping.remote(), timeout=60)
         return cls(handle, config)
 
     @classmethod
-    def connect(cls, config: GracefulConfig | None = None, timeout: float = 10.0) -> Coordinator:
-        """Find the running coordinator (the CLI uses this); ValueError if there is none."""
+    def connect(
+        cls, config: GracefulConfig | None = None, timeout: float = 10.0, job_id: str | None = None
+    ) -> Coordinator:
+        """Find a running coordinator; ValueError (saying which exist) if none fits.
+
+        ``job_id`` picks the coordinator of that job; without it, this driver's own job's, else
+        the only one running in the namespace (the CLI, which is a job of its own).
+        """
         import ray
 
         config = config or GracefulConfig.from_env()
-        handle = ray.get_actor(config.coordinator_name, namespace=config.coordinator_namespace)
+        names = running_coordinators(config)
+        if config.coordinator_name:
+            wanted = config.coordinator_name
+        elif job_id is not None:
+            wanted = coordinator_name(config, job_id)
+        elif coordinator_name(config, ray.get_runtime_context().get_job_id()) in names:
+            wanted = coordinator_name(config, ray.get_runtime_context().get_job_id())
+        elif len(names) == 1:
+            wanted = names[0]
+        else:
+            raise ValueError(
+                f"{len(names)} coordinators run in namespace {config.coordinator_namespace!r}"
+                + (f" ({', '.join(names)}): pick one with --job JOB_ID" if names else "")
+            )
+        handle = ray.get_actor(wanted, namespace=config.coordinator_namespace)
         ray.get(handle.ping.remote(), timeout=timeout)
         return cls(handle, config)
 

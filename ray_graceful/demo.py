@@ -137,9 +137,9 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
     from ray.cluster_utils import Cluster
 
     from .coordinator import Coordinator
-    from .drain import drain_node
     from .health.scripted import write_faults
     from .outcome import TerminationOutcome
+    from .ray_adapter import drain_node
 
     clock = _Clock()
     config = GracefulConfig(

@@ -16,38 +16,41 @@ one to run when nothing in the process is registered - so processes that never c
 
 from __future__ import annotations
 
-import threading
+import logging
 
-from .config import GracefulConfig
-from .signals import SignalListener, current_listener, install_listener, set_claim_check
+from . import ray_adapter
+from .config import ConfigError, GracefulConfig
+from .signals import current_listener, install_listener, set_claim_check
 from .worker import _process_runtime
+
+logger = logging.getLogger(__name__)
 
 HOOK = "ray_graceful.hooks.setup"
 
 
 def setup() -> None:
-    """Install the SIGTERM listener in this worker process (Ray calls this on the main thread)."""
-    GracefulConfig.from_env()  # a bad RAY_GRACEFUL_* value fails the worker start, loudly
+    """Install the SIGTERM listener in this worker process (Ray calls this on the main thread).
+
+    A job-wide hook runs in *every* worker process of the job - the coordinator's, Ray Train's
+    controller, processes that never train (RAY_FACTS). So it never raises: a bad
+    ``RAY_GRACEFUL_*`` value is logged here, installs nothing, and is raised where the user's
+    code calls ``graceful_setup`` (or ``Coordinator.start``), not by killing a worker at start.
+    """
+    try:
+        GracefulConfig.from_env()
+    except ConfigError as exc:
+        logger.error("ray_graceful: setup hook installed nothing: %s", exc)
+        return
     listener = install_listener(f"the job's setup hook {HOOK}")
     runtime = _process_runtime()
     listener.on_signal = runtime.on_sigterm
     listener.on_main_thread_signal = runtime.on_sigterm_main_thread
     set_claim_check(lambda: _process_runtime().claims_signals())
-    _keep_handler_when_ray_installs_its_own(listener)
 
+    def adopt(handler: object) -> bool:
+        if current_listener() is not listener:
+            return False
+        listener.adopt_previous(handler)  # type: ignore[arg-type]
+        return True
 
-def _keep_handler_when_ray_installs_its_own(listener: SignalListener) -> None:
-    import ray._private.utils as ray_utils
-
-    original = ray_utils.set_sigterm_handler
-    if getattr(original, "_ray_graceful", False):
-        return
-
-    def set_sigterm_handler(handler):  # type: ignore[no-untyped-def]
-        if threading.current_thread() is threading.main_thread() and current_listener() is listener:
-            listener.adopt_previous(handler)
-            return
-        original(handler)
-
-    set_sigterm_handler._ray_graceful = True  # type: ignore[attr-defined]
-    ray_utils.set_sigterm_handler = set_sigterm_handler
+    ray_adapter.route_worker_sigterm_handler(adopt)

@@ -8,12 +8,15 @@ Python API. A notice targets a node or one (group, rank); it carries a
 deadline (Unix seconds; 0 when the source gives none) and the cycle it belongs to.
 
 ``EvictionNotice.parse`` takes untrusted input (CLI, JSON) and raises ``NoticeError`` with what
-was wrong and what is allowed.
+was wrong and what is allowed. Untrusted input may not give a deadline that has already passed
+(a Unix time given where seconds-from-now were meant - ``--deadline 30`` - would otherwise fire
+every rank's watchdog at once, with no save); the message names the fix.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -21,6 +24,24 @@ from typing import Any
 
 SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api")
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
+
+
+def short(value: Any, limit: int = 120) -> str:
+    """A bounded ``repr(value)``: error messages stay small whatever came in.
+
+    ``reprlib`` stops at a few levels and items, so even a YAML alias bomb (a few lines that
+    expand to gigabytes when printed in full) costs nothing to show.
+    """
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 80, 80
+
+
+def _finite_seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class NoticeError(ValueError):
@@ -38,20 +59,28 @@ class EvictionNotice:
     received_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise NoticeError(f"source {self.source!r} is not allowed: one of {', '.join(SOURCES)}")
+        if not isinstance(self.source, str) or self.source not in SOURCES:
+            raise NoticeError(
+                f"source {short(self.source)} is not allowed: one of {', '.join(SOURCES)}"
+            )
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise NoticeError("reason must be a non-empty string (why the node or rank goes)")
         if len(self.reason) > 500:
             raise NoticeError(f"reason is {len(self.reason)} characters; at most 500 allowed")
         if not isinstance(self.cycle, int) or isinstance(self.cycle, bool) or self.cycle < 0:
-            raise NoticeError(f"cycle {self.cycle!r} is not allowed: an integer >= 0")
+            raise NoticeError(f"cycle {short(self.cycle)} is not allowed: an integer >= 0")
+        if not _finite_seconds(self.received_at) or self.received_at <= 0:
+            raise NoticeError(
+                f"received_at {short(self.received_at)} is not allowed: Unix seconds (a finite "
+                "number > 0) when the notice was received"
+            )
+
         if (self.node_id is None) == (self.rank is None):
             raise NoticeError("a notice targets exactly one of node_id or rank")
         if self.node_id is not None and (
             not isinstance(self.node_id, str) or not self.node_id.strip()
         ):
-            raise NoticeError(f"node_id {self.node_id!r} is not allowed: a Ray node id (hex)")
+            raise NoticeError(f"node_id {short(self.node_id)} is not allowed: a Ray node id (hex)")
         if self.rank is not None:
             ok = (
                 isinstance(self.rank, tuple)
@@ -63,15 +92,14 @@ class EvictionNotice:
                 and self.rank[1] >= 0
             )
             if not ok:
-                raise NoticeError(f"rank {self.rank!r} is not allowed: a (group, rank >= 0) pair")
+                raise NoticeError(
+                    f"rank {short(self.rank)} is not allowed: a (group, rank >= 0) pair"
+                )
         deadline = self.deadline
-        if (
-            not isinstance(deadline, (int, float))
-            or isinstance(deadline, bool)
-            or not math.isfinite(deadline)
-            or deadline < 0
-        ):
-            raise NoticeError(f"deadline {deadline!r} is not allowed: Unix seconds, or 0 for none")
+        if not _finite_seconds(deadline) or deadline < 0:
+            raise NoticeError(
+                f"deadline {short(deadline)} is not allowed: Unix seconds, or 0 for none"
+            )
         if deadline > self.received_at + MAX_DEADLINE_AHEAD_S:
             raise NoticeError(
                 f"deadline {deadline} is more than 7 days ahead: it looks like milliseconds; "
@@ -92,8 +120,11 @@ class EvictionNotice:
         return data
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> EvictionNotice:
-        """Build from untrusted input (JSON, CLI); unknown keys and wrong types are errors."""
+    def parse(cls, data: Mapping[str, Any], now: float | None = None) -> EvictionNotice:
+        """Build from untrusted input (JSON, CLI); unknown keys and wrong types are errors.
+
+        A deadline (other than 0, none) must lie after ``now`` (default: the current time).
+        """
         if not isinstance(data, Mapping):
             raise NoticeError(f"a notice is a mapping, got {type(data).__name__}")
         allowed = {"source", "reason", "cycle", "deadline", "node_id", "rank", "received_at"}
@@ -107,6 +138,14 @@ class EvictionNotice:
         rank = values.get("rank")
         if rank is not None:
             if not isinstance(rank, (list, tuple)) or len(rank) != 2:
-                raise NoticeError(f"rank {rank!r} is not allowed: [group, rank]")
+                raise NoticeError(f"rank {short(rank)} is not allowed: [group, rank]")
             values["rank"] = (rank[0], rank[1])
-        return cls(**values)
+        notice = cls(**values)
+        now = time.time() if now is None else now
+        if notice.deadline and notice.deadline <= now:
+            raise NoticeError(
+                f"deadline {notice.deadline:.0f} is {now - notice.deadline:.0f}s in the past "
+                f"(Unix seconds; now is {now:.0f}): for a time from now give seconds ahead "
+                "(ray-graceful notify --deadline-in SECONDS), or 0 for none"
+            )
+        return notice

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
-from .notices import EvictionNotice
+from .notices import EvictionNotice, short
 
 Key = tuple[str, int]
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
@@ -262,7 +262,7 @@ def parse_topology(data: Any) -> list[RankInfo]:
         if not isinstance(entry, Mapping):
             raise TopologyError(f"{where} is not a mapping")
         allowed = {"group", "rank", "node", "shard", "can_save"}
-        unknown = sorted(set(entry) - allowed)
+        unknown = sorted(str(k)[:40] for k in set(entry) - allowed)
         if unknown:
             raise TopologyError(f"{where}: unknown fields {unknown}; allowed: {sorted(allowed)}")
         group = entry.get("group", "default")
@@ -271,12 +271,12 @@ def parse_topology(data: Any) -> list[RankInfo]:
         if not isinstance(group, str) or not group:
             raise TopologyError(f"{where}.group must be a non-empty string")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise TopologyError(f"{where}.rank = {rank!r}: must be an integer >= 0")
+            raise TopologyError(f"{where}.rank = {short(rank)}: must be an integer >= 0")
         if not isinstance(node, str) or not node:
             raise TopologyError(f"{where}.node must be a non-empty string (a node id or name)")
         shard = entry.get("shard", rank)
         if not isinstance(shard, (str, int)) or isinstance(shard, bool):
-            raise TopologyError(f"{where}.shard = {shard!r}: must be a string or an integer")
+            raise TopologyError(f"{where}.shard = {short(shard)}: must be a string or an integer")
         can_save = entry.get("can_save", True)
         if not isinstance(can_save, bool):
             raise TopologyError(f"{where}.can_save must be true or false")

@@ -27,16 +27,12 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from . import ray_adapter
+
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
-def is_ray_worker_handler(handler: Handler) -> bool:
-    """Ray's worker SIGTERM handler: raises SystemExit(1), recorded as a SYSTEM_ERROR exit."""
-    return (
-        callable(handler)
-        and getattr(handler, "__module__", "") == "ray._private.worker"
-        and "sigterm_handler" in getattr(handler, "__qualname__", "")
-    )
+is_ray_worker_handler = ray_adapter.is_ray_worker_sigterm_handler
 
 
 class SignalListener:

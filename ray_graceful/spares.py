@@ -22,6 +22,8 @@ from .process_groups import SetupError
 from .teardown import hard_exit, request_ray_intended_exit, write_stderr
 from .worker import _listener_status, _process_runtime
 
+MAX_POLL_FAILURES = 5
+
 
 @dataclass(frozen=True)
 class SpareResult:
@@ -74,18 +76,31 @@ def wait_as_spare(
     done = threading.Event()
 
     def poll() -> None:
+        failures = 0
         while not done.is_set():
             try:
                 order = ray.get(
                     handle.poll_spare.remote(spare_id, config.health_interval_s),
                     timeout=config.health_interval_s + 30,
                 )
+                failures = 0
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayActorError as exc:
                 order = {"action": "exit", "reason": f"the coordinator is gone ({exc})"}
+            except Exception as exc:  # anything else: retry a few times, then leave
+                failures += 1
+                if failures < MAX_POLL_FAILURES:
+                    time.sleep(min(0.2 * 2**failures, config.health_interval_s))
+                    continue
+                order = {
+                    "action": "exit",
+                    "reason": f"the coordinator could not be polled {failures} times ({exc!r})",
+                }
             if order is None:
                 continue
+            if not isinstance(order, dict) or order.get("action") not in ("exit", "assigned"):
+                order = {"action": "exit", "reason": f"the coordinator answered {order!r}"}
             if order["action"] == "assigned":
                 box["result"] = SpareResult(
                     "assigned",
@@ -98,9 +113,13 @@ def wait_as_spare(
                 box["result"] = SpareResult("exit", order.get("reason", ""))
             done.set()
 
-    threading.Thread(target=poll, name="ray_graceful-spare-poll", daemon=True).start()
+    poller = threading.Thread(target=poll, name="ray_graceful-spare-poll", daemon=True)
+    poller.start()
     end = None if timeout is None else time.monotonic() + timeout
     while not done.wait(0.05):
+        if not poller.is_alive() and "result" not in box:
+            box["result"] = SpareResult("exit", "the spare's poll thread ended unexpectedly")
+            break
         if runtime.stop_event.is_set():
             with contextlib.suppress(Exception):
                 ray.get(handle.leave_spare.remote(spare_id, "SIGTERM"), timeout=2)

@@ -5,20 +5,29 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 (with the error), with its start and duration:
 
 1. ``stop``             - ``should_stop()`` turns true; the coordinator is told.
-2. ``release_peers``    - abort NCCL communicators, shut gloo connections down: peers blocked
-                          on this rank leave their collective, and so does this rank's own
-                          training thread. No collective is issued.
-3. ``drain_device``     - ``torch.cuda.synchronize()`` where CUDA is up, on a helper thread,
-                          bounded.
-4. ``save``             - only if this rank was ordered to, within its budget, atomically.
+2. ``quiesce``          - wait (bounded) for the training thread to reach its step boundary:
+                          ``should_stop(step)`` *parks* it there until the save is done, so the
+                          state saved is exactly the state of ``step``. A thread found inside a
+                          collective is not waited for: a collective whose peer is gone never
+                          returns.
+3. ``drain_device`` and ``release_peers``, in the safe order: a rank parked at its boundary
+                          drains the device first (``torch.cuda.synchronize()``, bounded) and
+                          then aborts its communicators, so no abort cuts NVLink traffic in
+                          flight (ai2cm/ace #1438); a rank stuck in a collective aborts first
+                          (a sync would never return) and drains after. Release = abort NCCL
+                          communicators, shut gloo connections down; no collective is issued.
+4. ``save``             - only if this rank was ordered to and is quiescent, within its
+                          budget, atomically; labelled with the step it parked at.
 5. ``destroy_process_group`` - bounded, on a helper thread.
 6. ``exit``             - the report is written (JSON file + one log line), then Ray's
                           intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
                           the process is a Ray worker; a hard ``os._exit`` if that does not end
                           the process within ``exit_grace_s``.
 
-A watchdog thread hard-exits at ``deadline - watchdog_margin_s`` whatever happens above. It
-writes with ``os.write`` only, never ``logging``, whose lock a wedged thread may hold.
+Two watchdogs guard the deadline. A Python thread fires at ``deadline - watchdog_margin_s``,
+writes the report (``os.write`` only, never ``logging``, whose lock a wedged thread may hold)
+and exits; a kernel timer (``hard_deadline.py``) ends the process at the deadline itself even
+when a thread blocked in C holds the GIL and no Python thread can run.
 """
 
 from __future__ import annotations
@@ -34,10 +43,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
+from . import ray_adapter
 from .checkpoint import ShardRecord, write_shard
 from .config import GracefulConfig
+from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
 
 LOG_PREFIX = "ray_graceful teardown "
@@ -56,15 +67,28 @@ class StepRecord:
 
 @dataclass
 class SaveOrder:
-    """Save shard ``shard`` at ``step`` under ``root`` with ``saver``, within ``budget_s``."""
+    """Save shard ``shard`` under ``root`` with ``saver``, within ``budget_s``.
+
+    No step: the step is the one the training thread parked at (or last reported), read once
+    it is quiescent - never when the order arrives, when the thread may still finish a step.
+    """
 
     root: str
-    step: int
     shard: str
     budget_s: float
     saver: Callable[[str, int], tuple[int, int] | None]
     group: str = ""
     rank: int = -1
+
+
+class TrainingThread(Protocol):
+    """What the teardown needs to know of the thread that trains (see ``worker.py``)."""
+
+    def state(self) -> str:
+        """ "parked" (at should_stop), "idle" (left its loop), "in_collective" or "in_step"."""
+
+    def step(self) -> int | None:
+        """The step the thread parked at, else the last step boundary it reported."""
 
 
 @dataclass
@@ -201,30 +225,9 @@ def ray_identity() -> dict[str, str]:
     return {"job_id": "", "node_id": ""}
 
 
-def ray_intended_exit() -> Callable[[str], None] | None:
-    """Ray's way to end this worker as an intended exit, or None outside a Ray worker.
-
-    Calling it makes Ray end the process with status 0, recorded INTENDED_SYSTEM_EXIT, once the
-    task that is running returned - so it ends the process only after the training thread left
-    its collective (``release_peers`` sees to that). Nothing may use Ray after calling it.
-    """
-    try:
-        import ray
-
-        worker = ray._private.worker.global_worker
-        if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
-            return None
-        drain = getattr(worker.core_worker, "drain_and_exit_worker", None)
-    except Exception:
-        return None
-    if drain is None:
-        return None
-    return lambda detail: drain("intentional_system_exit", detail.encode())
-
-
 def request_ray_intended_exit(detail: str) -> bool:
     """Take Ray's intended-exit path now; False where there is none."""
-    exit_via_ray = ray_intended_exit()
+    exit_via_ray = ray_adapter.intended_exit()
     if exit_via_ray is None:
         return False
     try:
@@ -236,6 +239,7 @@ def request_ray_intended_exit(detail: str) -> bool:
 
 
 STUCK_IN_COLLECTIVE_S = 0.3
+IN_COLLECTIVE_S = 0.05  # found inside a collective this long at quiesce: abort first
 
 
 def _other_threads() -> list[tuple[str, FrameType]]:
@@ -279,7 +283,7 @@ class Teardown:
         skip_save_reason: str = "",
         on_stop: Callable[[], None] | None = None,
         on_report: Callable[[TeardownReport], None] | None = None,
-        quiescent: Callable[[], bool] | None = None,
+        training: TrainingThread | None = None,
         exit_process: bool = True,
     ) -> None:
         self.config = config
@@ -288,8 +292,11 @@ class Teardown:
         self.skip_save_reason = skip_save_reason
         self.on_stop = on_stop
         self.on_report = on_report
-        self.quiescent = quiescent
+        self.training = training
         self.exit_process = exit_process
+        self.quiescent = training is None  # no loop registered: nothing to wait for
+        # Set once the training thread may leave should_stop (parked there until the save).
+        self.training_released = threading.Event()
         self.t0 = time.monotonic()
         self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
         identity = ray_identity()
@@ -316,6 +323,8 @@ class Teardown:
     # --- running ---------------------------------------------------------------------------
 
     def start(self) -> threading.Thread:
+        if self.exit_process:
+            hard_deadline().arm(self.deadline_monotonic, self.config.exit_code)
         threading.Thread(target=self._watchdog, name="ray_graceful-watchdog", daemon=True).start()
         thread = threading.Thread(target=self.run, name="ray_graceful-teardown", daemon=True)
         thread.start()
@@ -323,9 +332,17 @@ class Teardown:
 
     def run(self) -> TeardownReport:
         self._step("stop", self._stop)
-        self._step("release_peers", self._release_peers)
-        self._step("drain_device", self._drain_device)
-        self._step("save", self._save)
+        self._step("quiesce", self._quiesce)
+        if self.quiescent:  # at a step boundary: let the device finish, then abort
+            self._step("drain_device", self._drain_device)
+            self._step("release_peers", self._release_peers)
+        else:  # inside a collective: a sync would never return, so abort first
+            self._step("release_peers", self._release_peers)
+            self._step("drain_device", self._drain_device)
+        try:
+            self._step("save", self._save)
+        finally:
+            self.training_released.set()
         self._step("destroy_process_group", self._destroy)
         self._finish()
         return self.report
@@ -371,28 +388,73 @@ class Teardown:
         run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
         return "torch.cuda.synchronize() returned"
 
-    def _wait_quiescent(self) -> float:
-        """Wait for the training thread to leave its step; a save never starts mid-step."""
+    def _wait_for_boundary(self, limit: float) -> str:
+        """Poll the training thread until it is at a boundary, in a collective, or ``limit``."""
+        assert self.training is not None
         started = time.monotonic()
-        if self.quiescent is None:
-            return 0.0
+        in_collective_since: float | None = None
+        while True:
+            state = self.training.state()
+            now = time.monotonic()
+            if state in ("parked", "idle"):
+                return state
+            if state == "in_collective":
+                in_collective_since = in_collective_since or now
+                if now - in_collective_since >= IN_COLLECTIVE_S:
+                    return state
+            else:
+                in_collective_since = None
+            if now - started >= limit:
+                return state
+            time.sleep(0.002)
+
+    def _quiesce(self) -> str:
+        """Reach the training thread's step boundary, bounded; a save never starts mid-step."""
+        if self.training is None:
+            raise _Skip("no training loop registered")
+        started = time.monotonic()
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
-        while not self.quiescent():
-            waited = time.monotonic() - started
-            if waited >= limit:
-                raise RuntimeError(
-                    f"the training thread was still inside its step after {waited:.1f}s (not "
-                    "released from its collective, not at should_stop): a save now could "
-                    f"capture a half-applied update, so none was started ({_busy_threads()})"
-                )
-            time.sleep(0.005)
-        return time.monotonic() - started
+        state = self._wait_for_boundary(limit)
+        waited_ms = (time.monotonic() - started) * 1000
+        self.quiescent = state in ("parked", "idle")
+        step = self.training.step()
+        if state == "parked":
+            return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms"
+        if state == "idle":
+            return f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
+        if state == "in_collective":
+            return (
+                f"training thread inside a collective after {waited_ms:.0f}ms: peers are "
+                "released first"
+            )
+        return f"training thread still inside its step after {waited_ms:.0f}ms"
+
+    def _await_quiescent_after_release(self) -> None:
+        """After the release a thread that was in a collective leaves it (with an error)."""
+        if self.quiescent or self.training is None:
+            return
+        limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
+        state = self._wait_for_boundary(limit)
+        if state not in ("parked", "idle"):
+            raise RuntimeError(
+                f"the training thread was still inside its step {limit:.1f}s after the peers "
+                "were released (not at should_stop, not out of its loop): a save now could "
+                f"capture a half-applied update, so none was started ({_busy_threads()})"
+            )
+        self.quiescent = True
 
     def _save(self) -> str:
         if not self.save_orders:
             raise _Skip(self.skip_save_reason or "not ordered to save")
-        waited = self._wait_quiescent()
-        done = [f"training thread quiescent after {waited * 1000:.0f}ms"]
+        self._await_quiescent_after_release()
+        step = self.training.step() if self.training is not None else None
+        if step is None:
+            raise _Skip(
+                "no step boundary recorded: call should_stop(step) in the training loop, so a "
+                "checkpoint can be labelled with the step it holds"
+            )
+        self.report.last_step = step
+        done = [f"state of step {step}"]
         for order in self.save_orders:
             budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
             if budget <= 0:
@@ -404,7 +466,7 @@ class Teardown:
             def save(order: SaveOrder = order) -> ShardRecord:
                 return write_shard(
                     order.root,
-                    order.step,
+                    step,
                     order.shard,
                     order.saver,
                     abandoned=self._abandon_save,
@@ -422,8 +484,8 @@ class Teardown:
                 ) from None
             self.report.saved.append(record.to_dict())
             done.append(
-                f"shard {order.shard!r} at step {order.step}: {record.bytes} bytes "
-                f"in {record.seconds:.2f}s"
+                f"shard {order.shard!r}: {record.bytes} bytes in {record.seconds:.2f}s"
+                + (" (already committed: kept, not rewritten)" if record.reused else "")
             )
         return "; ".join(done)
 
@@ -460,7 +522,7 @@ class Teardown:
             self._publish()
             self.done.set()
             return
-        exit_via_ray = ray_intended_exit()
+        exit_via_ray = ray_adapter.intended_exit()
         in_ray = exit_via_ray is not None
         self.report.exit_path = "ray_intended" if in_ray else "hard"
         self.report.exit_code = 0 if in_ray else self.config.exit_code

@@ -41,12 +41,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import (
-    ControllerCallback,
-    WorkerCallback,
-    WorkerGroupCallback,
-)
-
+from . import ray_adapter
 from .config import GracefulConfig
 from .process_groups import SetupError
 from .worker import _process_runtime, _register, _should_stop, install_signal_handling
@@ -113,7 +108,7 @@ def _train_shard(config: GracefulConfig, rank: int) -> str:
     return "model" if config.train_shards == "replicated" else str(rank)
 
 
-class GracefulTrainCallback(WorkerGroupCallback, WorkerCallback, ControllerCallback):
+class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignore[misc]
     """Turns ray_graceful on for a Ray Train V2 run (``RunConfig(callbacks=[...])``)."""
 
     def __init__(self, config: GracefulConfig | None = None) -> None:
@@ -124,11 +119,12 @@ class GracefulTrainCallback(WorkerGroupCallback, WorkerCallback, ControllerCallb
     # --- on the controller -----------------------------------------------------------------
 
     def after_controller_start(self, train_run_context: Any) -> None:
-        from .coordinator import Coordinator
+        from .coordinator import Coordinator, CoordinatorExists
 
         try:
             self._coordinator = Coordinator.start(self.config)
-        except RuntimeError:  # one is already running (started by the user's driver): use it
+        except CoordinatorExists:
+            # This job's driver started it already (coordinators are per job): theirs to end.
             self._coordinator = None
 
     def after_worker_group_training_start(self, worker_group: Any) -> None:

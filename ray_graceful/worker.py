@@ -94,6 +94,7 @@ class _ProcessRuntime:
     spare_id: str | None = None  # set while this process waits as a spare or standby
     # Where the training loop last called should_stop(step): (thread id, its code object).
     step_site: tuple[int, CodeType] | None = None
+    parked_step: int | None = None  # the step the training thread is parked at, if it is
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -142,7 +143,11 @@ class _ProcessRuntime:
         ).start()
 
     def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
-        """Report the SIGTERM, then wait for the coordinator's order; else go alone."""
+        """Report the SIGTERM, then wait for the coordinator's order; else go alone.
+
+        Going alone, the deadline still counts from the signal: the time spent waiting for an
+        order that never came is not given back.
+        """
         config = self.config_or_default()
         if control.report_sigterm(received_at):
             control.order_received.wait(config.order_wait_s)
@@ -152,7 +157,10 @@ class _ProcessRuntime:
                 if not control.alive
                 else (f"no order from the coordinator within {config.order_wait_s}s")
             )
-            self.begin_teardown(trigger=f"signal {signum} ({why})")
+            self.begin_teardown(
+                trigger=f"signal {signum} ({why})",
+                deadline=received_at + config.teardown_timeout_s,
+            )
 
     def cooperative_stop(self, order: dict[str, Any]) -> None:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
@@ -181,18 +189,46 @@ class _ProcessRuntime:
         timer.daemon = True
         timer.start()
 
-    def training_quiescent(self) -> bool:
-        """True unless the training thread is inside the code that calls should_stop(step)."""
+    # --- the training thread, as the teardown sees it (teardown.TrainingThread) ------------
+
+    def state(self) -> str:
+        """Where the training thread is: parked / idle / in_collective / in_step.
+
+        "parked": inside should_stop(step), held there by the teardown. "idle": not inside the
+        function that calls should_stop (it left its loop, or never entered one). Otherwise it
+        is inside its step, and "in_collective" when a ``torch.distributed`` call is on its
+        stack.
+        """
+        if self.parked_step is not None:
+            return "parked"
         site = self.step_site
         if site is None:
-            return True
+            return "idle"
         thread_id, code = site
         frame = sys._current_frames().get(thread_id)
+        in_collective = False
         while frame is not None:
             if frame.f_code is code:
-                return False
+                return "in_collective" if in_collective else "in_step"
+            in_collective = in_collective or _DISTRIBUTED in frame.f_code.co_filename
             frame = frame.f_back
-        return True
+        return "idle"
+
+    def step(self) -> int | None:
+        return self.parked_step if self.parked_step is not None else self.last_step
+
+    def park(self, step: int) -> None:
+        """Hold the training thread at its step boundary while this rank's teardown saves.
+
+        The rule users can rely on: once a teardown began, ``should_stop(step)`` does not return
+        until the emergency save (if this rank makes one) is done, so the saved state is exactly
+        the state after ``step``; then it returns True. Bounded by the deadline.
+        """
+        teardown = self.teardown
+        if teardown is None or teardown.training_released.is_set():
+            return
+        self.parked_step = step
+        teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
 
     # --- teardown --------------------------------------------------------------------------
 
@@ -232,7 +268,7 @@ class _ProcessRuntime:
                 skip_save_reason=skip_save_reason or "",
                 on_stop=self.stop_event.set,
                 on_report=self.control.report if self.control is not None else None,
-                quiescent=self.training_quiescent,
+                training=self,
                 exit_process=exit_process,
             )
             self.teardown.report.last_step = self.last_step
@@ -245,8 +281,6 @@ class _ProcessRuntime:
         """Without a coordinator's order: save own shards if a directory is configured."""
         if config.checkpoint_dir is None:
             return [], "no coordinator order and no checkpoint_dir configured"
-        if self.last_step is None:
-            return [], "no step boundary recorded: call should_stop(step) in the training loop"
         orders = []
         for reg in self.registrations.values():
             if reg.release_only or reg.saver is None:
@@ -254,7 +288,6 @@ class _ProcessRuntime:
             orders.append(
                 SaveOrder(
                     config.checkpoint_dir,
-                    self.last_step,
                     shard_key(reg.group.name, reg.shard),
                     config.save_budget_s,
                     reg.saver,
@@ -472,9 +505,10 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
 def should_stop(step: int | None = None) -> bool:
     """True once a teardown began: leave the training loop at this step boundary.
 
-    Pass the number of completed steps: an emergency save is labelled with the last step
-    reported here, and is only started once the code that calls this has left its step.
-    Costs a flag read (and two stores when ``step`` is given).
+    Pass the number of completed steps, right after the optimizer step. Once a teardown began,
+    the call parks here until this rank's emergency save is done (bounded by the deadline) and
+    then returns True: the save holds exactly the state after ``step`` and is labelled with it.
+    Until then it costs a flag read (and two stores when ``step`` is given).
     """
     return _should_stop(step)
 
@@ -484,7 +518,14 @@ def _should_stop(step: int | None) -> bool:
     if step is not None:
         runtime.last_step = step
         runtime.step_site = (threading.get_ident(), _caller_code())
-    return runtime.stop_event.is_set()
+    if not runtime.stop_event.is_set():
+        return False
+    if step is not None:
+        runtime.park(step)
+    return True
+
+
+_DISTRIBUTED = os.path.join("torch", "distributed", "")
 
 
 # Modules whose frames sit between a training loop and ``_should_stop``: the public

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_defaults_fit_a_30s_kubernetes_grace_period():
             "teardown_timeout_s",
             0,
             "GracefulConfig.teardown_timeout_s = 0 is not allowed: "
-            "must be a finite number of seconds > 0",
+            "must be a number of seconds > 0 and <= 86400",
         ),
         ("save_budget_s", float("nan"), "save_budget_s = nan is not allowed"),
         ("exit_code", 256, "exit_code = 256 is not allowed: must be an integer from 0 to 255"),
@@ -60,7 +61,8 @@ def test_from_env_reads_every_kind_of_field():
         "RAY_GRACEFUL_STRICT": "yes",
         "RAY_GRACEFUL_CHECKPOINT_DIR": "/ckpt",
         "RAY_GRACEFUL_FATAL_XIDS": "48, 79",
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "30",  # Ray's own variable: left to Ray
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "30",  # Ray's own variables: left to Ray
+        "RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S": "0.5",
         "UNRELATED": "x",
     }
     c = GracefulConfig.from_env(env)
@@ -86,7 +88,7 @@ def test_from_env_round_trips_to_env():
         (
             {"RAY_GRACEFUL_SAVE_BUDGET_S": "soon"},
             "RAY_GRACEFUL_SAVE_BUDGET_S='soon' is not allowed: "
-            "must be a finite number of seconds > 0",
+            "must be a number of seconds > 0",
         ),
         (
             {"RAY_GRACEFUL_STRICT": "maybe"},
@@ -120,3 +122,65 @@ def test_docs_configuration_reference_matches_the_code():
     assert config_reference_markdown() in text, (
         "docs/configuration.md is out of date: regenerate with `ray-graceful config --markdown`"
     )
+
+
+def test_every_variable_ray_reads_under_our_prefix_is_left_to_ray():
+    """Ray's own RAY_GRACEFUL_* variables (read from the installed Ray's source) never fail us."""
+    import re
+
+    import ray
+
+    root = os.path.dirname(ray.__file__)
+    rays = set()
+    for base, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(base, name), errors="replace") as f:
+                    rays |= set(re.findall(r"RAY_GRACEFUL_[A-Z0-9_]+", f.read()))
+    assert rays, "the installed Ray reads no RAY_GRACEFUL_ variable: re-check this test"
+    GracefulConfig.from_env({name: "1" for name in rays})  # no ConfigError
+
+
+def test_no_internal_marker_uses_the_settings_prefix():
+    """A job-wide env reaches the plugin's own actors: nothing of ours may trip from_env there."""
+    import ray_graceful
+
+    package = os.path.dirname(ray_graceful.__file__)
+    fields = {"RAY_GRACEFUL_" + n.upper() for n in GracefulConfig.field_names()}
+    for base, _dirs, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(base, name)) as f:
+                    text = f.read()
+                for var in set(re.findall(r"[\"']((?:_)?RAY_GRACEFUL_[A-Z_]+)[\"']", text)):
+                    assert var in fields or var.startswith("_") or var.startswith(
+                        "RAY_GRACEFUL_SHUTDOWN_"
+                    ), f"{name} uses {var}, which from_env would reject"
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"RAY_GRACEFUL_TEARDOWN_TIMEOUT_S": "1e10"}, "<= 86400"),
+        ({"RAY_GRACEFUL_NOTICE_GATHER_S": "1e9"}, "notice_gather_s = 1000000000.0 is not allowed"),
+        ({"RAY_GRACEFUL_DRAIN_POLL_INTERVAL_S": "1e-9"}, "seconds >= 0.05"),
+        ({"RAY_GRACEFUL_CHECKPOINT_DIR": "   "}, "RAY_GRACEFUL_CHECKPOINT_DIR='   ' is not allowed"),
+        ({"RAY_GRACEFUL_DEGRADED_XIDS": "48"}, "XIDs [48] are both fatal_xids and degraded_xids"),
+        ({"RAY_GRACEFUL_QUIESCE_TIMEOUT_S": "30"}, "quiesce_timeout_s = 30.0 must be smaller"),
+        ({"RAY_GRACEFUL_COORDINATR_NAME": "x"}, "Did you mean RAY_GRACEFUL_COORDINATOR_NAME?"),
+    ],
+)
+def test_out_of_range_values_are_refused_with_what_is_allowed(env, expected):
+    with pytest.raises(ConfigError) as info:
+        GracefulConfig.from_env(env)
+    assert expected in str(info.value)
+
+
+def test_an_empty_optional_path_means_unset():
+    assert GracefulConfig.from_env({"RAY_GRACEFUL_CHECKPOINT_DIR": ""}).checkpoint_dir is None
+
+
+def test_the_default_report_dir_cannot_shadow_the_package():
+    name = os.path.basename(GracefulConfig().report_dir)
+    assert not name.isidentifier(), f"{name!r} is importable as a package name"
+    assert "ray_graceful" not in GracefulConfig().report_dir

@@ -137,15 +137,57 @@ def test_unexpected_nvml_error_makes_that_check_unknown():
     assert report.verdict == UNKNOWN and codes(report) == ["nvml_error"]
 
 
-def test_hanging_nvml_gives_unknown_in_bounded_time():
+def test_hanging_nvml_is_not_trusted_and_leaks_no_threads():
+    """A wedged driver makes the GPU DEGRADED (not UNKNOWN, which the planner prefers), in
+    bounded time, and while the wedged check has not returned no further thread is started."""
     fake = FakeNvml()
     p = probe(fake, timeout_s=0.3)
     fake.gpu[0].hang = threading.Event()
     start = time.monotonic()
     report = p.check()
-    fake.gpu[0].hang.set()
     assert time.monotonic() - start < 2.0
-    assert report.verdict == UNKNOWN and codes(report) == ["probe_timeout"]
+    assert report.verdict == DEGRADED and codes(report) == ["probe_timeout"]
+    before = threading.active_count()
+    for _ in range(20):
+        again = p.check()
+        assert again.verdict == DEGRADED and codes(again) == ["probe_timeout"]
+    assert threading.active_count() == before, "each check leaked a thread"
+    fake.gpu[0].hang.set()
+    time.sleep(0.05)
+    assert p.check().verdict == HEALTHY
+
+
+def test_a_wedged_nvml_init_is_bounded_and_degraded():
+    fake = FakeNvml()
+    hang = threading.Event()
+    original = fake.nvmlInit
+    fake.nvmlInit = lambda: (hang.wait(), original())  # type: ignore[method-assign]
+    start = time.monotonic()
+    p = probe(fake, timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+    report = p.check()
+    hang.set()
+    assert report.verdict == DEGRADED and codes(report) == ["nvml_init_timeout"]
+
+
+def test_repeated_xids_are_kept_once_with_a_count():
+    fake = FakeNvml()
+    p = probe(fake)
+    for _ in range(50):
+        fake.inject_xid(0, 94)
+        p.check()
+    report = p.check()
+    assert codes(report) == ["xid_94"] and "(x50)" in report.reasons[0].detail
+
+
+def test_our_own_nccl_aborts_never_make_a_gpu_faulty_or_degraded():
+    """Every NCCL abort logs XID 45 (ours included): it stays in the ignored list."""
+    fake = FakeNvml()
+    p = probe(fake)
+    for _ in range(100):
+        fake.inject_xid(0, 45)
+    assert p.check().verdict == HEALTHY
+    assert 45 in GracefulConfig().ignored_xids
 
 
 def test_host_shutting_down_marker(tmp_path):

@@ -15,7 +15,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_graceful import GracefulConfig
-from ray_graceful.drain import drain_node
+from ray_graceful.ray_adapter import drain_node
 from ray_graceful.train import GracefulTrainCallback, resume_step
 from ray_graceful.train_job import train_func
 

@@ -15,14 +15,24 @@ What is read, and what it means (ANCHORS.md's table; XID lists configurable):
 
 A check this GPU does not support is skipped; another NVML error makes that check UNKNOWN.
 No NVML library (CPU machines, CI) gives UNKNOWN with the reason - never an exception, unless
-``health_probe='nvml'`` was asked for explicitly. Every check runs bounded: a wedged driver
-gives UNKNOWN ("probe_timeout"), not a hung rank.
+``health_probe='nvml'`` was asked for explicitly.
+
+NVML that does not answer is not trusted: starting NVML and every check run bounded on a
+helper thread, and a driver that does not answer within ``timeout_s`` makes the GPU DEGRADED
+("nvml_init_timeout", "probe_timeout") - a hanging driver is itself a sign of a sick GPU, so
+such a rank is the planner's last choice as a saver, behind HEALTHY and UNKNOWN ones. At most
+one check is in flight: while a wedged one has not returned, no new thread is started.
+A finding seen again (a degraded XID repeated) is kept once, with its count.
+
+XID 45 (a channel torn down by its process: what every NCCL abort produces, ours included) is
+in the default ignored list and never makes a GPU FAULTY or DEGRADED.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -61,8 +71,11 @@ class NvmlProbe:
         self.ignored_xids = frozenset(ignored_xids)
         self.nologin = nologin
         self.timeout_s = timeout_s
-        self._sticky: list[Reason] = []  # fatal events are seen once; they stay
+        # Events are seen once; what they said stays: (code, gpu) -> (reason, count).
+        self._sticky: dict[tuple[str, int | None], tuple[Reason, int]] = {}
         self._lock = threading.Lock()
+        self._in_flight: tuple[threading.Thread, float] | None = None
+        self._started = threading.Event()
         self._handles: list[Any] = []
         self._event_set: Any = None
         self._nvlinks_up: dict[int, list[int]] = {}
@@ -73,7 +86,7 @@ class NvmlProbe:
             self.nvml = None
             self._unavailable = Reason(UNKNOWN, "nvml_unavailable", f"nvidia-ml-py: {exc}")
         if self.nvml is not None:
-            self._start()
+            self._start_bounded()
         if required and self._unavailable is not None:
             raise NvmlUnavailable(
                 f"health_probe='nvml' was asked for, but {self._unavailable.detail}; use "
@@ -81,6 +94,24 @@ class NvmlProbe:
             )
 
     # --- start-up --------------------------------------------------------------------------
+
+    def _start_bounded(self) -> None:
+        """Start NVML on a helper thread; a driver that does not answer is not waited for."""
+
+        def start() -> None:
+            try:
+                self._start()
+            finally:
+                self._started.set()
+
+        with self._lock:
+            threading.Thread(target=start, name="ray_graceful-nvml-init", daemon=True).start()
+            if not self._started.wait(self.timeout_s):
+                self._unavailable = Reason(
+                    DEGRADED,
+                    "nvml_init_timeout",
+                    f"nvmlInit did not return within {self.timeout_s}s (a wedged driver)",
+                )
 
     def _start(self) -> None:
         n = self.nvml
@@ -134,20 +165,42 @@ class NvmlProbe:
     # --- checking --------------------------------------------------------------------------
 
     def check(self) -> HealthReport:
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight[0].is_alive():
+            waited = time.monotonic() - in_flight[1]
+            return self._timed_out(f"an NVML check has not returned for {waited:.1f}s")
         box: dict[str, HealthReport] = {}
         thread = threading.Thread(
             target=lambda: box.setdefault("report", self._check()),
             name="ray_graceful-nvml-check",
             daemon=True,
         )
+        self._in_flight = (thread, time.monotonic())
         thread.start()
         thread.join(self.timeout_s)
         if "report" not in box:
-            reasons = [
-                Reason(UNKNOWN, "probe_timeout", f"NVML did not answer in {self.timeout_s}s")
-            ]
-            return HealthReport.of(self.name, reasons + self._nologin() + list(self._sticky))
+            return self._timed_out(f"NVML did not answer in {self.timeout_s}s")
+        self._in_flight = None
         return box["report"]
+
+    def _timed_out(self, detail: str) -> HealthReport:
+        reasons = [Reason(DEGRADED, "probe_timeout", detail)]
+        return HealthReport.of(self.name, reasons + self._nologin() + self._sticky_reasons())
+
+    def _sticky_reasons(self) -> list[Reason]:
+        out = []
+        for reason, count in list(self._sticky.values()):
+            if count > 1:
+                reason = Reason(
+                    reason.verdict, reason.code, f"{reason.detail} (x{count})", reason.gpu
+                )
+            out.append(reason)
+        return out
+
+    def _remember(self, reason: Reason) -> None:
+        key = (reason.code, reason.gpu)
+        _old, count = self._sticky.get(key, (reason, 0))
+        self._sticky[key] = (reason, count + 1)
 
     def _nologin(self) -> list[Reason]:
         return self.nologin.check() if self.nologin is not None else []
@@ -158,7 +211,7 @@ class NvmlProbe:
                 return HealthReport.of(self.name, [self._unavailable, *self._nologin()])
             reasons = self._nologin()
             self._drain_events()
-            reasons += self._sticky
+            reasons += self._sticky_reasons()
             for gpu, handle in zip(self.gpus, self._handles, strict=True):
                 reasons += self._check_gpu(gpu, handle)
             return HealthReport.of(self.name, reasons)
@@ -173,17 +226,17 @@ class NvmlProbe:
             except n.NVMLError_Timeout:
                 return
             except n.NVMLError_GpuIsLost:
-                self._sticky.append(Reason(FAULTY, "gpu_lost", "NVML_ERROR_GPU_IS_LOST (events)"))
+                self._remember(Reason(FAULTY, "gpu_lost", "NVML_ERROR_GPU_IS_LOST (events)"))
                 return
             except n.NVMLError:
                 return
             gpu = self._gpu_of(data.device)
             if data.eventType & n.nvmlEventTypeDoubleBitEccError:
-                self._sticky.append(Reason(FAULTY, "ecc_double_bit", "double-bit ECC event", gpu))
+                self._remember(Reason(FAULTY, "ecc_double_bit", "double-bit ECC event", gpu))
             if data.eventType & n.nvmlEventTypeXidCriticalError:
                 reason = self.classify_xid(int(data.eventData), gpu)
                 if reason is not None:
-                    self._sticky.append(reason)
+                    self._remember(reason)
 
     def classify_xid(self, xid: int, gpu: int | None = None) -> Reason | None:
         if xid in self.ignored_xids:

@@ -18,7 +18,7 @@ import ray
 from ray_graceful import GracefulConfig, latest_committed
 from ray_graceful.checkpoint import commit, save_state_dict, write_shard
 from ray_graceful.coordinator import Coordinator
-from ray_graceful.drain import drain_node
+from ray_graceful.ray_adapter import drain_node
 from tests import actors
 from tests.helpers import free_port, kill_actors, wait_for
 

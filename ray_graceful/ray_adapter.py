@@ -1,0 +1,174 @@
+"""Every Ray-private call ray_graceful makes, in one place.
+
+Ray offers no public API for what the plugin needs at a node's end: the drain state with its
+deadline, the GCS actor table, an intended exit from a worker thread, the job-wide setup-hook
+variable, the point where a worker installs its SIGTERM handler, and Ray Train V2's worker
+callbacks. Each is reached here and nowhere else, so that when Ray moves one the failure is a
+``RayInternalsMoved`` naming the internal and the versions it was checked against - not an
+``AttributeError`` deep in a teardown.
+
+Checked against Ray 2.48 - 2.60 (the range ``pyproject.toml`` allows); measured on 2.60.0.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+CHECKED_RAY_VERSIONS = "2.48 - 2.60"
+
+# Ray reads this variable (``ray/_private/worker.py``) for the job-wide worker setup hook; it is
+# what an Anyscale job can set through env_vars (its JobConfig has no runtime_env).
+SETUP_HOOK_ENV_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+
+
+class RayInternalsMoved(RuntimeError):
+    """A Ray internal this plugin relies on is missing or changed in the installed Ray."""
+
+
+def _moved(what: str, exc: BaseException | None = None) -> RayInternalsMoved:
+    import ray
+
+    detail = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return RayInternalsMoved(
+        f"ray_graceful needs Ray's {what}, which Ray {ray.__version__} does not offer{detail}; "
+        f"it was checked against Ray {CHECKED_RAY_VERSIONS}."
+    )
+
+
+# --- drain state -----------------------------------------------------------------------------
+
+
+def draining_nodes(timeout_s: float = 5.0) -> dict[str, int]:
+    """``{node_id_hex: deadline_ms}`` for every node the GCS is draining (0 = no deadline).
+
+    The dependable notice on Ray (RAY_FACTS): a worker's own SIGTERM comes in the same
+    millisecond as its SIGKILL. Ray Train's preemption watcher reads the same state.
+    """
+    import ray
+
+    gcs_client: Any = getattr(ray._private.worker.global_worker, "gcs_client", None)
+    if gcs_client is not None and hasattr(gcs_client, "get_draining_nodes"):
+        return _normalise_drains(gcs_client.get_draining_nodes(timeout=timeout_s))
+    state = getattr(getattr(ray._private, "state", None), "state", None)
+    if state is not None and hasattr(state, "get_draining_nodes"):
+        return _normalise_drains(state.get_draining_nodes())
+    raise _moved("drain state (GcsClient.get_draining_nodes)")
+
+
+def _normalise_drains(raw: Any) -> dict[str, int]:
+    out = {}
+    for node, deadline in dict(raw).items():
+        key = node.hex() if isinstance(node, bytes) else str(node)
+        out[key] = int(deadline)
+    return out
+
+
+def drain_node(node_id: str, deadline_s: float, reason: str = "ray_graceful") -> None:
+    """Ask the GCS to drain ``node_id`` with reason PREEMPTION (the demo, benchmarks, tests)."""
+    import ray
+
+    try:
+        from ray.core.generated import autoscaler_pb2
+
+        gcs_address = ray._private.worker.global_worker.gcs_client.address
+        client = ray._raylet.GcsClient(address=gcs_address)
+        preemption = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    except (AttributeError, ImportError, ValueError) as exc:
+        raise _moved("GcsClient.drain_node", exc) from exc
+    accepted, message = client.drain_node(node_id, preemption, reason, int(deadline_s * 1000))
+    if not accepted:
+        raise RuntimeError(f"the GCS refused to drain {node_id}: {message}")
+
+
+# --- the actor table -------------------------------------------------------------------------
+
+
+def dead_actors(actor_ids: set[str]) -> set[str]:
+    """Which of ``actor_ids`` the GCS lists as DEAD (the state API needs the dashboard)."""
+    import ray
+
+    state = getattr(getattr(ray._private, "state", None), "state", None)
+    if state is None or not hasattr(state, "actor_table"):
+        raise _moved("GCS actor table (ray._private.state.state.actor_table)")
+    dead = set()
+    for actor_id in actor_ids:
+        info = state.actor_table(actor_id)
+        if info and info.get("State") == "DEAD":
+            dead.add(actor_id)
+    return dead
+
+
+# --- leaving a worker ------------------------------------------------------------------------
+
+
+def intended_exit() -> Callable[[str], None] | None:
+    """Ray's way to end this worker as an intended exit, or None outside a Ray worker.
+
+    Calling it makes Ray end the process with status 0, recorded INTENDED_SYSTEM_EXIT, once the
+    running task returned. Nothing may use Ray after calling it.
+    """
+    try:
+        import ray
+
+        worker = ray._private.worker.global_worker
+        if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
+            return None
+        drain = getattr(worker.core_worker, "drain_and_exit_worker", None)
+    except Exception:
+        return None
+    if drain is None:
+        return None
+    return lambda detail: drain("intentional_system_exit", detail.encode())
+
+
+def is_ray_worker_sigterm_handler(handler: Any) -> bool:
+    """Ray's worker SIGTERM handler: raises SystemExit(1), recorded as a SYSTEM_ERROR exit."""
+    return (
+        callable(handler)
+        and getattr(handler, "__module__", "") == "ray._private.worker"
+        and "sigterm_handler" in getattr(handler, "__qualname__", "")
+    )
+
+
+def route_worker_sigterm_handler(adopt: Callable[[Any], bool]) -> None:
+    """Offer the SIGTERM handler Ray's worker loop installs to ``adopt`` first.
+
+    Ray's ``Worker.main_loop`` installs its handler right after the job's setup hook ran; left
+    alone it would replace the plugin's. ``adopt(handler)`` returns True when it took the handler
+    (to chain it); otherwise Ray installs it as usual.
+    """
+    try:
+        import ray._private.utils as ray_utils
+
+        original = ray_utils.set_sigterm_handler
+    except (ImportError, AttributeError) as exc:
+        raise _moved("ray._private.utils.set_sigterm_handler", exc) from exc
+    if getattr(original, "_ray_graceful", False):
+        return
+
+    def set_sigterm_handler(handler):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is threading.main_thread() and adopt(handler):
+            return
+        original(handler)
+
+    set_sigterm_handler._ray_graceful = True  # type: ignore[attr-defined]
+    ray_utils.set_sigterm_handler = set_sigterm_handler
+
+
+# --- Ray Train V2 ------------------------------------------------------------------------------
+
+
+def train_callback_bases() -> tuple[type, ...]:
+    """Ray Train V2's (DeveloperAPI) callback classes the plugin's callback subclasses."""
+    try:
+        from ray.train.v2._internal.execution.callback import (
+            ControllerCallback,
+            WorkerCallback,
+            WorkerGroupCallback,
+        )
+    except ImportError as exc:
+        what = "Ray Train V2 callbacks (ray.train.v2._internal.execution.callback)"
+        raise _moved(what, exc) from exc
+    return (WorkerGroupCallback, WorkerCallback, ControllerCallback)
