@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,12 +95,29 @@ def coordinator_name(config: GracefulConfig, job_id: str) -> str:
     return config.coordinator_name or f"ray_graceful_coordinator-{job_id}"
 
 
-class CoordinatorActor:
-    """The actor's implementation (started through ``Coordinator.start``)."""
+DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
+LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
 
-    def __init__(self, config: GracefulConfig, job_id: str = "") -> None:
+
+class CoordinatorActor:
+    """The actor's implementation (started through ``Coordinator.start``).
+
+    Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``
+    (default: ``ray_adapter``), as Ray Train's ``PreemptionWatcher`` takes its drain source:
+    the logic runs, and is unit-tested, without a cluster.
+    """
+
+    def __init__(
+        self,
+        config: GracefulConfig,
+        job_id: str = "",
+        drain_source: DrainSource | None = None,
+        lost_source: LostSource | None = None,
+    ) -> None:
         self.config = config
         self.job_id = job_id
+        self.drain_source = drain_source or ray_adapter.draining_nodes
+        self.lost_source = lost_source or ray_adapter.dead_actors
         self.cycle = 0
         self.job_state = "running"
         self.processes: dict[str, _Process] = {}
@@ -122,7 +139,7 @@ class CoordinatorActor:
         self.failures: list[str] = []  # errors of background tasks, shown in the outcome
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
-        except Exception:  # metrics are a courtesy; the coordinator works without them
+        except Exception:  # metrics are a courtesy (and need Ray); it works without them
             self.metrics = None
 
     # --- background ------------------------------------------------------------------------
@@ -147,7 +164,7 @@ class CoordinatorActor:
     async def _watch_drains(self) -> None:
         while True:
             try:
-                drains = await asyncio.to_thread(ray_adapter.draining_nodes)
+                drains = await asyncio.to_thread(self.drain_source)
             except Exception as exc:
                 self._reject({"source": "drain"}, f"could not read Ray's drain state: {exc!r}")
                 drains = {}
@@ -188,7 +205,7 @@ class CoordinatorActor:
         if not watched:
             return
         try:
-            dead = await asyncio.to_thread(ray_adapter.dead_actors, set(watched))
+            dead = await asyncio.to_thread(self.lost_source, set(watched))
         except Exception as exc:
             logger.warning("ray_graceful coordinator: cannot read the actor table: %r", exc)
             return  # the GCS is unreachable for a moment: next round

@@ -249,7 +249,7 @@ def _other_threads() -> list[tuple[str, FrameType]]:
     return [(name, frame) for name, frame in threads if not name.startswith("ray_graceful-")]
 
 
-def _thread_in_collective() -> bool:
+def thread_in_collective() -> bool:
     """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
     marker = os.path.join("torch", "distributed", "")
     return any(marker in frame.f_code.co_filename for _name, frame in _other_threads())
@@ -564,7 +564,7 @@ class Teardown:
         released = any(r.name == "release_peers" and r.status == "ran" for r in self.report.steps)
         stuck_since: float | None = None
         while (waited := time.monotonic() - started) < limit:
-            if released and _thread_in_collective():
+            if released and thread_in_collective():
                 stuck_since = stuck_since or time.monotonic()
                 if time.monotonic() - stuck_since >= STUCK_IN_COLLECTIVE_S:
                     break

@@ -28,7 +28,7 @@ from .config import GracefulConfig
 from .control import ControlChannel, find_coordinator
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .signals import current_listener, install_listener, set_claim_check
-from .teardown import SaveOrder, Teardown, hard_exit, write_report_file
+from .teardown import SaveOrder, Teardown, hard_exit, thread_in_collective, write_report_file
 
 Saver = Callable[[str, int], "tuple[int, int] | None"]
 
@@ -202,8 +202,8 @@ class _ProcessRuntime:
         if self.parked_step is not None:
             return "parked"
         site = self.step_site
-        if site is None:
-            return "idle"
+        if site is None:  # no loop known: any thread inside a collective counts
+            return "in_collective" if thread_in_collective() else "idle"
         thread_id, code = site
         frame = sys._current_frames().get(thread_id)
         in_collective = False

@@ -15,8 +15,8 @@ import ray
 
 from ray_graceful import GracefulConfig, latest_committed
 from ray_graceful.coordinator import Coordinator
-from ray_graceful.ray_adapter import drain_node
 from ray_graceful.health.scripted import write_faults
+from ray_graceful.ray_adapter import drain_node
 from tests import actors
 from tests.helpers import free_port, kill_actors, report_for, wait_for
 

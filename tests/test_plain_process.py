@@ -48,7 +48,10 @@ def test_blocked_plain_rank_exits_with_configured_code(tmp_path):
         assert code == 7  # outside Ray the exit is os._exit(exit_code)
         report = wait_for(lambda: report_for(str(tmp_path), ranks[0].pid), 5, "the report")
         assert report["exit_path"] == "hard"
-        assert [s["name"] for s in report["steps"]][:2] == ["stop", "release_peers"]
+        # Stuck in a collective: the peers are released first, the device drained after.
+        names = [s["name"] for s in report["steps"]]
+        assert names[:3] == ["stop", "quiesce", "release_peers"], names
+        assert names.index("drain_device") > names.index("release_peers")
     finally:
         for proc in ranks:
             proc.kill()
@@ -67,3 +70,59 @@ def test_signal_to_a_child_in_its_first_instant_does_not_reach_the_parent(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_save_holds_the_state_of_the_step_it_is_labelled_with(tmp_path):
+    """The rank finishes a weight update after the signal; it parks at should_stop(k) and saves
+    step k's weights labelled k - and a loop that breaks at should_stop and then waits in the
+    same function still gets to save (it is parked, not "inside its step")."""
+    proc = _spawn(0, 1, free_port(), str(tmp_path), "park")
+    try:
+        _read_json_line(proc, "ready")
+        _read_json_line(proc, "training")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 7
+        report = wait_for(lambda: report_for(str(tmp_path), proc.pid), 5, "the report")
+        save = next(s for s in report["steps"] if s["name"] == "save")
+        assert save["status"] == "ran", save
+        (record,) = report["saved"]
+        import torch
+
+        from ray_graceful.checkpoint import step_dir
+
+        path = os.path.join(step_dir(str(tmp_path / "ckpt"), record["step"]), record["file"])
+        saved = torch.load(path, weights_only=True)
+        assert saved["step"] == record["step"]
+        assert saved["state"]["w"].item() == record["step"], "weights of another step"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _deadline_case(tmp_path, mode):
+    proc = _spawn(0, 1, free_port(), str(tmp_path), mode)
+    try:
+        _read_json_line(proc, "ready")
+        _read_json_line(proc, "training")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        return code, time.monotonic() - sent
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_save_that_holds_the_gil_cannot_pass_the_deadline(tmp_path):
+    """torch.save into a FIFO nobody reads blocks in C++ holding the GIL: no Python thread -
+    the watchdog included - can run. The kernel timer still ends the rank at its deadline."""
+    code, took = _deadline_case(tmp_path, "gil-save")
+    assert code == 7, "the hard deadline exits with the configured status"
+    assert took < 4.0 + 1.0, f"out {took:.1f}s after the signal; the deadline was 4 s"
+
+
+def test_a_blocking_report_directory_cannot_pass_the_deadline(tmp_path):
+    code, took = _deadline_case(tmp_path, "report-fifo")
+    assert code == 7
+    assert took < 4.0 + 1.0, f"out {took:.1f}s after the signal; the deadline was 4 s"

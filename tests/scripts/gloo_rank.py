@@ -3,6 +3,10 @@
 argv: rank world port report_dir mode
 mode "block": register, then all-reduce (rank 1 never joins, so rank 0 blocks).
 mode "fork-race": register, fork a child whose first at-fork hook SIGTERMs itself.
+mode "park": train (w += 1 per step, a pause after the update), save w on SIGTERM; the loop
+    breaks at should_stop and then waits in the same function.
+mode "gil-save": on SIGTERM, save with torch.save into a FIFO nobody reads (holds the GIL).
+mode "report-fifo": the teardown report's file is a FIFO nobody reads.
 """
 
 import datetime
@@ -34,8 +38,44 @@ dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.ti
 config = ray_graceful.GracefulConfig(
     report_dir=report_dir, exit_code=7, teardown_timeout_s=10, save_budget_s=5
 )
-status = ray_graceful.after_init_process_group("plain", config=config)
+w = torch.zeros(())
+saver = None
+if mode in ("park", "gil-save", "report-fifo"):
+    config = config.replace(
+        checkpoint_dir=os.path.join(report_dir, "ckpt"), teardown_timeout_s=4, save_budget_s=2
+    )
+    fifo = os.path.join(report_dir, "fifo")
+    if mode == "gil-save":
+
+        def saver(path, step):
+            os.mkfifo(fifo)
+            torch.save({"w": w}, fifo)  # opens the FIFO in C++, GIL held, no reader: blocks
+
+    if mode == "report-fifo":
+        import socket
+
+        directory = os.path.join(report_dir, "no-job")
+        os.makedirs(directory)
+        os.mkfifo(
+            os.path.join(directory, f"teardown-{socket.gethostname()}-{os.getpid()}.json.tmp")
+        )
+status = ray_graceful.after_init_process_group(
+    "plain",
+    config=config,
+    **({"saver": saver} if saver else {"state_dict": lambda: {"w": w.clone()}}),
+)
 print(json.dumps({"ready": os.getpid()}), flush=True)
+
+if mode in ("park", "gil-save", "report-fifo"):
+    print(json.dumps({"training": True}), flush=True)
+    step = 0
+    while True:
+        w += 1  # the optimizer step
+        step += 1
+        time.sleep(0.2)  # the rest of the step: the signal lands here
+        if ray_graceful.should_stop(step):
+            break
+    time.sleep(30)  # waits in the same function after the loop (logging, a wait for the driver)
 
 if mode == "block":
     if rank == 0:
