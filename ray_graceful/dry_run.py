@@ -138,7 +138,7 @@ def _parse(
         try:
             notice = EvictionNotice.parse(values, now=now)
         except (NoticeError, TypeError) as exc:
-            raise ScenarioError(f"notices[{i}]: {short(str(exc), 300)}") from None
+            raise ScenarioError(f"notices[{i}]: {str(exc)[:500]}") from None
         if notice.node_id is not None and notice.node_id not in by_node:
             raise ScenarioError(
                 f"notices[{i}].node_id {short(notice.node_id)} has no rank in 'ranks' (nodes: "

@@ -160,3 +160,105 @@ def test_kill_during_save_keeps_previous_committed_loadable(tmp_path):
     assert ckpt.step == 10
     with open(os.path.join(ckpt.path, MANIFEST)) as f:
         assert json.load(f)["cycle"] == 1
+
+
+def _committed_files(root, step):
+    directory = step_dir(root, step)
+    return {
+        name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in os.listdir(directory)
+    }
+
+
+def test_a_save_at_a_committed_step_keeps_the_committed_shard(tmp_path):
+    """A notice in the first step after a resume saves at the step already committed: the
+    committed shard is kept (reported as reused), never rewritten in place."""
+    root = str(tmp_path)
+    _save_and_commit(root, 10)
+    before = _committed_files(root, 10)
+    again = write_shard(root, 10, "a", _saver(99))
+    assert again.reused and again.step == 10
+    assert _committed_files(root, 10) == before, "a committed file was touched"
+    assert commit(root, 10, ["a", "b"], [again, write_shard(root, 10, "b", _saver(99))])
+    assert _committed_files(root, 10) == before, "the manifest was rewritten"
+    assert load_state_dict(latest_committed(root).shard_path("a"))["w"][0].item() == 10.0
+
+
+def test_a_committed_directory_shard_is_never_removed(tmp_path):
+    root = str(tmp_path)
+
+    def dir_saver(path, step):
+        os.makedirs(path)
+        with open(os.path.join(path, "part"), "w") as f:
+            f.write(f"step {step}")
+
+    record = write_shard(root, 3, "d", dir_saver)
+    commit(root, 3, ["d"], [record])
+    assert write_shard(root, 3, "d", dir_saver).reused
+    assert latest_committed(root).step == 3
+
+
+def test_a_committed_step_without_the_shard_is_not_modified(tmp_path):
+    root = str(tmp_path)
+    _save_and_commit(root, 4, shards=("a",))
+    with pytest.raises(CheckpointError, match="committed without shard 'z'"):
+        write_shard(root, 4, "z", _saver(4))
+    assert sorted(os.listdir(step_dir(root, 4))) == sorted([MANIFEST, "shard-a.pt"])
+
+
+def test_an_uncommitted_directory_shard_is_replaced_without_a_gap(tmp_path):
+    root = str(tmp_path)
+
+    def dir_saver(value):
+        def save(path, step):
+            os.makedirs(path)
+            with open(os.path.join(path, "part"), "w") as f:
+                f.write(value)
+
+        return save
+
+    write_shard(root, 5, "d", dir_saver("old"))
+    record = write_shard(root, 5, "d", dir_saver("new"))
+    commit(root, 5, ["d"], [record])
+    with open(os.path.join(latest_committed(root).shard_path("d"), "part")) as f:
+        assert f.read() == "new"
+    assert not [n for n in os.listdir(step_dir(root, 5)) if ".old-" in n or n.startswith(".tmp")]
+
+
+@pytest.mark.parametrize("file", ["../../../etc/hostname", "/etc/hostname", "shard-b.pt"])
+def test_a_manifest_entry_names_its_own_file_inside_the_step(tmp_path, file):
+    root = str(tmp_path)
+    (a,) = [write_shard(root, 6, "a", _saver(6))]
+    forged = type(a)(**{**a.to_dict(), "file": file})
+    with pytest.raises(CheckpointError, match=r"its file is|not its own"):
+        commit(root, 6, ["a"], [type(a).from_dict(forged.to_dict())])
+    assert latest_committed(root) is None
+    # and a manifest written by someone else that points outside is not loaded either
+    _save_and_commit(root, 7, shards=("a",))
+    path = os.path.join(step_dir(root, 7), MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["shards"]["a"]["file"] = file
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    assert latest_committed(root) is None
+
+
+@pytest.mark.parametrize("body", ["[]", '{"format": 1, "step": 8, "shards": []}', '"x"', "7"])
+def test_a_manifest_of_the_wrong_shape_is_skipped_with_a_reason(tmp_path, body, caplog):
+    root = str(tmp_path)
+    _save_and_commit(root, 2, shards=("a",))
+    _save_and_commit(root, 8, shards=("a",))
+    with open(os.path.join(step_dir(root, 8), MANIFEST), "w") as f:
+        f.write(body)
+    assert latest_committed(root).step == 2
+    assert "skipped checkpoint step 8" in caplog.text
+
+
+def test_load_state_dict_refuses_code(tmp_path):
+    """weights_only=True: a checkpoint cannot run code when loaded."""
+    path = str(tmp_path / "evil.pt")
+    torch.save({"f": print}, path)  # an arbitrary callable: not a weight
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
+        load_state_dict(path)
+    save_state_dict({"step": 3, "state": {"w": torch.ones(2), "lr": 0.1, "n": [1, 2]}}, path)
+    assert load_state_dict(path)["state"]["n"] == [1, 2]

@@ -10,6 +10,8 @@ import sys
 import pytest
 import ray
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_graceful import GracefulConfig
 from ray_graceful.cli import main
@@ -85,7 +87,8 @@ def test_plan_dry_run(tmp_path):
     path.write_text(yaml.safe_dump(scenario))
     result = cli("plan", str(path))
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    now_line, *lines = result.stdout.splitlines()
+    assert now_line.startswith("now = ") and "Unix seconds" in now_line
     assert lines[0].split()[:3] == ["rank", "node", "shard"]
     assert "p/0" in lines[2] and "leave" in lines[2] and "xid_79" in lines[2]
     assert "p/2" in lines[4] and "SAVE" in lines[4] and "+30.0s" in lines[4]
@@ -173,7 +176,8 @@ def test_notify_without_a_cluster_or_coordinator(ray_cluster, tmp_path):
         "nobody-here",
     )
     assert no_coordinator.returncode == 4
-    assert "no coordinator named 'nobody-here'" in no_coordinator.stderr
+    assert "no coordinator to talk to" in no_coordinator.stderr
+    assert "nobody-here" in no_coordinator.stderr
 
 
 def test_notify_reaches_the_coordinator_and_changes_the_plan(ray_cluster, tmp_path):
@@ -232,3 +236,231 @@ def test_notify_reaches_the_coordinator_and_changes_the_plan(ray_cluster, tmp_pa
         assert outcome.missing == ["h:1"], "the registered process never reported"
     finally:
         coordinator.shutdown()
+
+
+# --- a user's mistakes never print a traceback ------------------------------------------------
+
+
+def _bomb_yaml() -> str:
+    """A rank whose value is a YAML alias bomb: 9 lines, 9**9 strings once expanded."""
+    parts = ['&a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        parts.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "ranks:\n  - {group: p, node: a, rank: [" + ", ".join(parts) + "]}\n"
+
+
+SCENARIO = {
+    "ranks": [{"group": "p", "rank": 0, "node": "a"}, {"group": "p", "rank": 1, "node": "b"}]
+}
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("bad.json", b"\xff\xfe{}", "not UTF-8"),
+        ("deep.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ("h.json", json.dumps({**SCENARIO, "health": 5}).encode(), "health must be a list"),
+        ("n.json", json.dumps({**SCENARIO, "notices": 5}).encode(), "notices must be a list"),
+        (
+            "r.json",
+            json.dumps({"ranks": [{"group": "p", "rank": [1], "node": "a"}]}).encode(),
+            "ranks[0].rank = [1]: must be an integer",
+        ),
+        (
+            "t.json",
+            json.dumps(
+                {
+                    **SCENARIO,
+                    "notices": [
+                        {"source": "cli", "reason": "x", "node_id": "a", "received_at": "x"}
+                    ],
+                }
+            ).encode(),
+            "received_at 'x' is not allowed",
+        ),
+        (
+            "bomb.yaml",
+            _bomb_yaml().encode(),
+            "ranks[0].rank = [[",
+        ),
+        (
+            "unknown-node.json",
+            json.dumps(
+                {**SCENARIO, "notices": [{"source": "cli", "reason": "x", "node_id": "zz"}]}
+            ).encode(),
+            "notices[0].node_id 'zz' has no rank",
+        ),
+        (
+            "unknown-rank.json",
+            json.dumps({**SCENARIO, "health": [{"rank": ["p", 9], "verdict": "FAULTY"}]}).encode(),
+            "health[0].rank ['p', 9] must be [group, rank] of a rank in 'ranks'",
+        ),
+    ],
+)
+def test_plan_input_mistakes_are_explained(tmp_path, capsys, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err) < 2000, "the error message stays small whatever the input"
+
+
+def test_plan_takes_real_unix_times_and_says_which_now(tmp_path, capsys):
+    now = 1_800_000_000.0
+    scenario = {
+        **SCENARIO,
+        "notices": [{"source": "drain", "reason": "spot", "node_id": "b", "deadline": now + 30}],
+    }
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(scenario))
+    assert main(["plan", str(path), "--now", str(now)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"now = {now:.3f}") and "+30.0s" in out
+    assert main(["plan", str(path), "--now", str(now + 60)]) == 2
+    assert "in the past" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["status", "--timeout", "nan"], "give a finite number of seconds"),
+        (["status", "--timeout", "inf"], "give a finite number of seconds"),
+        (["notify", "--node-id=", "--reason", "x"], "must not be empty"),
+        (["notify", "--this-node", "--reason", "x", "--deadline", "30"], "use --deadline-in"),
+        (["bench", "plan", "--sizes", "abc"], "give integers >= 1 separated by commas"),
+        (["bench", "plan", "--reps", "0"], "give an integer >= 1"),
+        (["bench", "release", "--timeout", "-1"], "seconds must be > 0"),
+    ],
+)
+def test_argument_mistakes_are_explained(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_anyscale_on_invalid_yaml_is_explained(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text("entrypoint: [unclosed\n")
+    assert main(["anyscale", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and "Traceback" not in err
+
+
+ARGS = st.lists(
+    st.one_of(
+        st.sampled_from(
+            [
+                "notify",
+                "status",
+                "plan",
+                "anyscale",
+                "bench",
+                "config",
+                "release",
+                "save",
+                "--this-node",
+                "--node-id",
+                "--rank",
+                "--reason",
+                "--deadline",
+                "--deadline-in",
+                "--timeout",
+                "--sizes",
+                "--reps",
+                "--now",
+                "--json",
+                "--set",
+                "--job",
+                "-o",
+                "nan",
+                "inf",
+                "-1",
+                "0",
+                "1e400",
+                "g/1",
+                "/",
+                "=",
+                "",
+            ]
+        ),
+        st.text(max_size=12),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ARGS)
+def test_any_argument_list_parses_or_is_refused_cleanly(args):
+    """argparse either accepts the words or exits 2 with a message; nothing else escapes."""
+    from ray_graceful.cli import build_parser
+
+    try:
+        build_parser().parse_args(args)
+    except SystemExit as exc:
+        assert exc.code in (0, 2)
+
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+SCENARIOISH = st.fixed_dictionaries(
+    {},
+    optional={
+        "ranks": st.lists(
+            st.fixed_dictionaries(
+                {"node": st.sampled_from(["a", "b"]) | JSONISH},
+                optional={
+                    "group": st.sampled_from(["p"]) | JSONISH,
+                    "rank": st.integers(0, 3) | JSONISH,
+                    "shard": JSONISH,
+                    "can_save": JSONISH,
+                },
+            ),
+            max_size=4,
+        )
+        | JSONISH,
+        "notices": st.lists(
+            st.fixed_dictionaries(
+                {"source": st.sampled_from(["drain", "cli"]) | JSONISH},
+                optional={
+                    "reason": JSONISH,
+                    "node_id": st.sampled_from(["a", "b"]) | JSONISH,
+                    "rank": JSONISH,
+                    "deadline_in_s": JSONISH,
+                    "deadline": JSONISH,
+                    "received_at": JSONISH,
+                },
+            ),
+            max_size=3,
+        )
+        | JSONISH,
+        "health": JSONISH,
+        "config": st.dictionaries(
+            st.sampled_from(["expected_save_s", "teardown_timeout_s", "nope"]), JSONISH
+        )
+        | JSONISH,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(SCENARIOISH)
+def test_any_scenario_file_plans_or_is_explained(tmp_path_factory, scenario):
+    import contextlib
+    import io
+
+    path = tmp_path_factory.mktemp("s") / "s.json"
+    path.write_text(json.dumps(scenario))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(["plan", str(path)])
+    assert status in (0, 2), err.getvalue()
+    assert (status == 0) == (err.getvalue() == ""), err.getvalue()

@@ -11,6 +11,8 @@ from ray_graceful.health import DEGRADED, FAULTY, HEALTHY, UNKNOWN
 from ray_graceful.notices import EvictionNotice, NoticeError
 from ray_graceful.plan import RankInfo, TopologyError, parse_topology, plan_termination
 
+NAN = float("nan")
+
 NOW = 1_000_000.0
 CONFIG = GracefulConfig(
     checkpoint_dir="/ckpt",
@@ -244,3 +246,37 @@ def test_topology_parser_accepts_or_explains(data):
         assert str(exc)
     else:
         assert len({r.key for r in ranks}) == len(ranks)
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (
+            {"source": "cli", "reason": "x", "cycle": 0, "node_id": "n", "deadline": 30},
+            "s in the past",
+        ),
+        (
+            {"source": "cli", "reason": "x", "cycle": 0, "rank": ["g", 0], "received_at": "x"},
+            "received_at 'x' is not allowed",
+        ),
+        (
+            {"source": "cli", "reason": "x", "cycle": 0, "rank": ["g", 0], "received_at": NAN},
+            "received_at nan is not allowed",
+        ),
+    ],
+)
+def test_deadlines_and_receipt_times_are_what_the_user_meant(data, message):
+    with pytest.raises(NoticeError) as info:
+        EvictionNotice.parse(data)
+    assert message in str(info.value)
+    if "deadline" in data:
+        assert "--deadline-in" in str(info.value)
+
+
+def test_messages_about_huge_values_stay_small():
+    bomb: list = ["x"] * 10
+    for _ in range(30):  # what a YAML alias bomb expands to: 10**30 leaves if printed
+        bomb = [bomb] * 10
+    with pytest.raises(NoticeError) as info:
+        EvictionNotice.parse({"source": "cli", "reason": "x", "cycle": 0, "rank": bomb})
+    assert len(str(info.value)) < 400
