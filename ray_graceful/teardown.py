@@ -26,8 +26,9 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 
 Two watchdogs guard the deadline. A Python thread fires at ``deadline - watchdog_margin_s``,
 writes the report (``os.write`` only, never ``logging``, whose lock a wedged thread may hold)
-and exits; a kernel timer (``hard_deadline.py``) ends the process at the deadline itself even
-when a thread blocked in C holds the GIL and no Python thread can run.
+and exits; a kernel timer (``hard_deadline.py``) ends the process half a margin later, still
+before the deadline, even when a thread blocked in C holds the GIL, or the interpreter is
+finalizing, and no Python thread can run.
 """
 
 from __future__ import annotations
@@ -324,7 +325,11 @@ class Teardown:
 
     def start(self) -> threading.Thread:
         if self.exit_process:
-            hard_deadline().arm(self.deadline_monotonic, self.config.exit_code)
+            # Half the watchdog's margin before the deadline: the Python watchdog fires first
+            # and writes the report; this one ends the process where no Python thread can run
+            # (a GIL held in C, or the interpreter finalizing during Ray's exit).
+            at = self.deadline_monotonic - self.config.watchdog_margin_s / 2
+            hard_deadline().arm(at, self.config.exit_code)
         threading.Thread(target=self._watchdog, name="ray_graceful-watchdog", daemon=True).start()
         thread = threading.Thread(target=self.run, name="ray_graceful-teardown", daemon=True)
         thread.start()

@@ -64,7 +64,8 @@ def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, co
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == [
         "stop",
-        "release_peers",
+        "quiesce",
+        "release_peers",  # inside a collective: abort first, then drain the device
         "drain_device",
         "save",
         "destroy_process_group",
