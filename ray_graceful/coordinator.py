@@ -882,7 +882,21 @@ class Coordinator:
 
         return ray.get(self.handle.assign_spare.remote(group, rank), timeout=30)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End the coordinator and wait (bounded) until its name is free again.
+
+        ``ray.kill`` returns before the actor is gone; a second run in the same job (a second
+        ``trainer.fit()``) would otherwise find the name taken by a dying coordinator.
+        """
         import ray
 
         ray.kill(self.handle)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.handle.ping.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                break  # dead: its name is released with it
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.05)

@@ -151,7 +151,9 @@ class _ProcessRuntime:
         config = self.config_or_default()
         if control.report_sigterm(received_at):
             control.order_received.wait(config.order_wait_s)
-        if self.teardown is None:
+        # An order handled cooperatively (Ray Train: the training function saves) starts no
+        # teardown here: having the order is what counts.
+        if self.teardown is None and self.order is None:
             why = (
                 "coordinator unreachable"
                 if not control.alive

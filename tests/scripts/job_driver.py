@@ -1,0 +1,144 @@
+"""A user's driver, run as its own Ray job with the plugin switched on job-wide.
+
+argv: KIND ADDRESS ENV_JSON WORKDIR EVICT
+  KIND      sync | async | train
+  ENV_JSON  the env vars a guide tells the user to set (the Anyscale option's output, a KubeRay
+            pod's env): they are this driver's environment already (the test starts it so) and
+            become the job's runtime_env - nothing is set per actor.
+  EVICT     "sigterm" (a rank's process gets SIGTERM) or a shell command run as-is (the KubeRay
+            preStop hook from examples/kuberay_raycluster.yaml).
+
+Runs a normal training that must finish unharmed, then one that is evicted mid-run, and prints
+one JSON line, ``{"result": ...}``, for the test to check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import ray
+
+kind, address, env_path, workdir, evict = sys.argv[1:6]
+with open(env_path) as f:
+    job_env = json.load(f)
+ray.init(address=address, runtime_env={"env_vars": job_env}, logging_level="WARNING")
+
+from ray_graceful import Coordinator, latest_committed  # noqa: E402
+from ray_graceful.process_groups import free_port  # noqa: E402
+from tests import actors  # noqa: E402
+
+result: dict = {"kind": kind}
+
+
+def evict_now(pid: int | None) -> None:
+    if evict == "sigterm":
+        os.kill(pid, signal.SIGTERM)
+        return
+    done = subprocess.run(
+        [*shlex.split(evict), "--address", address], capture_output=True, text=True, timeout=60
+    )
+    result["evict"] = {"status": done.returncode, "out": done.stdout + done.stderr}
+
+
+def actor_group() -> None:
+    coordinator = Coordinator.start()  # the driver's one line; its config comes from the env
+    cls = actors.GracefulTrainer if kind == "sync" else actors.AsyncGracefulTrainer
+    port = free_port()
+    ranks = [ray.remote(cls).options(num_cpus=0).remote() for _ in range(2)]
+    statuses = ray.get(
+        [r.setup.remote(i, 2, "127.0.0.1", port, None) for i, r in enumerate(ranks)], timeout=120
+    )
+    result["statuses"] = statuses
+    pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
+
+    # A normal run: trains, finishes, nothing happens.
+    result["normal"] = ray.get([r.train.remote(3) for r in ranks], timeout=60)
+    status = coordinator.status()
+    result["after_normal"] = {
+        k: status[k] for k in ("cycle", "tearing_down", "notices", "rejected", "failures")
+    }
+
+    # An eviction in the middle of a run.
+    training = [r.train.remote(100_000, 0.01) for r in ranks]
+    time.sleep(1.5)
+    evict_now(pids[0])
+    outcome = coordinator.wait_outcome(timeout=90, cycle=0)
+    ended = []
+    for ref in training:
+        try:
+            ended.append(f"returned {ray.get(ref, timeout=30)}")
+        except ray.exceptions.RayError as exc:  # the actor left; or its collective was released
+            ended.append(f"raised {type(exc).__name__}")
+    result["ended"] = ended
+    result["outcome"] = None if outcome is None else outcome.to_dict()
+    ckpt = latest_committed(os.environ["RAY_GRACEFUL_CHECKPOINT_DIR"])
+    result["committed"] = None if ckpt is None else ckpt.step
+    coordinator.job_finished()
+
+
+def train_run() -> None:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_graceful.train_job import train_func
+
+    def run(total: int, step_s: float, name: str, evicting: bool) -> dict:
+        files = {k: os.path.join(workdir, f"{name}-{k}") for k in ("progress", "attempts")}
+        trainer = TorchTrainer(
+            train_func,
+            train_loop_config={
+                "total": total,
+                "every": 100,
+                "step_s": step_s,
+                "progress": files["progress"],
+                "attempt_file": files["attempts"],
+            },
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(
+                name=name,
+                storage_path=tempfile.mkdtemp(dir=workdir),
+                failure_config=FailureConfig(max_failures=2),
+            ),  # no callbacks=: RAY_TRAIN_CALLBACKS in the job's env adds ours
+        )
+        if evicting:
+            threading.Thread(target=evict_when_registered, daemon=True).start()
+        fit = trainer.fit()
+        with open(files["attempts"]) as f:
+            starts = sorted({int(line.split()[2]) for line in f if line.split()[1] == "start"})
+        return {"error": repr(fit.error) if fit.error else None, "starts": starts}
+
+    def evict_when_registered() -> None:
+        for _ in range(240):
+            try:
+                coordinator = Coordinator.connect()  # this job's, started by the callback
+                if len(coordinator.status()["ranks"]) == 2:
+                    break
+            except Exception as exc:
+                result["evict_waiting"] = repr(exc)
+            time.sleep(0.25)
+        else:
+            return
+        time.sleep(1.0)
+        if evict == "sigterm":
+            pid = next(r["pid"] for r in coordinator.status()["ranks"] if r["rank"] == 1)
+            evict_now(pid)
+        else:
+            evict_now(None)
+
+    result["normal"] = run(4, 0.05, "normal", evicting=False)
+    result["evicted"] = run(30, 0.2, "evicted", evicting=True)
+
+
+if kind == "train":
+    train_run()
+else:
+    actor_group()
+print(json.dumps({"result": result}, default=str), flush=True)

@@ -1,0 +1,144 @@
+"""The plugin switched on job-wide, exactly as docs/ tells a user to - nothing set per actor.
+
+Each test runs a user's driver (tests/scripts/job_driver.py) as a Ray job of its own on the
+session's cluster, with the environment a guide produces: the Anyscale option's output
+(``ray-graceful anyscale`` on examples/anyscale_job.yaml), and a KubeRay worker pod's env from
+examples/kuberay_raycluster.yaml, which carries Ray's own ``RAY_GRACEFUL_SHUTDOWN_*`` variables
+as KubeRay users set them. That env is the driver's environment and the job's runtime_env, so
+Ray runs the setup hook in every process of the job - the coordinator's, Ray Train's controller
+- as it does on Anyscale. For (a) a sync actor group, (b) an async, SkyRL/verl-shaped group and
+(c) Ray Train through ``RAY_TRAIN_CALLBACKS``: a normal run must finish unharmed, and an
+eviction (a SIGTERM to a rank; the KubeRay preStop command) must be handled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+DRIVER = os.path.join(REPO, "tests", "scripts", "job_driver.py")
+
+
+def anyscale_env(tmp_path) -> dict[str, str]:
+    """The env_vars `ray-graceful anyscale` writes into the example job, with our checkpoint dir.
+
+    examples/anyscale_job.yaml is that command's output; its plain job (the example less what
+    the command adds) is what the user starts from.
+    """
+    with open(os.path.join(EXAMPLES, "anyscale_job.yaml")) as f:
+        job = yaml.safe_load(f)
+    added = ("RAY_GRACEFUL_", "RAY_TRAIN_CALLBACKS", "__RAY_WORKER_PROCESS_SETUP_HOOK")
+    job["env_vars"] = {k: v for k, v in job["env_vars"].items() if not k.startswith(added)}
+    plain = tmp_path / "job.yaml"
+    plain.write_text(yaml.safe_dump(job))
+    out = tmp_path / "job.graceful.yaml"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ray_graceful.cli",
+            "anyscale",
+            str(plain),
+            "-o",
+            str(out),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(yaml.safe_load(out.read_text())["env_vars"])
+
+
+def kuberay_env_and_prestop(tmp_path) -> tuple[dict[str, str], str]:
+    """A KubeRay worker pod's env (plus the job-wide hook), and its preStop command."""
+    with open(os.path.join(EXAMPLES, "kuberay_raycluster.yaml")) as f:
+        cluster = yaml.safe_load(f)
+    (container,) = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S" in env, "the example sets Ray's own variable"
+    env["RAY_GRACEFUL_CHECKPOINT_DIR"] = str(tmp_path / "ckpt")  # the shared mount, here
+    env.update(anyscale_env(tmp_path))  # the hook and the Train callback, job-wide
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    return env, subprocess.list2cmdline(command)
+
+
+def run_driver(ray_cluster, tmp_path, kind: str, env: dict[str, str], evict: str) -> dict:
+    env_path = tmp_path / "env.json"
+    env_path.write_text(json.dumps(env))
+    done = subprocess.run(
+        [sys.executable, DRIVER, kind, ray_cluster.address, str(env_path), str(tmp_path), evict],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=REPO,
+        # The installed `ray-graceful` command is on PATH, as in the pod's image.
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": REPO,
+            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+        },
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"result"')]
+    assert done.returncode == 0 and lines, (done.stdout[-3000:], done.stderr[-12000:])
+    return json.loads(lines[-1])["result"]
+
+
+def check_actor_group(result: dict) -> None:
+    for status in result["statuses"]:
+        assert "SIGTERM listener: installed" in status, status
+        assert "orders arrive through a long poll" in status, status
+    assert result["normal"] == [3, 3], "the normal run finished unharmed"
+    after = result["after_normal"]
+    assert after["cycle"] == 0 and not after["tearing_down"] and not after["notices"], after
+    assert not after["failures"], after
+    outcome = result["outcome"]
+    assert outcome is not None, "the eviction was handled: an outcome was published"
+    assert outcome["result"] == "committed", (outcome["result"], outcome["reason"])
+    assert result["committed"] == outcome["committed"]["step"]
+    assert len(result["ended"]) == 2, result["ended"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_actor_group_with_the_anyscale_option(ray_cluster, tmp_path, kind):
+    result = run_driver(ray_cluster, tmp_path, kind, anyscale_env(tmp_path), "sigterm")
+    check_actor_group(result)
+    assert result["outcome"]["notices"][0]["source"] == "sigterm"
+
+
+@pytest.mark.timeout(300)
+def test_actor_group_on_kuberay_with_the_prestop_hook(ray_cluster, tmp_path):
+    env, prestop = kuberay_env_and_prestop(tmp_path)
+    result = run_driver(ray_cluster, tmp_path, "sync", env, prestop)
+    assert result["evict"]["status"] == 0, result["evict"]
+    check_actor_group(result)
+    notice = result["outcome"]["notices"][0]
+    assert notice["source"] == "cli" and notice["reason"] == "pod terminating (preStop)"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavour", ["anyscale", "kuberay"])
+def test_ray_train_through_ray_train_callbacks(ray_cluster, tmp_path, flavour):
+    if flavour == "anyscale":
+        env, evict = anyscale_env(tmp_path), "sigterm"
+    else:
+        env, evict = kuberay_env_and_prestop(tmp_path)
+    result = run_driver(ray_cluster, tmp_path, "train", env, evict)
+    assert result["normal"] == {"error": None, "starts": [0]}, "a normal run is unharmed"
+    evicted = result["evicted"]
+    assert evicted["error"] is None, evicted
+    assert len(evicted["starts"]) == 2 and evicted["starts"][1] > 0, (
+        "the evicted run restarted from its emergency checkpoint",
+        result,
+    )
