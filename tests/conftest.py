@@ -20,6 +20,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_collection_modifyitems(items):
+    """Mark each test by what it needs: `-m unit` runs the fast bulk, `-m cluster` the rest."""
+    for item in items:
+        needs_cluster = "ray_cluster" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.cluster if needs_cluster else pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def session_dir():
     with tempfile.TemporaryDirectory(prefix="rg-tests-") as path:

@@ -40,3 +40,81 @@ def test_ray_train_example(ray_cluster):
     starts = list(dict.fromkeys(re.findall(r"attempt starts at step (\d+)", result.stdout)))
     assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) > 0, starts
     assert "finished at step 40; error: None" in result.stdout
+
+
+def test_scenario_example_plans():
+    """examples/scenario.yaml, as its first line says to run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ray_graceful.cli", "plan", os.path.join(EXAMPLES, "scenario.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if "policy/" in line}
+    assert "FAULTY" in rows["policy/0"] and "leave" in rows["policy/0"]  # node-a never saves
+    assert "SAVE" in rows["policy/4"], "node-c's replica of shard 0 saves: node-a is faulty"
+
+
+@pytest.mark.timeout(120)
+def test_slurm_example_trap_notifies_every_node(ray_cluster, tmp_path):
+    """The SLURM batch script's USR2 trap, run by bash with stand-ins for srun and scontrol
+    (no SLURM here): its `ray-graceful notify` reaches the running job's coordinator."""
+    import ray
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.coordinator import Coordinator
+
+    config = GracefulConfig(
+        report_dir=str(tmp_path),
+        coordinator_name="slurm-example",
+        teardown_timeout_s=3,
+        save_budget_s=1,
+    )
+    coordinator = Coordinator.start(config)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        ray.get(
+            coordinator.handle.register.remote(
+                "p0",
+                node,
+                1,
+                "h",
+                [{"group": "g", "rank": 0, "world_size": 1, "shard": "0", "can_save": True}],
+            )
+        )
+        with open(os.path.join(EXAMPLES, "slurm_job.sbatch")) as f:
+            script = f.read()
+        trap = script[script.index("notify_all() {") : script.index("trap notify_all USR2")]
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+        (bin_dir / "srun").write_text(  # drop srun's own options, run the command
+            '#!/bin/bash\nwhile [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\n'
+            'exec "$@"\n'
+        )
+        for name in ("scontrol", "srun"):
+            os.chmod(bin_dir / name, 0o755)
+        env = {
+            **os.environ,
+            "PATH": os.pathsep.join(
+                [str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]
+            ),
+            "SLURM_JOB_NODELIST": "localhost",
+            "RAY_ADDRESS": ray_cluster.address,
+            "RAY_GRACEFUL_COORDINATOR_NAME": "slurm-example",
+        }
+        done = subprocess.run(
+            ["bash", "-c", f"set -euo pipefail\n{trap}\nnotify_all"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=90,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "ray-graceful notify: accepted" in done.stdout, done.stdout + done.stderr[-2000:]
+        (notice,) = coordinator.status()["notices"]
+        assert notice["reason"] == "SLURM: time limit or preemption"
+        assert 100 < notice["deadline"] - notice["received_at"] <= 110
+    finally:
+        coordinator.shutdown()

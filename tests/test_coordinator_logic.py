@@ -1,0 +1,232 @@
+"""The coordinator's logic, without a cluster: the actor class driven directly on an event loop.
+
+Ray's drain state and actor table come in through the injected sources (as Ray Train's
+``PreemptionWatcher`` takes a ``DrainSource``); checkpoints are real files in a temp dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful.checkpoint import save_state_dict, write_shard
+from ray_graceful.coordinator import CoordinatorActor
+
+RANK = {"group": "g", "rank": 0, "world_size": 1, "shard": "0", "can_save": True}
+
+
+class Drains:
+    """A drain source the test scripts; it can also fail or answer nonsense."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.error: BaseException | None = None
+        self.calls = 0
+
+    def __call__(self) -> dict:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return dict(self.state)
+
+
+class Dead:
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def __call__(self, watched: set[str]) -> set[str]:
+        return watched & self.ids
+
+
+@pytest.fixture
+def config(tmp_path):
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        notice_gather_s=0.0,
+        drain_poll_interval_s=0.05,
+        teardown_timeout_s=3.0,
+        save_budget_s=1.0,
+        expected_save_s=0.1,
+        plan_margin_s=0.0,
+        health_probe="none",
+    )
+
+
+def make(config, job_id="job-a"):
+    drains, dead = Drains(), Dead()
+    return CoordinatorActor(config, job_id, drain_source=drains, lost_source=dead), drains, dead
+
+
+async def register(coord, pid="p0", node="n0", job_id="job-a", actor_id="", ranks=(RANK,)):
+    return await coord.register(pid, node, 1, "h", list(ranks), None, actor_id, job_id)
+
+
+def saved_report(root: str, cycle: int, step: int) -> dict:
+    record = write_shard(root, step, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g")
+    return {
+        "cycle": cycle,
+        "started_at": time.time(),
+        "finished_s": 0.1,
+        "saved": [record.to_dict()],
+    }
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_a_notice_plans_orders_and_commits(config):
+    async def scenario():
+        coord, *_ = make(config)
+        assert (await register(coord))["accepted"]
+        poll = asyncio.create_task(coord.poll("p0", 0, {}, 10))
+        await asyncio.sleep(0)
+        assert (await coord.notify({"node_id": "n0", "reason": "test"}))["accepted"]
+        order = await poll
+        assert order["action"] == "teardown" and order["job_id"] == "job-a"
+        assert [s["shard"] for s in order["saves"]] == ["g/0"]
+        await coord.report_teardown("p0", 0, saved_report(config.checkpoint_dir, 0, 7))
+        return await coord.wait_outcome(None, 10), coord
+
+    outcome, coord = run(scenario())
+    assert outcome["result"] == "committed" and outcome["committed"]["step"] == 7
+    assert latest_committed(config.checkpoint_dir).step == 7
+    assert coord.cycle == 1
+
+
+def test_another_jobs_ranks_and_orders_are_refused(config):
+    async def scenario():
+        coord, *_ = make(config)
+        return await register(coord, job_id="job-b")
+
+    answer = run(scenario())
+    assert not answer["accepted"]
+    assert "belongs to job job-a, not to job job-b" in answer["reason"]
+
+
+def test_a_cycle_that_fails_to_conclude_still_concludes_and_the_next_accepts(config):
+    """A malformed report (or ENOSPC on the manifest...) used to leave the cycle open forever
+    and every later registration refused: now the outcome says "failed" and why."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        poll = asyncio.create_task(coord.poll("p0", 0, {}, 10))
+        await asyncio.sleep(0)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await poll
+        bad = {"cycle": 0, "started_at": time.time(), "saved": [{"shard": 5}]}
+        await coord.report_teardown("p0", 0, bad)
+        outcome = await coord.wait_outcome(0, 10)
+        again = await register(coord, pid="p1")
+        return outcome, again
+
+    outcome, again = run(scenario())
+    assert outcome["result"] == "failed" and "failed while concluding" in outcome["reason"]
+    assert again["accepted"] and again["cycle"] == 1
+
+
+def test_the_drain_watcher_survives_bad_answers_and_errors(config):
+    async def scenario():
+        coord, drains, _ = make(config)
+        await register(coord)
+        drains.state = {"n0": "soon"}  # nonsense from the source
+        await asyncio.sleep(0.2)
+        drains.state, drains.error = {}, KeyError("moved")  # an unexpected error type
+        await asyncio.sleep(0.2)
+        drains.error = None
+        calls = drains.calls
+        drains.state = {"n0": int((time.time() + 2) * 1000)}
+        await asyncio.sleep(0.3)
+        return coord, drains, calls
+
+    coord, drains, calls = run(scenario())
+    assert drains.calls > calls, "the watcher kept polling after an error"
+    assert any("not milliseconds" in r["reason"] for r in coord.rejected), coord.rejected
+    assert any("KeyError" in f for f in coord.failures) or any(
+        "KeyError" in r["reason"] for r in coord.rejected
+    ), "the error is on record"
+    assert "drain" in [n.source for n in coord.notices], "the good drain became a notice"
+
+
+def test_a_rank_lost_mid_teardown_ends_the_wait(config):
+    async def scenario():
+        coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
+        await register(coord, pid="p0", actor_id="a0")
+        await register(coord, pid="p1", actor_id="a1", ranks=({**RANK, "rank": 1},))
+        polls = [asyncio.create_task(coord.poll(p, 0, {}, 10)) for p in ("p0", "p1")]
+        await asyncio.sleep(0)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await asyncio.gather(*polls)
+        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        started = time.monotonic()
+        dead.ids = {"a1"}  # p1 is killed mid-teardown: no report will come
+        outcome = await coord.wait_outcome(0, 15)
+        return outcome, time.monotonic() - started
+
+    outcome, waited = run(scenario())
+    assert waited < 5, f"waited {waited:.1f}s for a rank that died (deadline 20 s)"
+    assert outcome["missing"] == ["h:1 (died without a notice)"]
+
+
+def test_wait_outcome_without_a_cycle_returns_the_one_just_concluded(config):
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        first = await coord.wait_outcome(None, 10)
+        late = await coord.wait_outcome(None, 0.1)  # asked after it concluded
+        return first, late
+
+    first, late = run(scenario())
+    assert first is not None and late is not None and late["cycle"] == first["cycle"] == 0
+
+
+def test_a_spare_is_handed_one_slot_only(config):
+    async def scenario():
+        coord, *_ = make(config)
+        await coord.register_spare("s1", "spare", "n0", 5)
+        first = await coord.assign_spare("g", 0)
+        second = await coord.assign_spare("g", 1)
+        order = await coord.poll_spare("s1", 1)
+        return first, second, order, coord
+
+    first, second, order, coord = run(scenario())
+    assert first["assigned"] == "s1"
+    assert second["assigned"] is None, "the second order would go where nobody polls"
+    assert order["action"] == "assigned" and order["rank"] == 0
+    assert "s1" not in coord.spares
+
+
+def test_malformed_notices_and_receipt_times_are_rejected_not_raised(config):
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        return (
+            await coord.notify(["not", "a", "mapping"]),
+            await coord.notify({"node_id": "n0", "reason": "x", "deadline": 30}),
+            await coord.report_sigterm("p0", 0, float("nan")),
+        )
+
+    not_a_mapping, past, nan = run(scenario())
+    assert not not_a_mapping["accepted"] and "mapping" in not_a_mapping["reason"]
+    assert not past["accepted"] and "--deadline-in" in past["reason"]
+    assert not nan["accepted"] and "received_at nan" in nan["reason"]
+
+
+def test_outcome_is_published_where_the_config_says(config):
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        return await coord.wait_outcome(0, 10)
+
+    run(scenario())
+    assert os.path.exists(os.path.join(config.report_dir, "job-a", "outcome-cycle-0.json"))
