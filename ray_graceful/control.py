@@ -67,6 +67,9 @@ class ControlChannel:
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
         self.job_id = ctx.get_job_id() or ""
+        from .coordinator import coordinator_name
+
+        self.coordinator_name = coordinator_name(config, self.job_id)
         self.node_id = ctx.get_node_id()
         self.actor_id = ctx.get_actor_id() or ""
         self.cycle: int | None = None
@@ -124,7 +127,7 @@ class ControlChannel:
         except Exception as exc:
             self.alive, self.state = False, f"registration failed: {exc!r}"
             return (
-                f"coordinator {self.config.coordinator_name!r} unreachable ({exc!r}): on "
+                f"coordinator {self.coordinator_name!r} unreachable ({exc!r}): on "
                 "SIGTERM this rank tears itself down on its own"
             )
         if not answer.get("accepted"):
@@ -137,7 +140,7 @@ class ControlChannel:
         self.state = "polling"
         self.start()
         return (
-            f"coordinator {self.config.coordinator_name!r}, cycle {self.cycle}: orders arrive "
+            f"coordinator {self.coordinator_name!r}, cycle {self.cycle}: orders arrive "
             "through a long poll"
         )
 

@@ -199,7 +199,11 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         )
         clock.say("FAULT     node A: XID 79, GPU has fallen off the bus (scripted probe)")
 
-        plan = _wait_for(lambda: coordinator.status()["plan_table"], 30)
+        def current_or_concluded_plan() -> str | None:
+            status = coordinator.status()  # the cycle may be over already: it is that fast
+            return status["plan_table"] or (status["last_outcome"] or {}).get("plan_table")
+
+        plan = _wait_for(current_or_concluded_plan, 30)
         clock.say("PLAN")
         print("    " + plan.replace("\n", "\n    "))
         outcome = coordinator.wait_outcome(timeout=60, cycle=0)

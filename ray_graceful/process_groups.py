@@ -3,8 +3,13 @@
 ``resolve_group`` finds rank, world size and group from arguments, then ``torch.distributed``,
 then the ``RANK``/``WORLD_SIZE`` variables that SkyRL, OpenRLHF and verl all set, and checks that
 they agree. ``release`` frees this rank's peers from any collective they are blocked in, with no
-collective of its own: NCCL communicators are aborted (the API picked by feature detection, not
-by version number: ``choose_nccl_abort``), gloo connections are shut down (``gloo.py``).
+collective of its own: gloo connections are shut down (``gloo.py``); every other backend -
+``nccl``, torch's new ``nccl2``, any backend that can abort - has its communicators aborted,
+the API picked by capability, never by version number or ``isinstance`` (``choose_abort``).
+
+``shrink_group`` (torch >= 2.10, NCCL) is detected but not used: it builds a smaller group among
+the survivors, which is itself a collective - and a collective on the exit path, with peers
+that may be gone, is the hang this plugin exists to prevent.
 """
 
 from __future__ import annotations
@@ -177,17 +182,17 @@ def _backends(group: Any) -> dict[str, Any]:
     return found
 
 
-def choose_nccl_abort(
+def choose_abort(
     process_group: Any, backend: Any, c10d: Any
 ) -> tuple[str, Callable[[], None]] | None:
-    """Pick how to abort one group's NCCL communicators, by what this torch offers.
+    """Pick how to abort one group's communicators (NCCL and its kin), by what torch offers.
 
     Order: the backend's own ``abort()`` (per group, torch >= ~2.7; what NVIDIA's resiliency
     library calls), then ``c10d._abort_process_group(group)``, then ``ProcessGroup.abort()``.
     None when none exists: then the release is this process ending.
     """
     if backend is not None and callable(getattr(backend, "abort", None)):
-        return ("ProcessGroupNCCL.abort()", backend.abort)
+        return (f"{type(backend).__name__}.abort()", backend.abort)
     abort_pg = getattr(c10d, "_abort_process_group", None)
     if callable(abort_pg):
         return ("distributed_c10d._abort_process_group(group)", lambda: abort_pg(process_group))
@@ -203,15 +208,16 @@ def release(handle: GroupHandle) -> list[str]:
     done: list[str] = []
     backends = _backends(handle.process_group)
     for device_type, backend in backends.items():
-        if _name_of(backend) != "nccl":
-            continue
-        choice = choose_nccl_abort(handle.process_group, backend, c10d)
+        name = _name_of(backend)
+        if name == "gloo":
+            continue  # no abort: its connections are shut down below
+        choice = choose_abort(handle.process_group, backend, c10d)
         if choice is None:
-            done.append(f"{handle.name}: no NCCL abort in this torch; released at exit")
+            done.append(f"{handle.name}: no abort for {name} in this torch; released at exit")
             continue
         how, abort = choice
         abort()
-        done.append(f"{handle.name}: {how} ({device_type})")
+        done.append(f"{handle.name}: {how} ({name}, {device_type})")
     if "gloo" in handle.backends:
         if handle.gloo_addresses:
             count = shutdown_connections(handle.gloo_addresses)

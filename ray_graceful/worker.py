@@ -497,8 +497,8 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
         handle = find_coordinator(config)
         if handle is None:
             return (
-                f"no coordinator named {config.coordinator_name!r}: on SIGTERM this rank "
-                "tears itself down on its own"
+                "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
+                "its own"
             )
         runtime.control = ControlChannel(runtime, handle, config)
     return runtime.control.register()

@@ -103,7 +103,8 @@ def test_drain_with_deadline_saves_once_per_shard_commits_and_resumes(
     nodes, config, coordinator, exit_recorder
 ):
     ranks, pids, statuses = start_group(config, exit_recorder)
-    assert "coordinator 'ray_graceful_coordinator', cycle 0" in statuses[0], statuses[0]
+    job = ray.get_runtime_context().get_job_id()
+    assert f"coordinator 'ray_graceful_coordinator-{job}', cycle 0" in statuses[0], statuses[0]
     block_in_collective(ranks)
 
     drained_at = time.monotonic()
@@ -300,6 +301,9 @@ def test_thousands_of_pending_polls_answered_at_once(ray_cluster, config, coordi
                 i,
                 "h",
                 [{"group": "g", "rank": i, "world_size": n, "shard": str(i % 8), "can_save": True}],
+                None,
+                "",
+                ray.get_runtime_context().get_job_id(),  # registered as a rank of this job
             )
             for i in range(n)
         ],

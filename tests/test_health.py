@@ -252,3 +252,15 @@ def test_report_round_trip_and_bad_verdict():
     assert HealthReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     with pytest.raises(ValueError, match="health verdict 'SICK' is not one of"):
         HealthReport.from_dict({"verdict": "SICK"})
+
+
+def test_a_healthy_verdict_lists_what_it_rests_on():
+    fake = FakeNvml()
+    report = probe(fake).check()
+    assert report.verdict == HEALTHY
+    names = [c.split(":")[0] for c in report.checks]
+    assert names[0] == "xid_events" and "registered" in report.checks[0]
+    for check in ("recovery_action", "ecc", "row_remap", "retired_pages", "nvlink"):
+        assert f"gpu0.{check}" in names, report.checks
+    assert report.seconds > 0
+    assert HealthReport.from_dict(report.to_dict()).checks == report.checks

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ray_graceful.gloo import parse_sockaddrs
-from ray_graceful.process_groups import choose_nccl_abort
+from ray_graceful.process_groups import choose_abort
 from tests.helpers import free_port
 
 
@@ -45,26 +45,26 @@ class _C10d:
 
 def test_nccl_abort_prefers_the_backends_own_abort():
     calls = []
-    how, abort = choose_nccl_abort(_Group(calls), _Backend(calls), _C10d(calls))
+    how, abort = choose_abort(_Group(calls), _Backend(calls), _C10d(calls))
     abort()
-    assert how == "ProcessGroupNCCL.abort()" and calls == ["backend.abort"]
+    assert how == "_Backend.abort()" and calls == ["backend.abort"]
 
 
 def test_nccl_abort_falls_back_to_c10d_then_group_then_none():
     calls = []
     group = _Group(calls)
-    how, abort = choose_nccl_abort(group, _OldBackend(), _C10d(calls))
+    how, abort = choose_abort(group, _OldBackend(), _C10d(calls))
     abort()
     assert how.startswith("distributed_c10d._abort_process_group") and calls == [
         ("abort_pg", group)
     ]
 
     calls.clear()
-    how, abort = choose_nccl_abort(group, _OldBackend(), _C10d(calls, has_abort_pg=False))
+    how, abort = choose_abort(group, _OldBackend(), _C10d(calls, has_abort_pg=False))
     abort()
     assert how == "ProcessGroup.abort()" and calls == ["group.abort"]
 
-    assert choose_nccl_abort(object(), _OldBackend(), _C10d(calls, has_abort_pg=False)) is None
+    assert choose_abort(object(), _OldBackend(), _C10d(calls, has_abort_pg=False)) is None
 
 
 def test_parse_sockaddrs_finds_ipv4_and_ipv6():
@@ -127,3 +127,34 @@ def test_gloo_release_frees_own_thread_and_peer():
     assert "closed by peer" in outcome0 and waited0 < 2.0, events["rank0"]
     _, outcome1, waited1 = events["rank1"]
     assert outcome1 != "returned" and waited1 < 2.0, events["rank1"]
+
+
+def test_abort_choice_against_torchs_real_classes():
+    """Feature detection against the installed torch: what a rank would call there."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    calls = []
+    choice = choose_abort(dist.group.WORLD, _OldBackend(), c10d)
+    if hasattr(c10d, "_abort_process_group"):
+        assert choice is not None and choice[0].startswith("distributed_c10d._abort_process_group")
+    elif hasattr(dist.ProcessGroup, "abort"):
+        assert choice is not None and choice[0] == "ProcessGroup.abort()"
+    assert choose_abort(None, _Backend(calls), c10d)[0] == "_Backend.abort()"
+
+
+@pytest.mark.parametrize("name", ["nccl", "nccl2", "xccl"])
+def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, name):
+    """torch's new nccl2 (pytorch #192281) and other backends are found by capability."""
+    from ray_graceful import process_groups
+
+    calls = []
+
+    class Backend(_Backend):
+        def name(self):
+            return name
+
+    monkeypatch.setattr(process_groups, "_backends", lambda group: {"cuda": Backend(calls)})
+    handle = process_groups.GroupHandle("g", 0, 2, object(), (name,))
+    done = process_groups.release(handle)
+    assert calls == ["backend.abort"] and name in done[0], done

@@ -46,3 +46,73 @@ def test_wrappers_are_not_taken_for_the_loop():
     loop()
     assert runtime.step_site is not None
     assert runtime.step_site[1] is loop.__code__
+
+
+class _Training:
+    """The teardown's view of a training thread, fixed in one state."""
+
+    def __init__(self, state: str, step: int | None = 5) -> None:
+        self._state, self._step = state, step
+
+    def state(self) -> str:
+        return self._state
+
+    def step(self) -> int | None:
+        return self._step
+
+
+@pytest.mark.parametrize(
+    "state,order",
+    [
+        # At its step boundary: the device finishes its work before any communicator is
+        # aborted (no abort cuts NVLink traffic in flight: ai2cm/ace #1438).
+        ("parked", ["drain_device", "release_peers"]),
+        ("idle", ["drain_device", "release_peers"]),
+        # Inside a collective (or never reaching its boundary): a sync would never return.
+        ("in_collective", ["release_peers", "drain_device"]),
+        ("in_step", ["release_peers", "drain_device"]),
+    ],
+)
+def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, order):
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.teardown import Teardown
+
+    config = GracefulConfig(report_dir=str(tmp_path), quiesce_timeout_s=0.2)
+    teardown = Teardown(
+        config, [], "test", time.time() + 10, training=_Training(state), exit_process=False
+    )
+    teardown.run()
+    names = [s.name for s in teardown.report.steps]
+    assert names[:2] == ["stop", "quiesce"]
+    assert names[2:4] == order, names
+    assert teardown.training_released.is_set(), "a parked thread is let go after the save"
+
+
+def test_a_sigterm_fallback_deadline_counts_from_the_signal():
+    """No order after reporting the SIGTERM: the rank goes alone, its deadline still counted
+    from the signal (it was counted from the moment it gave up: 7 s after the signal for 4 s)."""
+    import threading
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker import _ProcessRuntime
+
+    class SilentControl:
+        alive = True
+        order_received = threading.Event()  # never set: the coordinator does not answer
+
+        def report_sigterm(self, received_at: float) -> bool:
+            return True
+
+    config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=0.3)
+    runtime = _ProcessRuntime(config=config)
+    started: dict = {}
+    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
+        trigger=trigger, deadline=deadline
+    )
+    signalled = time.time() - 1.0  # the listener saw the signal a second ago
+    runtime._await_order(15, SilentControl(), signalled)
+    assert started["deadline"] == signalled + 4.0
+    assert "no order from the coordinator" in started["trigger"]

@@ -42,11 +42,22 @@ class HealthReport:
     reasons: tuple[Reason, ...] = ()
     probe: str = ""
     checked_at: float = field(default_factory=time.time)
+    # What was checked, "name: result" (e.g. "ecc: ok", "nvlink: not supported"), so a HEALTHY
+    # verdict says what it rests on; and how long the probe took.
+    checks: tuple[str, ...] = ()
+    seconds: float = 0.0
 
     @classmethod
-    def of(cls, probe: str, reasons: list[Reason], default: str = HEALTHY) -> HealthReport:
+    def of(
+        cls,
+        probe: str,
+        reasons: list[Reason],
+        default: str = HEALTHY,
+        checks: tuple[str, ...] = (),
+        seconds: float = 0.0,
+    ) -> HealthReport:
         verdict = worst(*(r.verdict for r in reasons)) if reasons else default
-        return cls(verdict, tuple(reasons), probe)
+        return cls(verdict, tuple(reasons), probe, time.time(), checks, seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "reasons": [asdict(r) for r in self.reasons]}
@@ -57,7 +68,14 @@ class HealthReport:
         if verdict not in VERDICTS:
             raise ValueError(f"health verdict {verdict!r} is not one of {', '.join(VERDICTS)}")
         reasons = tuple(Reason(**r) for r in data.get("reasons", ()))
-        return cls(verdict, reasons, str(data.get("probe", "")), float(data.get("checked_at", 0)))
+        return cls(
+            verdict,
+            reasons,
+            str(data.get("probe", "")),
+            float(data.get("checked_at", 0)),
+            tuple(str(c) for c in data.get("checks", ())),
+            float(data.get("seconds", 0.0)),
+        )
 
     def summary(self) -> str:
         if not self.reasons:

@@ -206,15 +206,18 @@ class NvmlProbe:
         return self.nologin.check() if self.nologin is not None else []
 
     def _check(self) -> HealthReport:
+        started = time.perf_counter()
         with self._lock:
             if self._unavailable is not None:
                 return HealthReport.of(self.name, [self._unavailable, *self._nologin()])
             reasons = self._nologin()
+            checks = ["xid_events: " + ("registered" if self._event_set is not None else "none")]
             self._drain_events()
             reasons += self._sticky_reasons()
             for gpu, handle in zip(self.gpus, self._handles, strict=True):
-                reasons += self._check_gpu(gpu, handle)
-            return HealthReport.of(self.name, reasons)
+                reasons += self._check_gpu(gpu, handle, checks)
+            took = time.perf_counter() - started
+            return HealthReport.of(self.name, reasons, checks=tuple(checks), seconds=took)
 
     def _drain_events(self) -> None:
         n = self.nvml
@@ -257,7 +260,7 @@ class NvmlProbe:
                 return gpu
         return None
 
-    def _check_gpu(self, gpu: int, handle: Any) -> list[Reason]:
+    def _check_gpu(self, gpu: int, handle: Any, checks: list[str]) -> list[Reason]:
         n = self.nvml
         reasons: list[Reason] = []
         for check in (
@@ -267,24 +270,31 @@ class NvmlProbe:
             self._retired_pages,
             self._nvlink,
         ):
+            name = f"gpu{gpu}.{check.__name__[1:]}"
             try:
-                reasons += check(gpu, handle)
+                found = check(gpu, handle)
             except n.NVMLError_GpuIsLost:
+                checks.append(f"{name}: gpu lost")
                 return [Reason(FAULTY, "gpu_lost", "NVML_ERROR_GPU_IS_LOST", gpu)]
             except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound):
+                checks.append(f"{name}: not supported")
                 continue
             except n.NVMLError as exc:
+                checks.append(f"{name}: error")
                 reasons.append(Reason(UNKNOWN, "nvml_error", f"{check.__name__[1:]}: {exc}", gpu))
+                continue
+            checks.append(f"{name}: " + (",".join(r.code for r in found) or "ok"))
+            reasons += found
         return reasons
 
     def _recovery_action(self, gpu: int, handle: Any) -> list[Reason]:
         n = self.nvml
         field_id = getattr(n, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
-        if field_id is None:
-            return []
+        if field_id is None:  # nvidia-ml-py older than the field
+            raise n.NVMLError(n.NVML_ERROR_NOT_SUPPORTED)
         value = n.nvmlDeviceGetFieldValues(handle, [field_id])[0]
-        if value.nvmlReturn != n.NVML_SUCCESS:
-            return []  # driver older than 570: the field does not exist
+        if value.nvmlReturn != n.NVML_SUCCESS:  # driver older than 570: no such field
+            raise n.NVMLError(n.NVML_ERROR_NOT_SUPPORTED)
         action = int(value.value.uiVal)
         if action == n.NVML_GPU_RECOVERY_ACTION_NONE:
             return []
@@ -323,6 +333,8 @@ class NvmlProbe:
 
     def _nvlink(self, gpu: int, handle: Any) -> list[Reason]:
         n = self.nvml
+        if not self._nvlinks_up.get(gpu):  # no NVLink on this GPU (or none was up at start)
+            raise n.NVMLError(n.NVML_ERROR_NOT_SUPPORTED)
         down = [
             link
             for link in self._nvlinks_up.get(gpu, [])

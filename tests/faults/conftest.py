@@ -1,7 +1,8 @@
 """The fault-injection suite's bookkeeping: every scenario records what it saw.
 
-Set ``RG_FAULT_REPS`` to repeat each scenario more (CI runs 2), and ``RG_FAULTS_SUMMARY`` to a
-path to get the results as JSON plus the Markdown table that docs/reliability.md shows.
+Set ``RG_FAULT_REPS`` to repeat each scenario more (`make test` runs 1), and
+``RG_FAULTS_SUMMARY`` to a path to get the results as JSON plus the Markdown table that
+docs/reliability.md shows.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-REPS = int(os.environ.get("RG_FAULT_REPS", "2"))
+REPS = int(os.environ.get("RG_FAULT_REPS", "1"))
 _results: dict[str, list[dict]] = defaultdict(list)
 
 

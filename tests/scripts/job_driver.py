@@ -126,15 +126,15 @@ def train_run() -> None:
             time.sleep(0.25)
         else:
             return
-        time.sleep(1.0)
+        time.sleep(0.5)
         if evict == "sigterm":
             pid = next(r["pid"] for r in coordinator.status()["ranks"] if r["rank"] == 1)
             evict_now(pid)
         else:
             evict_now(None)
 
-    result["normal"] = run(4, 0.05, "normal", evicting=False)
-    result["evicted"] = run(30, 0.2, "evicted", evicting=True)
+    result["normal"] = run(3, 0.05, "normal", evicting=False)
+    result["evicted"] = run(20, 0.15, "evicted", evicting=True)
 
 
 if kind == "train":
