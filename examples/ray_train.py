@@ -99,7 +99,7 @@ def main() -> None:
         answer = coordinator.notify(
             rank=("train", 1), reason="example: rank 1 is being evicted", deadline=time.time() + 20
         )
-        print(f"notice: {answer}")
+        print(f"notice accepted: {answer.accepted} ({answer.reason or 'ok'})")
 
     threading.Thread(target=evict_later, daemon=True).start()
     result = trainer.fit()

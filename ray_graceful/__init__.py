@@ -16,6 +16,8 @@ Driver side::
 See README.md and docs/ for Ray Train, Anyscale, Kubernetes, SLURM and the CLI.
 """
 
+import logging
+
 from .checkpoint import (
     CheckpointError,
     CommittedCheckpoint,
@@ -30,10 +32,7 @@ from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthRepor
 from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
 from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
-from .process_groups import SetupError
-from .spares import SpareResult, wait_as_spare
-from .teardown import StepRecord, TeardownReport, read_reports
-from .worker import (
+from .worker.mixin import (
     GracefulSetupWarning,
     GracefulWorkerMixin,
     SetupStatus,
@@ -43,8 +42,30 @@ from .worker import (
     should_stop,
     teardown_now,
 )
+from .worker.process_groups import SetupError
+from .worker.report import StepRecord, TeardownReport, read_reports
+from .worker.spares import SpareResult, wait_as_spare
 
 __version__ = "0.1.0"
+
+
+def _default_logging() -> None:
+    """Give the package's loggers a stderr handler, as Ray does for its own "ray" logger.
+
+    Ray's worker processes configure no root handler, so without this the coordinator's plan
+    and the workers' warnings would be dropped. A program that configures "ray_graceful" (or
+    the root logger) itself keeps its own.
+    """
+    logger = logging.getLogger("ray_graceful")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+_default_logging()
 
 __all__ = [
     "DEGRADED",

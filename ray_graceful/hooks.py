@@ -20,8 +20,8 @@ import logging
 
 from . import ray_adapter
 from .config import ConfigError, GracefulConfig
-from .signals import current_listener, install_listener, set_claim_check
-from .worker import _process_runtime
+from .worker.mixin import _process_runtime
+from .worker.signals import current_listener, install_listener, set_claim_check
 
 logger = logging.getLogger(__name__)
 

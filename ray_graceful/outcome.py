@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .teardown import write_stderr
+logger = logging.getLogger(__name__)
 
 LOG_PREFIX = "ray_graceful outcome "
 
@@ -53,7 +55,9 @@ class TerminationOutcome:
 
     def publish(self, report_dir: str) -> str | None:
         """Write the JSON file and the log line; return the file's path."""
-        write_stderr(f"{LOG_PREFIX}{self.to_json()}\n")
+        # The outcome line goes to stderr as is: it is the record a log search finds.
+        sys.stderr.write(f"{LOG_PREFIX}{self.to_json()}\n")
+        sys.stderr.flush()
         try:
             directory = os.path.join(report_dir, self.job_id or "no-job")
             os.makedirs(directory, exist_ok=True)
@@ -62,7 +66,7 @@ class TerminationOutcome:
                 json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             return path
         except OSError as exc:
-            write_stderr(f"ray_graceful: could not write the outcome under {report_dir}: {exc}\n")
+            logger.error("ray_graceful: could not write the outcome under %s: %s", report_dir, exc)
             return None
 
 

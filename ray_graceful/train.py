@@ -43,8 +43,9 @@ from typing import Any
 
 from . import ray_adapter
 from .config import GracefulConfig
-from .process_groups import SetupError
-from .worker import _process_runtime, _register, _should_stop, install_signal_handling
+from .protocol import shard_key
+from .worker.mixin import _process_runtime, _register, _should_stop, install_signal_handling
+from .worker.process_groups import SetupError
 
 MARKER = "ray_graceful.json"
 GROUP = "train"
@@ -148,18 +149,15 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
         install_signal_handling(self.config)
 
 
-def _my_saves() -> list[dict[str, Any]]:
+def _my_shards() -> list[str]:
+    """The shard keys this rank saves: the plan's choice, or all its own without an order."""
     runtime = _process_runtime()
     order = runtime.order
     if order is not None:
-        return [
-            s for s in order.get("saves", []) if (s["group"], s["rank"]) in runtime.registrations
-        ]
+        return [s.shard_key for s in order.saves if s.key in runtime.registrations]
     # No coordinator order (SIGTERM with no coordinator reachable): every rank saves its own.
     return [
-        {"group": g, "rank": r, "shard": f"{g}/{reg.shard}"}
-        for (g, r), reg in runtime.registrations.items()
-        if reg.cooperative
+        shard_key(g, reg.shard) for (g, _r), reg in runtime.registrations.items() if reg.cooperative
     ]
 
 
@@ -181,23 +179,23 @@ def emergency_checkpoint(
     if runtime.order is None and runtime.control is not None and runtime.control.alive:
         # A peer saw the order first (should_stop agreed on it): ours is on its way.
         runtime.control.order_received.wait(runtime.config_or_default().order_wait_s)
-    saves = _my_saves()
+    shards = _my_shards()
     checkpoint = None
-    if saves:
+    if shards:
         root = tempfile.mkdtemp(prefix="ray_graceful-")
-        for entry in saves:
-            directory = os.path.join(root, _shard_dir_name(entry["shard"]))
+        for shard in shards:
+            directory = os.path.join(root, _shard_dir_name(shard))
             os.makedirs(directory)
             save(directory)
         with open(os.path.join(root, MARKER), "w") as f:
-            json.dump({"step": step, "shards": [e["shard"] for e in saves], "emergency": True}, f)
+            json.dump({"step": step, "shards": shards, "emergency": True}, f)
         checkpoint = ray.train.Checkpoint.from_directory(root)
     ray.train.report(
         {**(metrics or {}), "step": step, "ray_graceful_emergency": 1}, checkpoint=checkpoint
     )
     raise EmergencyStop(
         f"ray_graceful: stopped at step {step} for an eviction"
-        + ("; this rank's shard was reported to Ray Train" if saves else "")
+        + ("; this rank's shard was reported to Ray Train" if shards else "")
     )
 
 

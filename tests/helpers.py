@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_graceful.process_groups import free_port as free_port  # re-exported for the tests
+from ray_graceful.worker.process_groups import free_port as free_port  # re-exported for the tests
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:

@@ -14,15 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_graceful import GracefulConfig
-from ray_graceful.cli import main
 from ray_graceful.coordinator import Coordinator
+from ray_graceful.protocol import RankSpec, Register
+from ray_graceful.tools.cli import main
 
 COMMANDS = ["notify", "status", "plan", "demo", "anyscale", "bench", "config"]
 
 
 def cli(*args, env=None, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "ray_graceful.cli", *args],
+        [sys.executable, "-m", "ray_graceful.tools.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -34,7 +35,7 @@ def cli(*args, env=None, timeout=120):
     "command",
     [[]]
     + [[c] for c in COMMANDS]
-    + [["bench", b] for b in ("release", "plan", "overhead", "save", "recovery")],
+    + [["bench", b] for b in ("release", "plan", "overhead", "save", "recovery", "fanout")],
 )
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
@@ -193,11 +194,7 @@ def test_notify_reaches_the_coordinator_and_changes_the_plan(ray_cluster, tmp_pa
         node = ray.get_runtime_context().get_node_id()
         ray.get(
             coordinator.handle.register.remote(
-                "p0",
-                node,
-                1,
-                "h",
-                [{"group": "g", "rank": 0, "world_size": 1, "shard": "0", "can_save": True}],
+                Register("p0", node, 1, "h", "", (RankSpec("g", 0, 1, "0", True),))
             )
         )
         rejected = cli(
@@ -396,7 +393,7 @@ ARGS = st.lists(
 @given(ARGS)
 def test_any_argument_list_parses_or_is_refused_cleanly(args):
     """argparse either accepts the words or exits 2 with a message; nothing else escapes."""
-    from ray_graceful.cli import build_parser
+    from ray_graceful.tools.cli import build_parser
 
     try:
         build_parser().parse_args(args)

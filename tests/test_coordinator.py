@@ -16,6 +16,7 @@ import ray
 from ray_graceful import GracefulConfig, latest_committed
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.health.scripted import write_faults
+from ray_graceful.protocol import PollState, RankSpec, Register, SigtermSeen
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
 from tests.helpers import free_port, kill_actors, report_for, wait_for
@@ -203,13 +204,13 @@ def test_bad_and_stale_notices_change_nothing(nodes, config, coordinator, exit_r
         ),
     ]:
         answer = ray.get(coordinator.handle.notify.remote(bad), timeout=10)
-        assert answer["accepted"] is False and why in answer["reason"], (bad, answer)
+        assert answer.accepted is False and why in answer.reason, (bad, answer)
     status = coordinator.status()
     assert not status["tearing_down"] and status["cycle"] == 0
     assert len(status["rejected"]) == 6
     assert ray.get([r.train.remote(2) for r in ranks], timeout=60) == [2] * 4, "still training"
-    stale = ray.get(coordinator.handle.report_sigterm.remote("nobody", 0, time.time()))
-    assert stale["accepted"] is False
+    stale = ray.get(coordinator.handle.report_sigterm.remote(SigtermSeen("nobody", 0, time.time())))
+    assert stale.accepted is False
     kill_actors(*ranks)
 
 
@@ -293,30 +294,24 @@ def test_spare_takes_a_slot_and_standby_exits_on_permanent_close(
 def test_thousands_of_pending_polls_answered_at_once(ray_cluster, config, coordinator):
     """The fan-out: 2,000 long polls held open, all answered when the notice comes."""
     handle, n = coordinator.handle, 2000
+    job = ray.get_runtime_context().get_job_id()  # registered as ranks of this job
     ray.get(
         [
             handle.register.remote(
-                f"p{i}",
-                "node-x",
-                i,
-                "h",
-                [{"group": "g", "rank": i, "world_size": n, "shard": str(i % 8), "can_save": True}],
-                None,
-                "",
-                ray.get_runtime_context().get_job_id(),  # registered as a rank of this job
+                Register(f"p{i}", "node-x", i, "h", job, (RankSpec("g", i, n, str(i % 8), True),))
             )
             for i in range(n)
         ],
         timeout=120,
     )
-    polls = [handle.poll.remote(f"p{i}", 0, {}, 50.0) for i in range(n)]
+    polls = [handle.poll.remote(f"p{i}", 0, PollState(), 50.0) for i in range(n)]
     time.sleep(2.0)
-    assert not ray.wait(polls, timeout=0)[0], "the polls are held open"
+    assert not ray.wait(polls, num_returns=n, timeout=0)[0], "the polls are held open"
     start = time.monotonic()
-    assert coordinator.notify(node_id="node-x", reason="test", source="cli")["accepted"]
-    orders = ray.get(polls, timeout=60)
+    assert coordinator.notify(node_id="node-x", reason="test", source="cli").accepted
+    answers = ray.get(polls, timeout=60)
     answered = time.monotonic() - start
-    assert all(o is not None and o["action"] == "teardown" for o in orders)
-    assert len({o["cycle"] for o in orders}) == 1
-    assert sum(len(o["saves"]) for o in orders) == 8, "one saver per shard"
+    assert all(a.kind == "order" for a in answers)
+    assert len({a.order.cycle for a in answers}) == 1
+    assert sum(len(a.order.saves) for a in answers) == 8, "one saver per shard"
     print(f"2000 polls answered {answered:.2f}s after the notice")

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful import GracefulConfig, TeardownReport, latest_committed
 from ray_graceful.checkpoint import save_state_dict, write_shard
 from ray_graceful.coordinator import CoordinatorActor
+from ray_graceful.protocol import Ack, PollState, RankSpec, Register, SigtermSeen
 
-RANK = {"group": "g", "rank": 0, "world_size": 1, "shard": "0", "can_save": True}
+RANK = RankSpec("g", 0, 1, "0", True)
 
 
 class Drains:
@@ -63,17 +64,21 @@ def make(config, job_id="job-a"):
 
 
 async def register(coord, pid="p0", node="n0", job_id="job-a", actor_id="", ranks=(RANK,)):
-    return await coord.register(pid, node, 1, "h", list(ranks), None, actor_id, job_id)
+    return await coord.register(Register(pid, node, 1, "h", job_id, tuple(ranks), actor_id))
 
 
-def saved_report(root: str, cycle: int, step: int) -> dict:
+def report(cycle: int, saved: list | None = None) -> TeardownReport:
+    return TeardownReport(
+        1, "h", "n0", "job-a", [], "test", cycle, time.time(), time.time() + 5, saved=saved or []
+    )
+
+
+def saved_report(root: str, cycle: int, step: int) -> TeardownReport:
     record = write_shard(root, step, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g")
-    return {
-        "cycle": cycle,
-        "started_at": time.time(),
-        "finished_s": 0.1,
-        "saved": [record.to_dict()],
-    }
+    return report(cycle, [record.to_dict()])
+
+
+IDLE = PollState()
 
 
 def run(coro):
@@ -83,20 +88,20 @@ def run(coro):
 def test_a_notice_plans_orders_and_commits(config):
     async def scenario():
         coord, *_ = make(config)
-        assert (await register(coord))["accepted"]
-        poll = asyncio.create_task(coord.poll("p0", 0, {}, 10))
+        assert (await register(coord)).accepted
+        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
         await asyncio.sleep(0)
-        assert (await coord.notify({"node_id": "n0", "reason": "test"}))["accepted"]
-        order = await poll
-        assert order["action"] == "teardown" and order["job_id"] == "job-a"
-        assert [s["shard"] for s in order["saves"]] == ["g/0"]
-        await coord.report_teardown("p0", 0, saved_report(config.checkpoint_dir, 0, 7))
+        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
+        answer = await poll
+        assert answer.kind == "order" and answer.order.job_id == "job-a"
+        assert [s.shard_key for s in answer.order.saves] == ["g/0"]
+        await coord.report_teardown("p0", saved_report(config.checkpoint_dir, 0, 7))
         return await coord.wait_outcome(None, 10), coord
 
     outcome, coord = run(scenario())
-    assert outcome["result"] == "committed" and outcome["committed"]["step"] == 7
+    assert outcome.result == "committed" and outcome.committed["step"] == 7
     assert latest_committed(config.checkpoint_dir).step == 7
-    assert coord.cycle == 1
+    assert coord.cycle.number == 1
 
 
 def test_another_jobs_ranks_and_orders_are_refused(config):
@@ -105,8 +110,8 @@ def test_another_jobs_ranks_and_orders_are_refused(config):
         return await register(coord, job_id="job-b")
 
     answer = run(scenario())
-    assert not answer["accepted"]
-    assert "belongs to job job-a, not to job job-b" in answer["reason"]
+    assert not answer.accepted
+    assert "belongs to job job-a, not to job job-b" in answer.reason
 
 
 def test_a_cycle_that_fails_to_conclude_still_concludes_and_the_next_accepts(config):
@@ -116,19 +121,18 @@ def test_a_cycle_that_fails_to_conclude_still_concludes_and_the_next_accepts(con
     async def scenario():
         coord, *_ = make(config)
         await register(coord)
-        poll = asyncio.create_task(coord.poll("p0", 0, {}, 10))
+        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n0", "reason": "test"})
         await poll
-        bad = {"cycle": 0, "started_at": time.time(), "saved": [{"shard": 5}]}
-        await coord.report_teardown("p0", 0, bad)
+        await coord.report_teardown("p0", report(0, [{"shard": 5}]))
         outcome = await coord.wait_outcome(0, 10)
         again = await register(coord, pid="p1")
         return outcome, again
 
     outcome, again = run(scenario())
-    assert outcome["result"] == "failed" and "failed while concluding" in outcome["reason"]
-    assert again["accepted"] and again["cycle"] == 1
+    assert outcome.result == "failed" and "failed while concluding" in outcome.reason
+    assert again.accepted and again.cycle == 1
 
 
 def test_the_drain_watcher_survives_bad_answers_and_errors(config):
@@ -147,23 +151,22 @@ def test_the_drain_watcher_survives_bad_answers_and_errors(config):
 
     coord, drains, calls = run(scenario())
     assert drains.calls > calls, "the watcher kept polling after an error"
-    assert any("not milliseconds" in r["reason"] for r in coord.rejected), coord.rejected
-    assert any("KeyError" in f for f in coord.failures) or any(
-        "KeyError" in r["reason"] for r in coord.rejected
-    ), "the error is on record"
-    assert "drain" in [n.source for n in coord.notices], "the good drain became a notice"
+    rejected = coord.cycle.rejected
+    assert any("not milliseconds" in r["reason"] for r in rejected), rejected
+    assert any("KeyError" in r["reason"] for r in rejected), "the error is on record"
+    assert "drain" in [n.source for n in coord.cycle.notices], "the good drain became a notice"
 
 
 def test_a_rank_lost_mid_teardown_ends_the_wait(config):
     async def scenario():
         coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
         await register(coord, pid="p0", actor_id="a0")
-        await register(coord, pid="p1", actor_id="a1", ranks=({**RANK, "rank": 1},))
-        polls = [asyncio.create_task(coord.poll(p, 0, {}, 10)) for p in ("p0", "p1")]
+        await register(coord, pid="p1", actor_id="a1", ranks=(RankSpec("g", 1, 2, "0", True),))
+        polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n0", "reason": "test"})
         await asyncio.gather(*polls)
-        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        await coord.report_teardown("p0", report(0))
         started = time.monotonic()
         dead.ids = {"a1"}  # p1 is killed mid-teardown: no report will come
         outcome = await coord.wait_outcome(0, 15)
@@ -171,7 +174,7 @@ def test_a_rank_lost_mid_teardown_ends_the_wait(config):
 
     outcome, waited = run(scenario())
     assert waited < 5, f"waited {waited:.1f}s for a rank that died (deadline 20 s)"
-    assert outcome["missing"] == ["h:1 (died without a notice)"]
+    assert outcome.missing == ["h:1 (died without a notice)"]
 
 
 def test_wait_outcome_without_a_cycle_returns_the_one_just_concluded(config):
@@ -179,13 +182,13 @@ def test_wait_outcome_without_a_cycle_returns_the_one_just_concluded(config):
         coord, *_ = make(config)
         await register(coord)
         await coord.notify({"node_id": "n0", "reason": "test"})
-        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        await coord.report_teardown("p0", report(0))
         first = await coord.wait_outcome(None, 10)
         late = await coord.wait_outcome(None, 0.1)  # asked after it concluded
         return first, late
 
     first, late = run(scenario())
-    assert first is not None and late is not None and late["cycle"] == first["cycle"] == 0
+    assert first is not None and late is not None and late.cycle == first.cycle == 0
 
 
 def test_a_spare_is_handed_one_slot_only(config):
@@ -200,8 +203,8 @@ def test_a_spare_is_handed_one_slot_only(config):
     first, second, order, coord = run(scenario())
     assert first["assigned"] == "s1"
     assert second["assigned"] is None, "the second order would go where nobody polls"
-    assert order["action"] == "assigned" and order["rank"] == 0
-    assert "s1" not in coord.spares
+    assert order.action == "assigned" and order.rank == 0
+    assert "s1" not in coord.registry.spares
 
 
 def test_malformed_notices_and_receipt_times_are_rejected_not_raised(config):
@@ -211,13 +214,13 @@ def test_malformed_notices_and_receipt_times_are_rejected_not_raised(config):
         return (
             await coord.notify(["not", "a", "mapping"]),
             await coord.notify({"node_id": "n0", "reason": "x", "deadline": 30}),
-            await coord.report_sigterm("p0", 0, float("nan")),
+            await coord.report_sigterm(SigtermSeen("p0", 0, float("nan"))),
         )
 
     not_a_mapping, past, nan = run(scenario())
-    assert not not_a_mapping["accepted"] and "mapping" in not_a_mapping["reason"]
-    assert not past["accepted"] and "--deadline-in" in past["reason"]
-    assert not nan["accepted"] and "received_at nan" in nan["reason"]
+    assert not not_a_mapping.accepted and "mapping" in not_a_mapping.reason
+    assert not past.accepted and "--deadline-in" in past.reason
+    assert not nan.accepted and "received_at nan" in nan.reason
 
 
 def test_outcome_is_published_where_the_config_says(config):
@@ -225,8 +228,39 @@ def test_outcome_is_published_where_the_config_says(config):
         coord, *_ = make(config)
         await register(coord)
         await coord.notify({"node_id": "n0", "reason": "test"})
-        await coord.report_teardown("p0", 0, {"cycle": 0, "started_at": time.time()})
+        await coord.report_teardown("p0", report(0))
         return await coord.wait_outcome(0, 10)
 
     run(scenario())
     assert os.path.exists(os.path.join(config.report_dir, "job-a", "outcome-cycle-0.json"))
+
+
+def test_an_order_is_delivered_until_it_is_acknowledged(config):
+    """A poll whose answer is lost on the way (a client-side timeout) loses nothing: the next
+    poll gets the same order, until the process acknowledges it."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await asyncio.sleep(0.05)  # planned; nobody was polling
+        first = await coord.poll("p0", 0, IDLE, 1)
+        again = await coord.poll("p0", 0, IDLE, 1)  # the first answer never arrived
+        assert (await coord.ack(Ack("p0", 0, again.order.order_id))).accepted
+        after = await coord.poll("p0", 0, IDLE, 0.1)
+        return first, again, after
+
+    first, again, after = run(scenario())
+    assert first.kind == again.kind == "order"
+    assert first.order.order_id == again.order.order_id, "the same order, handled once"
+    assert after.kind == "idle", "acknowledged: not sent again"
+
+
+def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
+    async def scenario():
+        coord, *_ = make(config)
+        message = Register("p0", "n0", 1, "h", "job-a", (RANK,), version=99)
+        return await coord.register(message)
+
+    answer = run(scenario())
+    assert not answer.accepted and "protocol version 99" in answer.reason

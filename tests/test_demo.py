@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ray_graceful.demo import run_demo
+from ray_graceful.tools.demo import run_demo
 
 
 @pytest.mark.timeout(300)

@@ -35,7 +35,7 @@ def test_actor_group_example(ray_cluster):
 def test_ray_train_example(ray_cluster):
     result = run_example("ray_train.py", ray_cluster.address)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "notice: {'accepted': True" in result.stdout
+    assert "notice accepted: True" in result.stdout
     # Worker lines reach the driver prefixed, and Ray may repeat them: keep each start once.
     starts = list(dict.fromkeys(re.findall(r"attempt starts at step (\d+)", result.stdout)))
     assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) > 0, starts
@@ -45,7 +45,13 @@ def test_ray_train_example(ray_cluster):
 def test_scenario_example_plans():
     """examples/scenario.yaml, as its first line says to run it."""
     result = subprocess.run(
-        [sys.executable, "-m", "ray_graceful.cli", "plan", os.path.join(EXAMPLES, "scenario.yaml")],
+        [
+            sys.executable,
+            "-m",
+            "ray_graceful.tools.cli",
+            "plan",
+            os.path.join(EXAMPLES, "scenario.yaml"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -64,6 +70,7 @@ def test_slurm_example_trap_notifies_every_node(ray_cluster, tmp_path):
 
     from ray_graceful import GracefulConfig
     from ray_graceful.coordinator import Coordinator
+    from ray_graceful.protocol import RankSpec, Register
 
     config = GracefulConfig(
         report_dir=str(tmp_path),
@@ -76,11 +83,7 @@ def test_slurm_example_trap_notifies_every_node(ray_cluster, tmp_path):
         node = ray.get_runtime_context().get_node_id()
         ray.get(
             coordinator.handle.register.remote(
-                "p0",
-                node,
-                1,
-                "h",
-                [{"group": "g", "rank": 0, "world_size": 1, "shard": "0", "can_save": True}],
+                Register("p0", node, 1, "h", "", (RankSpec("g", 0, 1, "0", True),))
             )
         )
         with open(os.path.join(EXAMPLES, "slurm_job.sbatch")) as f:

@@ -43,7 +43,7 @@ def anyscale_env(tmp_path) -> dict[str, str]:
         [
             sys.executable,
             "-m",
-            "ray_graceful.cli",
+            "ray_graceful.tools.cli",
             "anyscale",
             str(plain),
             "-o",

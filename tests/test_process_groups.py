@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from ray_graceful.gloo import parse_sockaddrs
-from ray_graceful.process_groups import choose_abort
+from ray_graceful.worker.gloo import parse_sockaddrs
+from ray_graceful.worker.process_groups import choose_abort
 from tests.helpers import free_port
 
 
@@ -81,7 +81,7 @@ def _rank(rank, port, queue):
     import torch
     import torch.distributed as dist
 
-    from ray_graceful.process_groups import release, resolve_group
+    from ray_graceful.worker.process_groups import release, resolve_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
@@ -146,7 +146,7 @@ def test_abort_choice_against_torchs_real_classes():
 @pytest.mark.parametrize("name", ["nccl", "nccl2", "xccl"])
 def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, name):
     """torch's new nccl2 (pytorch #192281) and other backends are found by capability."""
-    from ray_graceful import process_groups
+    from ray_graceful.worker import process_groups
 
     calls = []
 

@@ -21,7 +21,7 @@ from ray_graceful.worker import _process_runtime
 def train(steps, seen):
     for step in range(steps):
         ray_graceful.should_stop(step + 1)
-        seen.append(_process_runtime().state())
+        seen.append(_process_runtime().loop.state())
     return step + 1
 """
 
@@ -33,8 +33,8 @@ def test_training_loop_is_busy_inside_and_quiescent_after(module_name):
     seen: list[bool] = []
     assert module.train(3, seen) == 3
     assert seen == ["in_step"] * 3, "inside its loop the thread is inside its step"
-    assert _process_runtime().state() == "idle", "once the loop returned, a save may start"
-    assert _process_runtime().step() == 3
+    assert _process_runtime().loop.state() == "idle", "once the loop returned, a save may start"
+    assert _process_runtime().loop.step() == 3
 
 
 def test_wrappers_are_not_taken_for_the_loop():
@@ -44,8 +44,8 @@ def test_wrappers_are_not_taken_for_the_loop():
         ray_graceful.GracefulWorkerMixin().should_stop(7)  # the mixin's method wraps it
 
     loop()
-    assert runtime.step_site is not None
-    assert runtime.step_site[1] is loop.__code__
+    assert runtime.loop.step_site is not None
+    assert runtime.loop.step_site[1] is loop.__code__
 
 
 class _Training:
@@ -77,7 +77,7 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.teardown import Teardown
+    from ray_graceful.worker.teardown import Teardown
 
     config = GracefulConfig(report_dir=str(tmp_path), quiesce_timeout_s=0.2)
     teardown = Teardown(
@@ -97,7 +97,7 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker import _ProcessRuntime
+    from ray_graceful.worker.mixin import _ProcessRuntime
 
     class SilentControl:
         alive = True

@@ -12,5 +12,5 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/gpu.txt"
 python3 -m pytest -q -s -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.log"
-python3 -m ray_graceful.cli bench release --backend nccl --sizes 2,4,8 --reps 5 --timeout 30 \
+python3 -m ray_graceful.tools.cli bench release --backend nccl --sizes 2,4,8 --reps 5 --timeout 30 \
   --json "$out/release-nccl.json" 2>&1 | tee "$out/release-nccl.log"

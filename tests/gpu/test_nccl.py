@@ -31,7 +31,7 @@ def _device(rank: int) -> int:
 def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from ray_graceful.process_groups import release, resolve_group
+    from ray_graceful.worker.process_groups import release, resolve_group
 
     if SHARED:
         os.environ["NCCL_HOSTID"] = f"host-{os.getpid()}"

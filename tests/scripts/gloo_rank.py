@@ -31,7 +31,7 @@ if mode == "fork-race":
     os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 import ray_graceful  # noqa: E402
-from ray_graceful.signals import current_listener  # noqa: E402
+from ray_graceful.worker.signals import current_listener  # noqa: E402
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))

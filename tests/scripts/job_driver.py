@@ -32,7 +32,7 @@ with open(env_path) as f:
 ray.init(address=address, runtime_env={"env_vars": job_env}, logging_level="WARNING")
 
 from ray_graceful import Coordinator, latest_committed  # noqa: E402
-from ray_graceful.process_groups import free_port  # noqa: E402
+from ray_graceful.worker.process_groups import free_port  # noqa: E402
 from tests import actors  # noqa: E402
 
 result: dict = {"kind": kind}

@@ -1,4 +1,4 @@
-"""A worker process's link to the coordinator: register, hold a long poll, report.
+"""The transport between a worker process and its coordinator: register, long poll, report.
 
 Pull, not push: a daemon thread of the worker holds a ``poll`` call to the coordinator open.
 The coordinator answers every pending poll at once when it orders a teardown, so the order
@@ -7,7 +7,9 @@ declared the actor changes (no concurrency group, no async method). Each poll al
 rank's last step and a fresh health verdict (NVML), which is how FAULTY hardware becomes a
 notice.
 
-If the coordinator is gone (killed, its node lost) the channel says so and stops; a SIGTERM then
+This module knows nothing of what an order means: it acknowledges the ``Order`` (so it is not
+sent again - delivery is at least once) and hands it to ``on_order``; the worker runtime turns
+it into a teardown. If the coordinator is gone the channel says so and stops; a SIGTERM then
 tears the rank down on its own, exactly as without a coordinator.
 """
 
@@ -17,14 +19,13 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from .config import GracefulConfig
-from .health import HealthProbe, NullProbe, make_probe
-from .teardown import SaveOrder, TeardownReport
-
-if TYPE_CHECKING:
-    from .worker import _ProcessRuntime
+from ..config import GracefulConfig
+from ..health import HealthProbe, NullProbe, make_probe
+from ..protocol import Ack, Order, PollState, RankSpec, Register, Reply, SigtermSeen
+from .report import TeardownReport
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def find_coordinator(config: GracefulConfig) -> Any | None:
     try:
         import ray
 
-        from .coordinator import coordinator_name
+        from ..coordinator import coordinator_name
 
         if not ray.is_initialized():
             return None
@@ -48,7 +49,7 @@ def find_coordinator(config: GracefulConfig) -> Any | None:
         return None
 
 
-def _gpu_indices() -> list[int]:
+def gpu_indices() -> list[int]:
     try:
         import ray
 
@@ -58,20 +59,35 @@ def _gpu_indices() -> list[int]:
 
 
 class ControlChannel:
-    def __init__(self, runtime: _ProcessRuntime, handle: Any, config: GracefulConfig) -> None:
+    """One worker process's link to the coordinator.
+
+    ``ranks()`` gives the ranks to register, ``last_step()`` what to say with each poll,
+    ``on_order(order)`` takes an order (once or more: it must be idempotent), and ``done()``
+    says when to stop polling (a teardown is under way).
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        config: GracefulConfig,
+        ranks: Callable[[], tuple[RankSpec, ...]],
+        last_step: Callable[[], int | None],
+        on_order: Callable[[Order], None],
+        done: Callable[[], bool],
+    ) -> None:
         import ray
 
-        self.runtime = runtime
+        from ..coordinator import coordinator_name
+
         self.handle = handle
         self.config = config
+        self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
         self.job_id = ctx.get_job_id() or ""
-        from .coordinator import coordinator_name
-
-        self.coordinator_name = coordinator_name(config, self.job_id)
         self.node_id = ctx.get_node_id()
         self.actor_id = ctx.get_actor_id() or ""
+        self.coordinator_name = coordinator_name(config, self.job_id)
         self.cycle: int | None = None
         self.alive = True
         self.state = "connecting"
@@ -83,7 +99,7 @@ class ControlChannel:
     def probe(self) -> HealthProbe:
         if self._probe is None:
             try:
-                self._probe = make_probe(self.config, _gpu_indices(), self.node_id)
+                self._probe = make_probe(self.config, gpu_indices(), self.node_id)
             except Exception as exc:  # an explicit health_probe='nvml' without NVML, say
                 logger.warning("ray_graceful: health probe unavailable: %s", exc)
                 self._probe = NullProbe(f"probe failed to start: {exc}", "probe_failed")
@@ -95,48 +111,34 @@ class ControlChannel:
         """(Re-)register every rank of this process; returns a line for the setup status."""
         import ray
 
-        ranks = [
-            {
-                "group": reg.group.name,
-                "rank": reg.group.rank,
-                "world_size": reg.group.world_size,
-                "shard": reg.shard,
-                "can_save": reg.saver is not None or reg.cooperative,
-                "cooperative": reg.cooperative,
-                "gpus": _gpu_indices(),
-            }
-            for reg in self.runtime.registrations.values()
-            if not reg.release_only
-        ]
+        # No health here: NVML may be slow to start (or wedged); the first poll, on the
+        # control thread, carries the first verdict.
+        message = Register(
+            process_id=self.process_id,
+            node_id=self.node_id,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            job_id=self.job_id,
+            ranks=self.ranks(),
+            actor_id=self.actor_id,
+        )
         try:
-            answer = ray.get(
-                # No health here: NVML may be slow to start (or wedged); the first poll, on the
-                # control thread, carries the first verdict.
-                self.handle.register.remote(
-                    self.process_id,
-                    self.node_id,
-                    os.getpid(),
-                    socket.gethostname(),
-                    ranks,
-                    None,
-                    self.actor_id,
-                    self.job_id,
-                ),
-                timeout=REGISTER_TIMEOUT_S,
+            answer: Reply = ray.get(
+                self.handle.register.remote(message), timeout=REGISTER_TIMEOUT_S
             )
         except Exception as exc:
             self.alive, self.state = False, f"registration failed: {exc!r}"
             return (
-                f"coordinator {self.coordinator_name!r} unreachable ({exc!r}): on "
-                "SIGTERM this rank tears itself down on its own"
+                f"coordinator {self.coordinator_name!r} unreachable ({exc!r}): on SIGTERM this "
+                "rank tears itself down on its own"
             )
-        if not answer.get("accepted"):
-            self.alive, self.state = False, f"registration refused: {answer.get('reason')}"
+        if not answer.accepted:
+            self.alive, self.state = False, f"registration refused: {answer.reason}"
             return (
-                f"coordinator refused the registration ({answer.get('reason')}): on SIGTERM "
-                "this rank tears itself down on its own"
+                f"coordinator refused the registration ({answer.reason}): on SIGTERM this rank "
+                "tears itself down on its own"
             )
-        self.cycle = int(answer["cycle"])
+        self.cycle = answer.cycle
         self.state = "polling"
         self.start()
         return (
@@ -155,33 +157,46 @@ class ControlChannel:
         import ray
 
         wait_s = self.config.health_interval_s
-        while self.alive and self.runtime.teardown is None:
-            state = {"last_step": self.runtime.last_step, "health": self.probe.check().to_dict()}
+        while self.alive and not self.done():
+            state = PollState(self.last_step(), self.probe.check())
             try:
-                order = ray.get(
+                answer = ray.get(
                     self.handle.poll.remote(self.process_id, self.cycle, state, wait_s),
                     timeout=wait_s + 30,
                 )
             except ray.exceptions.GetTimeoutError:
-                continue
+                continue  # not lost: an order it carried is answered again to the next poll
             except Exception as exc:  # the coordinator died or became unreachable
                 self._lost(f"{type(exc).__name__}: {exc}")
                 return
-            if order is None:
+            if answer.kind == "idle":
                 continue
-            if order.get("action") == "teardown":
-                if order.get("job_id", self.job_id) != self.job_id:
-                    logger.error(
-                        "ray_graceful: ignored an order for job %s (this is job %s)",
-                        order.get("job_id"),
-                        self.job_id,
-                    )
-                    continue
-                self.order_received.set()
-                self._obey(order)
+            if answer.kind != "order" or answer.order is None:
+                self._lost(f"the coordinator answered {answer.kind}: {answer.reason}")
                 return
-            self._lost(f"the coordinator answered {order}")
+            order = answer.order
+            if order.job_id != self.job_id:
+                logger.error(
+                    "ray_graceful: ignored an order for job %s (this is job %s)",
+                    order.job_id,
+                    self.job_id,
+                )
+                continue
+            self._ack(order)
+            self.order_received.set()
+            self.on_order(order)
             return
+
+    def _ack(self, order: Order) -> None:
+        import ray
+
+        try:
+            ray.get(
+                self.handle.ack.remote(Ack(self.process_id, order.cycle, order.order_id)),
+                timeout=REPORT_TIMEOUT_S,
+            )
+        except Exception as exc:  # unacknowledged: it may come again, handled once
+            logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
 
     def _lost(self, why: str) -> None:
         self.alive, self.state = False, f"lost: {why}"
@@ -190,52 +205,23 @@ class ControlChannel:
             why,
         )
 
-    def _obey(self, order: dict[str, Any]) -> None:
-        runtime = self.runtime
-        runtime.order = order
-        if any(reg.cooperative for reg in runtime.registrations.values()):
-            runtime.cooperative_stop(order)
-            return
-        save_orders, skipped = [], []
-        for save in order.get("saves", []):
-            reg = runtime.registrations.get((save["group"], save["rank"]))
-            if reg is None or reg.saver is None:
-                skipped.append(f"{save['shard']}: this process has no saver for it")
-            else:
-                save_orders.append(
-                    SaveOrder(
-                        save["root"],
-                        save["shard"],
-                        order["save_budget_s"],
-                        reg.saver,
-                        reg.group.name,
-                        reg.group.rank,
-                    )
-                )
-        skip_reason = "; ".join([order.get("skip_reason", ""), *skipped]).strip("; ")
-        runtime.begin_teardown(
-            trigger=f"coordinator order ({order.get('trigger', '')})",
-            deadline=float(order["deadline"]),
-            cycle=int(order["cycle"]),
-            save_orders=save_orders,
-            skip_save_reason=skip_reason or "the plan has another replica save",
-        )
-
     def report_sigterm(self, received_at: float) -> bool:
         """Tell the coordinator this process got SIGTERM; False if it could not be told."""
         import ray
 
-        if not self.alive:
+        if not self.alive or self.cycle is None:
             return False
         try:
-            answer = ray.get(
-                self.handle.report_sigterm.remote(self.process_id, self.cycle, received_at),
+            answer: Reply = ray.get(
+                self.handle.report_sigterm.remote(
+                    SigtermSeen(self.process_id, self.cycle, received_at)
+                ),
                 timeout=SIGTERM_REPORT_TIMEOUT_S,
             )
         except Exception as exc:
             self._lost(f"reporting SIGTERM: {exc!r}")
             return False
-        return bool(answer.get("accepted"))
+        return answer.accepted
 
     def report(self, report: TeardownReport) -> None:
         """Send the TeardownReport before the process exits (bounded)."""
@@ -245,7 +231,7 @@ class ControlChannel:
             return
         try:
             ray.get(
-                self.handle.report_teardown.remote(self.process_id, report.cycle, report.to_dict()),
+                self.handle.report_teardown.remote(self.process_id, report),
                 timeout=REPORT_TIMEOUT_S,
             )
         except Exception as exc:

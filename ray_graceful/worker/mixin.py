@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import CodeType
 from typing import Any
 
-from .checkpoint import save_state_dict, shard_key
-from .config import GracefulConfig
-from .control import ControlChannel, find_coordinator
+from ..checkpoint import save_state_dict, shard_key
+from ..config import GracefulConfig
+from ..protocol import Order, RankSpec
+from .control import ControlChannel, find_coordinator, gpu_indices
+from .exit_path import hard_exit
 from .process_groups import GroupHandle, SetupError, resolve_group
+from .report import write_report_file
 from .signals import current_listener, install_listener, set_claim_check
-from .teardown import SaveOrder, Teardown, hard_exit, thread_in_collective, write_report_file
+from .teardown import SaveOrder, Teardown
+from .training_loop import TrainingLoop
 
 Saver = Callable[[str, int], "tuple[int, int] | None"]
 
@@ -84,17 +86,14 @@ class _ProcessRuntime:
     env_config: GracefulConfig | None = None  # read from RAY_GRACEFUL_* while none was given
     registrations: dict[tuple[str, int], Registration] = field(default_factory=dict)
     stop_event: threading.Event = field(default_factory=threading.Event)
-    last_step: int | None = None
+    loop: TrainingLoop = field(default_factory=TrainingLoop)
     teardown: Teardown | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     pid: int = field(default_factory=os.getpid)
     control: ControlChannel | None = None
     sigterm_seen: bool = False
-    order: dict[str, Any] | None = None  # the coordinator's order, once one arrived
+    order: Order | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
-    # Where the training loop last called should_stop(step): (thread id, its code object).
-    step_site: tuple[int, CodeType] | None = None
-    parked_step: int | None = None  # the step the training thread is parked at, if it is
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -164,7 +163,41 @@ class _ProcessRuntime:
                 deadline=received_at + config.teardown_timeout_s,
             )
 
-    def cooperative_stop(self, order: dict[str, Any]) -> None:
+    def obey(self, order: Order) -> None:
+        """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
+        with self.lock:
+            if self.order is not None:
+                return
+            self.order = order
+        if any(reg.cooperative for reg in self.registrations.values()):
+            self._cooperative_stop(order)
+            return
+        save_orders, skipped = [], []
+        for save in order.saves:
+            reg = self.registrations.get(save.key)
+            if reg is None or reg.saver is None:
+                skipped.append(f"{save.shard_key}: this process has no saver for it")
+                continue
+            save_orders.append(
+                SaveOrder(
+                    save.root,
+                    save.shard_key,
+                    order.save_budget_s,
+                    reg.saver,
+                    reg.group.name,
+                    reg.group.rank,
+                )
+            )
+        skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
+        self.begin_teardown(
+            trigger=f"coordinator order ({order.trigger})",
+            deadline=order.deadline,
+            cycle=order.cycle,
+            save_orders=save_orders,
+            skip_save_reason=skip_reason or "the plan has another replica save",
+        )
+
+    def _cooperative_stop(self, order: Order) -> None:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
 
         ``should_stop()`` turns true and the training function saves at its step boundary
@@ -172,18 +205,15 @@ class _ProcessRuntime:
         normal teardown shortly before the deadline, so the rank still leaves in time.
         """
         config = self.config_or_default()
-        self.order = order
         self.stop_event.set()
-        deadline = float(order["deadline"])
-        guard_at = deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
+        guard_at = order.deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
         timer = threading.Timer(
             max(guard_at - time.time(), 0.0),
             self.begin_teardown,
             kwargs={
-                "trigger": f"coordinator order ({order.get('trigger', '')}); guard before the "
-                "deadline",
-                "deadline": deadline,
-                "cycle": int(order["cycle"]),
+                "trigger": f"coordinator order ({order.trigger}); guard before the deadline",
+                "deadline": order.deadline,
+                "cycle": order.cycle,
                 "save_orders": [],
                 "skip_save_reason": "saving is the training function's (Ray Train)",
             },
@@ -191,46 +221,22 @@ class _ProcessRuntime:
         timer.daemon = True
         timer.start()
 
-    # --- the training thread, as the teardown sees it (teardown.TrainingThread) ------------
-
-    def state(self) -> str:
-        """Where the training thread is: parked / idle / in_collective / in_step.
-
-        "parked": inside should_stop(step), held there by the teardown. "idle": not inside the
-        function that calls should_stop (it left its loop, or never entered one). Otherwise it
-        is inside its step, and "in_collective" when a ``torch.distributed`` call is on its
-        stack.
-        """
-        if self.parked_step is not None:
-            return "parked"
-        site = self.step_site
-        if site is None:  # no loop known: any thread inside a collective counts
-            return "in_collective" if thread_in_collective() else "idle"
-        thread_id, code = site
-        frame = sys._current_frames().get(thread_id)
-        in_collective = False
-        while frame is not None:
-            if frame.f_code is code:
-                return "in_collective" if in_collective else "in_step"
-            in_collective = in_collective or _DISTRIBUTED in frame.f_code.co_filename
-            frame = frame.f_back
-        return "idle"
-
-    def step(self) -> int | None:
-        return self.parked_step if self.parked_step is not None else self.last_step
-
-    def park(self, step: int) -> None:
-        """Hold the training thread at its step boundary while this rank's teardown saves.
-
-        The rule users can rely on: once a teardown began, ``should_stop(step)`` does not return
-        until the emergency save (if this rank makes one) is done, so the saved state is exactly
-        the state after ``step``; then it returns True. Bounded by the deadline.
-        """
-        teardown = self.teardown
-        if teardown is None or teardown.training_released.is_set():
-            return
-        self.parked_step = step
-        teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
+    def rank_specs(self) -> tuple[RankSpec, ...]:
+        """The ranks this process registers with the coordinator (not the release-only ones)."""
+        gpus = tuple(gpu_indices())
+        return tuple(
+            RankSpec(
+                reg.group.name,
+                reg.group.rank,
+                reg.group.world_size,
+                reg.shard,
+                reg.saver is not None or reg.cooperative,
+                reg.cooperative,
+                gpus,
+            )
+            for reg in self.registrations.values()
+            if not reg.release_only
+        )
 
     # --- teardown --------------------------------------------------------------------------
 
@@ -270,10 +276,10 @@ class _ProcessRuntime:
                 skip_save_reason=skip_save_reason or "",
                 on_stop=self.stop_event.set,
                 on_report=self.control.report if self.control is not None else None,
-                training=self,
+                training=self.loop,
                 exit_process=exit_process,
             )
-            self.teardown.report.last_step = self.last_step
+            self.teardown.report.last_step = self.loop.last_step
             self.teardown.start()
             return self.teardown
 
@@ -500,7 +506,14 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
                 "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
                 "its own"
             )
-        runtime.control = ControlChannel(runtime, handle, config)
+        runtime.control = ControlChannel(
+            handle,
+            config,
+            ranks=runtime.rank_specs,
+            last_step=lambda: runtime.loop.last_step,
+            on_order=runtime.obey,
+            done=lambda: runtime.teardown is not None,
+        )
     return runtime.control.register()
 
 
@@ -518,33 +531,12 @@ def should_stop(step: int | None = None) -> bool:
 def _should_stop(step: int | None) -> bool:
     runtime = _runtime if _runtime.pid == os.getpid() else _process_runtime()
     if step is not None:
-        runtime.last_step = step
-        runtime.step_site = (threading.get_ident(), _caller_code())
+        runtime.loop.mark(step)
     if not runtime.stop_event.is_set():
         return False
     if step is not None:
-        runtime.park(step)
+        runtime.loop.park(step, runtime.teardown)
     return True
-
-
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
-
-
-# Modules whose frames sit between a training loop and ``_should_stop``: the public
-# ``should_stop`` wrappers, and Ray's method wrappers. Named exactly, not by the package prefix:
-# a loop may itself live in a ``ray_graceful.*`` module (the demo, the benchmarks).
-_WRAPPER_MODULES = ("ray_graceful.worker", "ray_graceful.train")
-
-
-def _caller_code() -> CodeType:
-    """The code of the user's function that called should_stop (Ray may wrap the method)."""
-    frame = sys._getframe(2)
-    while frame.f_back is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module not in _WRAPPER_MODULES and not module.startswith("ray."):
-            break
-        frame = frame.f_back
-    return frame.f_code
 
 
 def add_process_group(process_group: Any, name: str) -> None:

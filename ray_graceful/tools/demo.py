@@ -23,10 +23,10 @@ import threading
 import time
 from typing import Any
 
-from .checkpoint import latest_committed, load_state_dict
-from .config import GracefulConfig
-from .process_groups import free_port
-from .worker import GracefulWorkerMixin
+from ..checkpoint import latest_committed, load_state_dict
+from ..config import GracefulConfig
+from ..worker.mixin import GracefulWorkerMixin
+from ..worker.process_groups import free_port
 
 PLACEMENT = ["A", "A", "B", "B", "C", "C"]
 SHARDS = ["0", "2", "0", "1", "1", "2"]
@@ -136,10 +136,10 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
     import ray
     from ray.cluster_utils import Cluster
 
-    from .coordinator import Coordinator
-    from .health.scripted import write_faults
-    from .outcome import TerminationOutcome
-    from .ray_adapter import drain_node
+    from ..coordinator import Coordinator
+    from ..health.scripted import write_faults
+    from ..outcome import TerminationOutcome
+    from ..ray_adapter import drain_node
 
     clock = _Clock()
     config = GracefulConfig(

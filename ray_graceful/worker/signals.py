@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from . import ray_adapter
+from .. import ray_adapter
 
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 

@@ -34,36 +34,22 @@ finalizing, and no Python thread can run.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import socket
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from types import FrameType
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-from . import ray_adapter
-from .checkpoint import ShardRecord, write_shard
-from .config import GracefulConfig
+from .. import ray_adapter
+from ..checkpoint import ShardRecord, write_shard
+from ..config import GracefulConfig
+from .exit_path import hard_exit, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
-
-LOG_PREFIX = "ray_graceful teardown "
-
-
-@dataclass
-class StepRecord:
-    """One teardown step: what happened and when (seconds from the teardown's start)."""
-
-    name: str
-    status: str  # "ran" | "skipped" | "failed" | "running" | "interrupted"
-    detail: str = ""
-    started_s: float = 0.0
-    duration_s: float = 0.0
+from .report import LOG_PREFIX, StepRecord, TeardownReport, ray_identity, write_report_file
+from .threads import busy_threads, run_bounded, thread_in_collective
 
 
 @dataclass
@@ -92,182 +78,12 @@ class TrainingThread(Protocol):
         """The step the thread parked at, else the last step boundary it reported."""
 
 
-@dataclass
-class TeardownReport:
-    """What one process's teardown did; JSON in ``report_dir`` and one log line."""
-
-    pid: int
-    hostname: str
-    node_id: str
-    job_id: str
-    ranks: list[dict[str, Any]]
-    trigger: str
-    cycle: int
-    started_at: float
-    deadline: float
-    steps: list[StepRecord] = field(default_factory=list)
-    saved: list[dict[str, Any]] = field(default_factory=list)
-    last_step: int | None = None  # the last step boundary the training loop reported
-    exit_path: str | None = None
-    exit_code: int | None = None
-    finished_s: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["steps"] = [asdict(s) for s in list(self.steps)]
-        return data
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TeardownReport:
-        values = dict(data)
-        values["steps"] = [StepRecord(**s) for s in data.get("steps", [])]
-        return cls(**values)
-
-    def step(self, name: str) -> StepRecord:
-        for record in self.steps:
-            if record.name == name:
-                return record
-        raise KeyError(f"no step {name!r} in this report; steps: {[s.name for s in self.steps]}")
-
-    def summary(self) -> str:
-        ranks = ",".join(f"{r['group']}/{r['rank']}" for r in self.ranks) or "-"
-        steps = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.steps)
-        return f"pid={self.pid} ranks={ranks} trigger={self.trigger} {steps} exit={self.exit_path}"
-
-
 class _Skip(Exception):
     """Raised by a step to record itself as skipped, with the reason."""
 
 
-def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:
-    """Run ``fn`` on a daemon thread; return its result, re-raise its error, or TimeoutError."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"ray_graceful-{name}", daemon=True)
-    thread.start()
-    thread.join(max(timeout, 0.0))
-    if thread.is_alive():
-        raise TimeoutError(f"{name} still running after {timeout:.1f}s; left behind")
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
-
-
-def write_stderr(text: str) -> None:
-    """Write to stderr with os.write: safe from any thread, whoever holds logging's lock."""
-    try:
-        os.write(2, text.encode(errors="replace"))
-    except OSError:
-        pass
-
-
-def hard_exit(code: int, why: str) -> None:
-    write_stderr(f"ray_graceful: hard exit ({why}), status {code}\n")
-    os._exit(code)
-
-
-def write_report_file(report: TeardownReport, report_dir: str) -> str | None:
-    """Write the report JSON with os-level calls only (the watchdog uses this too)."""
-    try:
-        directory = os.path.join(report_dir, report.job_id or "no-job")
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"teardown-{report.hostname}-{report.pid}.json")
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, report.to_json().encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        return path
-    except OSError:
-        return None
-
-
-def read_reports(report_dir: str, job_id: str | None = None) -> list[TeardownReport]:
-    """Every TeardownReport under ``report_dir`` (for one job, if given), oldest first."""
-    reports = []
-    roots = (
-        [os.path.join(report_dir, job_id)]
-        if job_id
-        else [os.path.join(report_dir, d) for d in sorted(os.listdir(report_dir))]
-        if os.path.isdir(report_dir)
-        else []
-    )
-    for root in roots:
-        if not os.path.isdir(root):
-            continue
-        for name in sorted(os.listdir(root)):
-            if name.startswith("teardown-") and name.endswith(".json"):
-                with open(os.path.join(root, name)) as f:
-                    reports.append(TeardownReport.from_dict(json.load(f)))
-    return sorted(reports, key=lambda r: r.started_at)
-
-
-def ray_identity() -> dict[str, str]:
-    """Job id and node id when running inside Ray, else empty strings."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            return {"job_id": ctx.get_job_id() or "", "node_id": ctx.get_node_id() or ""}
-    except Exception:
-        pass
-    return {"job_id": "", "node_id": ""}
-
-
-def request_ray_intended_exit(detail: str) -> bool:
-    """Take Ray's intended-exit path now; False where there is none."""
-    exit_via_ray = ray_adapter.intended_exit()
-    if exit_via_ray is None:
-        return False
-    try:
-        exit_via_ray(detail)
-    except Exception as exc:
-        write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
-        return False
-    return True
-
-
 STUCK_IN_COLLECTIVE_S = 0.3
 IN_COLLECTIVE_S = 0.05  # found inside a collective this long at quiesce: abort first
-
-
-def _other_threads() -> list[tuple[str, FrameType]]:
-    """(name, current frame) of every thread that is not one of ray_graceful's own."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    threads = [(names.get(i, str(i)), frame) for i, frame in sys._current_frames().items()]
-    return [(name, frame) for name, frame in threads if not name.startswith("ray_graceful-")]
-
-
-def thread_in_collective() -> bool:
-    """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
-    marker = os.path.join("torch", "distributed", "")
-    return any(marker in frame.f_code.co_filename for _name, frame in _other_threads())
-
-
-def _busy_threads() -> str:
-    """Where each non-ray_graceful thread is, innermost frame first: what held the exit."""
-    where = []
-    for name, frame in _other_threads():
-        stack = traceback.extract_stack(frame)[-3:]
-        where.append(
-            f"{name} at "
-            + " <- ".join(
-                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)
-            )
-        )
-    return "; ".join(where) or "no other thread"
 
 
 class Teardown:
@@ -444,7 +260,7 @@ class Teardown:
             raise RuntimeError(
                 f"the training thread was still inside its step {limit:.1f}s after the peers "
                 "were released (not at should_stop, not out of its loop): a save now could "
-                f"capture a half-applied update, so none was started ({_busy_threads()})"
+                f"capture a half-applied update, so none was started ({busy_threads()})"
             )
         self.quiescent = True
 
@@ -551,7 +367,7 @@ class Teardown:
             self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
             record.detail += (
                 f"; the process was still alive after {waited:.2f}s "
-                f"(a task had not returned: {_busy_threads()}), so os._exit"
+                f"(a task had not returned: {busy_threads()}), so os._exit"
             )
             write_report_file(self.report, self.config.report_dir)
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")

@@ -29,10 +29,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .config import GracefulConfig
-from .health import VERDICTS
-from .notices import EvictionNotice, NoticeError, short
-from .plan import Key, RankInfo, TerminationPlan, TopologyError, parse_topology, plan_termination
+from ..config import GracefulConfig
+from ..health import VERDICTS
+from ..notices import EvictionNotice, NoticeError, short
+from ..plan import Key, RankInfo, TerminationPlan, TopologyError, parse_topology, plan_termination
 
 
 class ScenarioError(ValueError):

@@ -11,6 +11,9 @@
                and a plain ``torch.save``, measured in the same run.
 - ``recovery`` a Ray Train run preempted mid-way: time to resumed training and steps lost,
                with the callback and without.
+- ``fanout``   a real coordinator and 1,024 - 16,384 simulated ranks holding long polls: time
+               from a notice to every rank holding its order, memory, idle poll rate
+               (``bench_fanout.py``).
 
 Each prints a table and writes JSON (``--json``, default ``bench-output/<name>.json``).
 Every Ray benchmark starts its own local cluster in a private temp directory.
@@ -33,11 +36,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .config import GracefulConfig
-from .process_groups import free_port
-from .worker import GracefulWorkerMixin
+from ..config import GracefulConfig
+from ..worker.mixin import GracefulWorkerMixin
+from ..worker.process_groups import free_port
 
-BENCHMARKS = ("release", "plan", "overhead", "save", "recovery")
+BENCHMARKS = ("release", "plan", "overhead", "save", "recovery", "fanout")
 
 
 # --- common ------------------------------------------------------------------------------
@@ -185,8 +188,8 @@ def _release_once(
     A rank is *out* when its process is gone or, without the plugin, when its collective
     returned an error (the process itself then lingers until someone kills it).
     """
-    from .coordinator import Coordinator
-    from .ray_adapter import drain_node
+    from ..coordinator import Coordinator
+    from ..ray_adapter import drain_node
 
     work = tempfile.mkdtemp(prefix="release-")
     config = GracefulConfig(report_dir=os.path.join(work, "reports"), drain_poll_interval_s=1.0)
@@ -341,9 +344,9 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
 def bench_plan(args: argparse.Namespace) -> dict[str, Any]:
     import random
 
-    from .health import VERDICTS
-    from .notices import EvictionNotice
-    from .plan import RankInfo, plan_termination
+    from ..health import VERDICTS
+    from ..notices import EvictionNotice
+    from ..plan import RankInfo, plan_termination
 
     rng = random.Random(0)
     config = GracefulConfig(checkpoint_dir="/bench")
@@ -422,7 +425,7 @@ class GracefulStepRank(GracefulWorkerMixin, StepRank):
 def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
 
     samples: dict[str, list[float]] = {"without": [], "with": []}
     rounds: dict[str, list[float]] = {"without": [], "with": []}
@@ -478,7 +481,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
 def bench_save(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from .checkpoint import fsync_path, save_state_dict, write_shard
+    from ..checkpoint import fsync_path, save_state_dict, write_shard
 
     directory = args.dir or tempfile.mkdtemp(prefix="save-")
     os.makedirs(directory, exist_ok=True)
@@ -568,9 +571,9 @@ def _recovery_once(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .ray_adapter import drain_node
-    from .train import GracefulTrainCallback
-    from .train_job import train_func
+    from ..ray_adapter import drain_node
+    from ..train import GracefulTrainCallback
+    from ..train_job import train_func
 
     with local_cluster(extra_nodes=3, head_cpus=2, node_resources={"bench_slot": 1}) as (
         cluster,
@@ -775,11 +778,32 @@ def add_bench_parser(sub: Any) -> None:
         help="drain deadline in seconds (default 10)",
     )
 
-    for p in (release, plan, overhead, save, recovery):
+    fanout = names.add_parser("fanout", help="notice to every rank ordered, N simulated ranks")
+    fanout.add_argument(
+        "--sizes",
+        type=positive_ints,
+        default="1024,4096,16384",
+        help="ranks (default 1024,4096,16384)",
+    )
+    fanout.add_argument("--reps", type=positive_int, default=5, help="repetitions (default 5)")
+    fanout.add_argument(
+        "--health-interval",
+        type=positive_seconds,
+        default=5.0,
+        help="each rank's poll renewal interval (default 5, the config's default)",
+    )
+
+    for p in (release, plan, overhead, save, recovery, fanout):
         p.add_argument(
             "--json", help="where to write the results (default bench-output/<name>.json)"
         )
     bench.set_defaults(func=run_benchmark)
+
+
+def _bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
+    from .bench_fanout import bench_fanout
+
+    return bench_fanout(args)
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
@@ -789,6 +813,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         "overhead": bench_overhead,
         "save": bench_save,
         "recovery": bench_recovery,
+        "fanout": _bench_fanout,
     }[args.bench]
     command = "ray-graceful " + " ".join(sys.argv[1:])
     started = time.time()

@@ -16,11 +16,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .config import GracefulConfig
+from ..config import GracefulConfig
+from ..protocol import SpareOrder
 from .control import find_coordinator
+from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
+from .mixin import _listener_status, _process_runtime
 from .process_groups import SetupError
-from .teardown import hard_exit, request_ray_intended_exit, write_stderr
-from .worker import _listener_status, _process_runtime
 
 MAX_POLL_FAILURES = 5
 
@@ -69,8 +70,8 @@ def wait_as_spare(
     answer = ray.get(
         handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()), timeout=30
     )
-    if not answer.get("accepted"):
-        raise SetupError(f"the coordinator refused this {role}: {answer.get('reason')}")
+    if not answer.accepted:
+        raise SetupError(f"the coordinator refused this {role}: {answer.reason}")
 
     box: dict[str, SpareResult] = {}
     done = threading.Event()
@@ -87,30 +88,22 @@ def wait_as_spare(
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayActorError as exc:
-                order = {"action": "exit", "reason": f"the coordinator is gone ({exc})"}
+                order = SpareOrder("exit", f"the coordinator is gone ({exc})")
             except Exception as exc:  # anything else: retry a few times, then leave
                 failures += 1
                 if failures < MAX_POLL_FAILURES:
                     time.sleep(min(0.2 * 2**failures, config.health_interval_s))
                     continue
-                order = {
-                    "action": "exit",
-                    "reason": f"the coordinator could not be polled {failures} times ({exc!r})",
-                }
+                order = SpareOrder(
+                    "exit", f"the coordinator could not be polled {failures} times ({exc!r})"
+                )
             if order is None:
                 continue
-            if not isinstance(order, dict) or order.get("action") not in ("exit", "assigned"):
-                order = {"action": "exit", "reason": f"the coordinator answered {order!r}"}
-            if order["action"] == "assigned":
-                box["result"] = SpareResult(
-                    "assigned",
-                    "given an evicted rank's slot",
-                    order["group"],
-                    order["rank"],
-                    order["cycle"],
-                )
-            else:
-                box["result"] = SpareResult("exit", order.get("reason", ""))
+            if not isinstance(order, SpareOrder) or order.action not in ("exit", "assigned"):
+                order = SpareOrder("exit", f"the coordinator answered {order!r}")
+            box["result"] = SpareResult(
+                order.action, order.reason, order.group, order.rank, order.cycle
+            )
             done.set()
 
     poller = threading.Thread(target=poll, name="ray_graceful-spare-poll", daemon=True)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .config import ConfigError, GracefulConfig, config_reference_markdown
+from ..config import ConfigError, GracefulConfig, config_reference_markdown
 
 EXIT_USAGE, EXIT_NO_CLUSTER, EXIT_NO_COORDINATOR, EXIT_REJECTED = 2, 3, 4, 5
 
@@ -50,7 +50,7 @@ def _config(args: argparse.Namespace) -> GracefulConfig:
 def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
     import ray
 
-    from .coordinator import Coordinator
+    from ..coordinator import Coordinator
 
     _check_reachable(args.address, args.timeout)
     try:
@@ -183,10 +183,10 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
     target = f"node {node_id}" if node_id else f"rank {args.rank[0]}/{args.rank[1]}"
-    if not answer.get("accepted"):
-        print(f"ray-graceful notify: rejected ({target}): {answer.get('reason')}", file=sys.stderr)
+    if not answer.accepted:
+        print(f"ray-graceful notify: rejected ({target}): {answer.reason}", file=sys.stderr)
         return EXIT_REJECTED
-    print(f"ray-graceful notify: accepted ({target}, cycle {answer.get('cycle')})")
+    print(f"ray-graceful notify: accepted ({target}, cycle {answer.cycle})")
     return 0
 
 
@@ -224,7 +224,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if status["plan_table"]:
         print("\ncurrent plan:\n" + status["plan_table"])
     if status["last_outcome"]:
-        from .outcome import TerminationOutcome
+        from ..outcome import TerminationOutcome
 
         print("\nlast outcome: " + TerminationOutcome.from_dict(status["last_outcome"]).summary())
     for rejected in status["rejected"]:
@@ -233,8 +233,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..plan import TopologyError
     from .dry_run import ScenarioError, plan_file
-    from .plan import TopologyError
 
     now = time.time() if args.now is None else args.now
     try:
@@ -252,7 +252,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_anyscale(args: argparse.Namespace) -> int:
-    from .anyscale import DEFAULT_PACKAGE, AnyscaleConfigError, enable_yaml
+    from ..anyscale import DEFAULT_PACKAGE, AnyscaleConfigError, enable_yaml
 
     overrides = {}
     for item in args.set or []:

@@ -1,0 +1,145 @@
+"""One cycle of the coordinator, as an explicit state machine, and how a cycle concludes.
+
+::
+
+    IDLE --first notice--> GATHERING --notice_gather_s--> TEARING_DOWN --all reported, or the
+     ^                                                                  last deadline passed--+
+     |                                                                                       |
+     +------------- the next cycle opens <------------- CONCLUDED (outcome published) <------+
+
+Each transition is one method of the coordinator actor (``actor.py``); this module holds the
+cycle's state and the conclusion, a plain function of what the cycle saw: which processes were
+ordered, what they reported, whether every shard was saved at one step (then the manifest is
+written: the checkpoint is committed). A cycle always concludes: an error on the way becomes an
+outcome with ``result="failed"`` and its reason, and the next cycle opens all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
+from ..config import GracefulConfig
+from ..notices import EvictionNotice
+from ..outcome import TerminationOutcome
+from ..plan import TerminationPlan
+from ..protocol import shard_key
+from .registry import Process
+
+
+class Phase(str, enum.Enum):
+    IDLE = "idle"
+    GATHERING = "gathering"
+    TEARING_DOWN = "tearing down"
+    CONCLUDED = "concluded"
+
+
+@dataclass
+class Cycle:
+    """What one cycle has seen so far."""
+
+    number: int
+    phase: Phase = Phase.IDLE
+    notices: list[EvictionNotice] = field(default_factory=list)
+    late_notices: list[EvictionNotice] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    plan: TerminationPlan | None = None
+    cooperative: bool = False  # the savers report to Ray Train, not to a checkpoint dir
+    first_notice_at: float | None = None
+    plan_at: float | None = None
+    orders_at: float | None = None
+    task: asyncio.Task | None = None
+    all_reported: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def tearing_down(self) -> bool:
+        return self.phase in (Phase.GATHERING, Phase.TEARING_DOWN)
+
+    def all_notices(self) -> list[dict[str, Any]]:
+        return [n.to_dict() for n in self.notices + self.late_notices]
+
+
+def conclude(
+    cycle: Cycle,
+    involved: list[Process],
+    config: GracefulConfig,
+    job_id: str,
+    save_times: dict[tuple[str, str], float],
+) -> TerminationOutcome:
+    """The outcome of a cycle whose orders are out: commit if every shard was saved at one step.
+
+    Runs on a thread (it reads and writes the checkpoint directory). Raises on what it cannot
+    make sense of; the caller turns that into a "failed" outcome.
+    """
+    plan = cycle.plan
+    assert plan is not None
+    t0 = cycle.first_notice_at or cycle.plan_at or time.time()
+    reports = [p.report for p in involved if p.report is not None]
+    missing = [
+        p.name + (" (died without a notice)" if p.lost else "")
+        for p in involved
+        if p.report is None
+    ]
+    records = [ShardRecord.from_dict(s) for r in reports for s in r.saved]
+    for record in records:
+        group, _, label = record.shard.partition("/")
+        save_times[(group, label)] = record.seconds
+    root = config.checkpoint_dir
+    committed, reason = None, ""
+    if plan.abandoned:
+        result, reason = "abandoned", plan.abandoned
+    elif cycle.cooperative:
+        result = "ray-train"
+        reason = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
+    elif root is None:
+        result, reason = "no-checkpoint", "no checkpoint_dir is configured"
+    else:
+        expected = [shard_key(g, s) for g, s in plan.savers]
+        step = records[0].step if records else -1
+        try:
+            path = commit(
+                root, step, expected, records, cycle=cycle.number, extra={"job_id": job_id}
+            )
+            result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
+        except CheckpointError as exc:
+            result, reason = "abandoned", str(exc)
+    latest = latest_committed(root) if root else None
+    report_times = [r.started_at + (r.finished_s or 0) for r in reports]
+    timings = {"plan": (cycle.plan_at or t0) - t0, "orders": (cycle.orders_at or t0) - t0}
+    if report_times:
+        timings["first_report"] = min(report_times) - t0
+        timings["last_report"] = max(report_times) - t0
+    timings["outcome"] = time.time() - t0
+    return TerminationOutcome(
+        cycle=cycle.number,
+        job_id=job_id,
+        result=result,
+        notices=cycle.all_notices(),
+        rejected=list(cycle.rejected),
+        plan=plan.to_dict(),
+        plan_table=plan.table(now=cycle.plan_at),
+        reports=[r.to_dict() for r in reports],
+        missing=missing,
+        committed=committed,
+        resume_from={"step": latest.step, "path": latest.path} if latest else None,
+        reason=reason,
+        timings=timings,
+    )
+
+
+def failed(cycle: Cycle, job_id: str, exc: BaseException) -> TerminationOutcome:
+    """The outcome of a cycle that could not conclude normally: it still concludes."""
+    return TerminationOutcome(
+        cycle=cycle.number,
+        job_id=job_id,
+        result="failed",
+        notices=cycle.all_notices(),
+        rejected=list(cycle.rejected),
+        plan=cycle.plan.to_dict() if cycle.plan else {},
+        reason=f"the coordinator failed while concluding: {type(exc).__name__}: {exc}",
+    )

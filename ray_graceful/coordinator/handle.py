@@ -1,0 +1,188 @@
+"""The driver's handle on its job's coordinator: start it, find it, tell it, read from it.
+
+``Coordinator.start(config)`` on the driver (or the Ray Train callback) starts this job's
+coordinator actor next to the driver; workers and the CLI find it by name. One coordinator per
+Ray job by default (``coordinator_name``), so one job's notices can never stop another's ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config import GracefulConfig
+from ..outcome import TerminationOutcome
+from ..protocol import Reply
+from .actor import MAX_CONCURRENCY, CoordinatorActor
+
+
+def coordinator_name(config: GracefulConfig, job_id: str) -> str:
+    """The coordinator's actor name: the configured one, else one per Ray job.
+
+    Per job by default, so that a second job on the same cluster never registers with, or is
+    stopped by, the first job's coordinator (issue: one job cannot stop another).
+    """
+    return config.coordinator_name or f"ray_graceful_coordinator-{job_id}"
+
+
+class CoordinatorExists(RuntimeError):
+    """A coordinator of that name already runs."""
+
+
+def running_coordinators(config: GracefulConfig) -> list[str]:
+    """Names of the coordinators alive in ``config.coordinator_namespace``."""
+    import ray
+
+    prefix = config.coordinator_name or "ray_graceful_coordinator"
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == config.coordinator_namespace and a["name"].startswith(prefix)
+    )
+
+
+class Coordinator:
+    """The driver's handle on the coordinator actor."""
+
+    def __init__(self, handle: Any, config: GracefulConfig) -> None:
+        self.handle = handle
+        self.config = config
+
+    @classmethod
+    def start(cls, config: GracefulConfig | None = None, node_id: str | None = None) -> Coordinator:
+        """Start this job's coordinator on this node (the driver's, usually the head).
+
+        It is named after this Ray job (or ``config.coordinator_name``) in
+        ``config.coordinator_namespace``; the job's workers and the CLI find it there. Starting
+        a second one under the same name raises ``CoordinatorExists``.
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        config = config or GracefulConfig.from_env()
+        ctx = ray.get_runtime_context()
+        name = coordinator_name(config, ctx.get_job_id())
+        try:
+            ray.get_actor(name, namespace=config.coordinator_namespace)
+        except ValueError:
+            pass
+        else:
+            raise CoordinatorExists(
+                f"a coordinator named {name!r} already runs in namespace "
+                f"{config.coordinator_namespace!r}: use Coordinator.connect()"
+            )
+        actor = ray.remote(CoordinatorActor).options(
+            name=name,
+            namespace=config.coordinator_namespace,
+            num_cpus=0,
+            max_concurrency=MAX_CONCURRENCY,
+            max_restarts=0,
+            # Next to the driver (the head, usually): the node least likely to be evicted.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id or ctx.get_node_id(), soft=node_id is None
+            ),
+        )
+        handle = actor.remote(config, ctx.get_job_id())
+        ray.get(handle.ping.remote(), timeout=60)
+        return cls(handle, config)
+
+    @classmethod
+    def connect(
+        cls, config: GracefulConfig | None = None, timeout: float = 10.0, job_id: str | None = None
+    ) -> Coordinator:
+        """Find a running coordinator; ValueError (saying which exist) if none fits.
+
+        ``job_id`` picks the coordinator of that job; without it, this driver's own job's, else
+        the only one running in the namespace (the CLI, which is a job of its own).
+        """
+        import ray
+
+        config = config or GracefulConfig.from_env()
+        names = running_coordinators(config)
+        if config.coordinator_name:
+            wanted = config.coordinator_name
+        elif job_id is not None:
+            wanted = coordinator_name(config, job_id)
+        elif coordinator_name(config, ray.get_runtime_context().get_job_id()) in names:
+            wanted = coordinator_name(config, ray.get_runtime_context().get_job_id())
+        elif len(names) == 1:
+            wanted = names[0]
+        else:
+            raise ValueError(
+                f"{len(names)} coordinators run in namespace {config.coordinator_namespace!r}"
+                + (f" ({', '.join(names)}): pick one with --job JOB_ID" if names else "")
+            )
+        handle = ray.get_actor(wanted, namespace=config.coordinator_namespace)
+        ray.get(handle.ping.remote(), timeout=timeout)
+        return cls(handle, config)
+
+    def notify(
+        self,
+        *,
+        node_id: str | None = None,
+        rank: tuple[str, int] | None = None,
+        reason: str = "notified",
+        deadline: float = 0.0,
+        source: str = "api",
+        timeout: float = 10.0,
+    ) -> Reply:
+        """Send a notice; the ``Reply`` says whether it was accepted, and why not."""
+        import ray
+
+        data: dict[str, Any] = {"source": source, "reason": reason, "deadline": deadline}
+        if node_id is not None:
+            data["node_id"] = node_id
+        if rank is not None:
+            data["rank"] = list(rank)
+        answer: Reply = ray.get(self.handle.notify.remote(data), timeout=timeout)
+        return answer
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Cheap counters: pid, cycle, phase, processes, pending polls, polls served."""
+        import ray
+
+        return ray.get(self.handle.stats.remote(), timeout=timeout)
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.status.remote(), timeout=timeout)
+
+    def wait_outcome(self, timeout: float, cycle: int | None = None) -> TerminationOutcome | None:
+        """The outcome of ``cycle`` (default: the current one), waiting up to ``timeout``."""
+        import ray
+
+        outcome: TerminationOutcome | None = ray.get(
+            self.handle.wait_outcome.remote(cycle, timeout), timeout=timeout + 10
+        )
+        return outcome
+
+    def job_finished(self, success: bool = True, permanent: bool = True) -> dict[str, Any]:
+        """Tell spares and standbys the job is over: they exit 0."""
+        import ray
+
+        return ray.get(self.handle.job_finished.remote(success, permanent), timeout=30)
+
+    def assign_spare(self, group: str, rank: int) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.assign_spare.remote(group, rank), timeout=30)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """End the coordinator and wait (bounded) until its name is free again.
+
+        ``ray.kill`` returns before the actor is gone; a second run in the same job (a second
+        ``trainer.fit()``) would otherwise find the name taken by a dying coordinator.
+        """
+        import ray
+
+        ray.kill(self.handle)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.handle.ping.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                break  # dead: its name is released with it
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.05)

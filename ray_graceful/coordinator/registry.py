@@ -1,0 +1,133 @@
+"""Who is registered: worker processes, their ranks, and spares - the coordinator's bookkeeping.
+
+A worker process holds one or more ranks (verl colocates roles) and belongs to the cycle it
+registered in. A rank that registers again from another process (an actor restart) moves: the
+newest registration wins. Spares and standbys wait in a pool until they are told to exit or
+handed a slot, and leave the pool when they get their word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..health import HealthReport
+from ..protocol import Order, RankKey, RankSpec, Register, SpareOrder
+
+
+@dataclass
+class Process:
+    """One registered worker process, in the cycle it registered in."""
+
+    registration: Register
+    cycle: int
+    keys: list[RankKey]
+    last_seen: float = field(default_factory=time.time)
+    last_step: int | None = None
+    health: HealthReport | None = None
+    waiter: asyncio.Future | None = None  # its pending long poll
+    order: Order | None = None  # this cycle's order, re-sent until acknowledged
+    acked: bool = False
+    report: object | None = None  # its TeardownReport, once sent
+    lost: bool = False  # found dead without a notice: no report will come
+
+    @property
+    def process_id(self) -> str:
+        return self.registration.process_id
+
+    @property
+    def node_id(self) -> str:
+        return self.registration.node_id
+
+    @property
+    def actor_id(self) -> str:
+        return self.registration.actor_id
+
+    @property
+    def name(self) -> str:
+        return f"{self.registration.hostname}:{self.registration.pid}"
+
+    def wake(self, answer: object) -> None:
+        """Answer the pending poll, if one is held open."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(answer)
+
+
+@dataclass
+class Spare:
+    spare_id: str
+    role: str  # "spare" | "standby"
+    node_id: str
+    pid: int
+    waiter: asyncio.Future | None = None
+    order: SpareOrder | None = None
+    assigned: bool = False  # handed a slot: never handed another
+
+
+class Registry:
+    """The processes, ranks and spares the coordinator knows, and lookups over them."""
+
+    def __init__(self) -> None:
+        self.processes: dict[str, Process] = {}
+        self.ranks: dict[RankKey, tuple[RankSpec, str]] = {}  # key -> (spec, process id)
+        self.spares: dict[str, Spare] = {}
+
+    def register(self, message: Register, cycle: int) -> Process:
+        keys = []
+        for spec in message.ranks:
+            old = self.ranks.get(spec.key)
+            if old is not None and old[1] != message.process_id:
+                previous = self.processes.get(old[1])
+                if previous is not None and spec.key in previous.keys:
+                    previous.keys.remove(spec.key)  # the rank moved: newest wins
+            self.ranks[spec.key] = (spec, message.process_id)
+            keys.append(spec.key)
+        process = self.processes.get(message.process_id)
+        if process is None or process.cycle != cycle:
+            process = Process(message, cycle, [])
+            self.processes[message.process_id] = process
+        process.registration = message
+        process.keys = sorted(set(process.keys) | set(keys))
+        return process
+
+    def active(self, cycle: int) -> list[Process]:
+        return [p for p in self.processes.values() if p.cycle == cycle]
+
+    def ranks_of(self, cycle: int) -> list[tuple[RankSpec, Process]]:
+        """Every rank held by a process of ``cycle``."""
+        out = []
+        for key, (spec, process_id) in self.ranks.items():
+            process = self.processes.get(process_id)
+            if process is not None and process.cycle == cycle and key in process.keys:
+                out.append((spec, process))
+        return out
+
+    def process_of(self, key: RankKey) -> Process | None:
+        entry = self.ranks.get(key)
+        return None if entry is None else self.processes.get(entry[1])
+
+    def has_node(self, node_id: str, cycle: int) -> bool:
+        return any(p.node_id == node_id for p in self.active(cycle))
+
+    def forget_before(self, cycle: int) -> None:
+        """Drop ranks whose process belongs to an earlier cycle (they were torn down)."""
+        self.ranks = {
+            k: (spec, pid)
+            for k, (spec, pid) in self.ranks.items()
+            if self.processes.get(pid) is not None and self.processes[pid].cycle >= cycle
+        }
+
+    # --- spares ------------------------------------------------------------------------------
+
+    def waiting_spare(self) -> Spare | None:
+        for spare in self.spares.values():
+            if spare.role == "spare" and spare.order is None and not spare.assigned:
+                return spare
+        return None
+
+    def tell_spare(self, spare: Spare, order: SpareOrder) -> None:
+        if spare.waiter is not None and not spare.waiter.done():
+            spare.waiter.set_result(order)
+        else:
+            spare.order = order

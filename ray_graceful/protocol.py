@@ -1,0 +1,222 @@
+"""Every message between a worker process and the coordinator, as one frozen, versioned type.
+
+The data flows one way: notice -> plan -> order -> acknowledgement -> report -> outcome. Workers
+send ``Register``, ``PollState`` (with each long poll), ``SigtermSeen``, ``Ack`` and their
+``TeardownReport`` (``teardown.py``); the coordinator answers with a ``Reply`` or, to a poll, a
+``PollAnswer`` that may carry an ``Order``. Spares get ``SpareOrder``. Nothing is read back by
+string key: a message is built once, checked where it arrives (``check()``), and read by field.
+
+Words used everywhere:
+
+- a *rank* is one (group, rank) pair: ``RankKey``;
+- a *shard label* is what a rank holds within its group ("0", "model"); replicas share it;
+- a *shard key* is ``"<group>/<label>"``, the name of a shard in a checkpoint and its manifest.
+
+``PROTOCOL_VERSION`` is carried by every message; a coordinator refuses a message of another
+version with a reason (a worker of an older ray_graceful registering with a newer coordinator).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .health import HealthReport
+
+PROTOCOL_VERSION = 1
+
+RankKey = tuple[str, int]
+
+
+class ProtocolError(ValueError):
+    """A message is malformed; the message says which field and what is allowed."""
+
+
+def shard_key(group: str, label: str) -> str:
+    """How shard ``label`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
+    return f"{group}/{label}"
+
+
+def _check_version(message: object) -> None:
+    version = getattr(message, "version", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{type(message).__name__} has protocol version {version!r}, this coordinator speaks "
+            f"{PROTOCOL_VERSION}: run the same ray_graceful on the driver and the workers"
+        )
+
+
+def _text(value: object, name: str, limit: int = 200) -> None:
+    if not isinstance(value, str) or len(value) > limit:
+        raise ProtocolError(f"{name} must be a string of at most {limit} characters")
+
+
+def _non_negative_int(value: object, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"{name} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank a worker process holds, as it registers it."""
+
+    group: str
+    rank: int
+    world_size: int
+    shard: str  # the shard label
+    can_save: bool
+    cooperative: bool = False  # the training function saves (Ray Train)
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> RankKey:
+        return (self.group, self.rank)
+
+    @property
+    def shard_key(self) -> str:
+        return shard_key(self.group, self.shard)
+
+    def check(self) -> None:
+        _text(self.group, "group")
+        if not self.group:
+            raise ProtocolError("group must not be empty")
+        _non_negative_int(self.rank, "rank")
+        _non_negative_int(self.world_size, "world_size")
+        _text(self.shard, "shard")
+
+
+@dataclass(frozen=True)
+class Register:
+    """A worker process registers its ranks (again after a restart: the newest wins)."""
+
+    process_id: str
+    node_id: str
+    pid: int
+    hostname: str
+    job_id: str
+    ranks: tuple[RankSpec, ...]
+    actor_id: str = ""
+    version: int = PROTOCOL_VERSION
+
+    def check(self) -> None:
+        _check_version(self)
+        for name in ("process_id", "node_id", "hostname", "job_id", "actor_id"):
+            _text(getattr(self, name), name)
+        _non_negative_int(self.pid, "pid")
+        if not isinstance(self.ranks, tuple) or len(self.ranks) > 4096:
+            raise ProtocolError("ranks must be a tuple of at most 4096 RankSpec")
+        for spec in self.ranks:
+            if not isinstance(spec, RankSpec):
+                raise ProtocolError(f"ranks holds a {type(spec).__name__}, not a RankSpec")
+            spec.check()
+
+
+@dataclass(frozen=True)
+class PollState:
+    """What a worker tells the coordinator with each long poll."""
+
+    last_step: int | None = None
+    health: HealthReport | None = None
+
+
+@dataclass(frozen=True)
+class SaveAssignment:
+    """Save this rank's shard under ``root``."""
+
+    group: str
+    rank: int
+    shard_key: str
+    root: str
+
+    @property
+    def key(self) -> RankKey:
+        return (self.group, self.rank)
+
+
+@dataclass(frozen=True)
+class Order:
+    """The coordinator's order to one worker process: tear down by ``deadline``.
+
+    Delivered at least once: the coordinator answers every poll with it until the process
+    acknowledges ``order_id``; handling it is idempotent on the worker side.
+    """
+
+    job_id: str
+    cycle: int
+    order_id: str
+    deadline: float
+    trigger: str
+    saves: tuple[SaveAssignment, ...] = ()
+    skip_reason: str = ""
+    save_budget_s: float = 0.0
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class PollAnswer:
+    """The answer to a long poll: an order, nothing yet, or why the poll is refused."""
+
+    kind: str  # "order" | "idle" | "unknown" | "stale"
+    order: Order | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A worker process has its order (so it is not sent again)."""
+
+    process_id: str
+    cycle: int
+    order_id: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class SigtermSeen:
+    """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
+
+    process_id: str
+    cycle: int
+    received_at: float
+    version: int = PROTOCOL_VERSION
+
+    def check(self) -> None:
+        _check_version(self)
+        if (
+            not isinstance(self.received_at, (int, float))
+            or isinstance(self.received_at, bool)
+            or not math.isfinite(self.received_at)
+            or self.received_at <= 0
+        ):
+            raise ProtocolError(
+                f"received_at {self.received_at!r} is not allowed: Unix seconds (finite, > 0)"
+            )
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The coordinator's answer to anything but a poll."""
+
+    accepted: bool
+    reason: str = ""
+    cycle: int | None = None
+    details: dict = field(default_factory=dict)
+
+    @classmethod
+    def ok(cls, cycle: int | None = None, **details: object) -> Reply:
+        return cls(True, "", cycle, dict(details))
+
+    @classmethod
+    def refused(cls, reason: str, cycle: int | None = None) -> Reply:
+        return cls(False, reason, cycle)
+
+
+@dataclass(frozen=True)
+class SpareOrder:
+    """What ends a spare's or standby's wait: exit, or a slot to take (spares only)."""
+
+    action: str  # "exit" | "assigned"
+    reason: str = ""
+    group: str | None = None
+    rank: int | None = None
+    cycle: int | None = None

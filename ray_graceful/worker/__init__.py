@@ -1,0 +1,38 @@
+"""The worker side: what runs inside each rank's process.
+
+- ``mixin.py``         the adoption point: ``GracefulWorkerMixin``, ``after_init_process_group``,
+                       ``should_stop``; the per-process runtime that turns an order into a teardown
+- ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
+- ``control.py``       the transport to the coordinator (register, long poll, ack, report)
+- ``training_loop.py`` where the training thread is, and the step a save holds (parking)
+- ``teardown.py``      the ordered, guarded, timed steps that end a rank
+- ``process_groups.py``, ``gloo.py``  releasing peers without a collective (abort / shutdown)
+- ``report.py``        the ``TeardownReport`` and its file; ``exit_path.py`` how a process leaves
+- ``hard_deadline.py`` the kernel timer that ends a rank at its deadline whatever holds the GIL
+- ``threads.py``       bounded calls and where the other threads are
+- ``spares.py``        spares and standbys that exit 0 when the job is over
+"""
+
+from .mixin import (
+    GracefulSetupWarning,
+    GracefulWorkerMixin,
+    SetupStatus,
+    _process_runtime,
+    add_process_group,
+    after_init_process_group,
+    install_signal_handling,
+    should_stop,
+    teardown_now,
+)
+
+__all__ = [
+    "GracefulSetupWarning",
+    "GracefulWorkerMixin",
+    "SetupStatus",
+    "_process_runtime",
+    "add_process_group",
+    "after_init_process_group",
+    "install_signal_handling",
+    "should_stop",
+    "teardown_now",
+]

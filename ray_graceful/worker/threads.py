@@ -1,0 +1,65 @@
+"""Threads, as the teardown needs to see them: bounded calls, and where the others are.
+
+``run_bounded`` runs a call that may wedge (a CUDA sync, ``destroy_process_group``, a save) on a
+daemon thread and stops waiting for it at a deadline. ``thread_in_collective`` and
+``busy_threads`` read the other threads' frames: whether one is inside ``torch.distributed``
+(so Ray's exit, which waits for the running task, would wait forever), and where each is, for
+the report when a save or an exit was held up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+
+def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:
+    """Run ``fn`` on a daemon thread; return its result, re-raise its error, or TimeoutError."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"ray_graceful-{name}", daemon=True)
+    thread.start()
+    thread.join(max(timeout, 0.0))
+    if thread.is_alive():
+        raise TimeoutError(f"{name} still running after {timeout:.1f}s; left behind")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def _other_threads() -> list[tuple[str, FrameType]]:
+    """(name, current frame) of every thread that is not one of ray_graceful's own."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = [(names.get(i, str(i)), frame) for i, frame in sys._current_frames().items()]
+    return [(name, frame) for name, frame in threads if not name.startswith("ray_graceful-")]
+
+
+def thread_in_collective() -> bool:
+    """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
+    marker = os.path.join("torch", "distributed", "")
+    return any(marker in frame.f_code.co_filename for _name, frame in _other_threads())
+
+
+def busy_threads() -> str:
+    """Where each non-ray_graceful thread is, innermost frame first: what held the exit."""
+    where = []
+    for name, frame in _other_threads():
+        stack = traceback.extract_stack(frame)[-3:]
+        where.append(
+            f"{name} at "
+            + " <- ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack)
+            )
+        )
+    return "; ".join(where) or "no other thread"

@@ -1,0 +1,99 @@
+"""The thread that trains, as the teardown needs to know it: where it is, and its step.
+
+``should_stop(step)`` marks the step boundary: it records the step and which function called it
+(the training loop, found by its code object, past Ray's and ray_graceful's own wrappers). From
+that the teardown reads where the thread is - ``state()`` - and the step a save holds -
+``step()``. Once a teardown began, ``park`` holds the thread inside ``should_stop`` until this
+rank's save is done: the rule that makes a save hold exactly the state of the step it is
+labelled with (docs/worker.md, "Step boundaries and saving").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import CodeType
+from typing import TYPE_CHECKING
+
+from .threads import thread_in_collective
+
+if TYPE_CHECKING:
+    from .teardown import Teardown
+
+
+class TrainingLoop:
+    """One process's training loop (``teardown.TrainingThread``)."""
+
+    def __init__(self) -> None:
+        self.last_step: int | None = None
+        # Where the loop last called should_stop(step): (thread id, its code object).
+        self.step_site: tuple[int, CodeType] | None = None
+        self.parked_step: int | None = None  # the step the thread is parked at, if it is
+
+    def mark(self, step: int) -> None:
+        """A step boundary: ``step`` steps are done (called by ``should_stop(step)``)."""
+        self.last_step = step
+        self.step_site = (threading.get_ident(), _caller_code())
+
+    def state(self) -> str:
+        """Where the training thread is: parked / idle / in_collective / in_step.
+
+        "parked": inside should_stop(step), held there by the teardown. "idle": not inside the
+        function that calls should_stop (it left its loop, or never entered one). Otherwise it
+        is inside its step, and "in_collective" when a ``torch.distributed`` call is on its
+        stack.
+        """
+        if self.parked_step is not None:
+            return "parked"
+        site = self.step_site
+        if site is None:  # no loop known: any thread inside a collective counts
+            return "in_collective" if thread_in_collective() else "idle"
+        thread_id, code = site
+        frame = sys._current_frames().get(thread_id)
+        in_collective = False
+        while frame is not None:
+            if frame.f_code is code:
+                return "in_collective" if in_collective else "in_step"
+            in_collective = in_collective or _DISTRIBUTED in frame.f_code.co_filename
+            frame = frame.f_back
+        return "idle"
+
+    def step(self) -> int | None:
+        return self.parked_step if self.parked_step is not None else self.last_step
+
+    def park(self, step: int, teardown: Teardown | None) -> None:
+        """Hold the training thread at its step boundary while this rank's teardown saves.
+
+        The rule users can rely on: once a teardown began, ``should_stop(step)`` does not return
+        until the emergency save (if this rank makes one) is done, so the saved state is exactly
+        the state after ``step``; then it returns True. Bounded by the deadline.
+        """
+        if teardown is None or teardown.training_released.is_set():
+            return
+        self.parked_step = step
+        teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
+
+
+_DISTRIBUTED = os.path.join("torch", "distributed", "")
+
+
+# Modules whose frames sit between a training loop and ``_should_stop``: the public
+# ``should_stop`` wrappers, and Ray's method wrappers. Named exactly, not by the package prefix:
+# a loop may itself live in a ``ray_graceful.*`` module (the demo, the benchmarks).
+_WRAPPER_MODULES = (
+    "ray_graceful.worker.training_loop",
+    "ray_graceful.worker.mixin",
+    "ray_graceful.train",
+)
+
+
+def _caller_code() -> CodeType:
+    """The code of the user's function that called should_stop (Ray may wrap the method)."""
+    frame = sys._getframe(3)  # past mark() and _should_stop()
+    while frame.f_back is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module not in _WRAPPER_MODULES and not module.startswith("ray."):
+            break
+        frame = frame.f_back
+    return frame.f_code
