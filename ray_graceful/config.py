@@ -127,6 +127,11 @@ def _probe(value: Any) -> str | None:
     return "one of " + ", ".join(repr(p) for p in HEALTH_PROBES)
 
 
+def _cloud(value: Any) -> str | None:
+    allowed = ("off", "auto", "aws", "gce", "azure")
+    return None if value in allowed else "one of " + ", ".join(repr(a) for a in allowed)
+
+
 def _train_shards(value: Any) -> str | None:
     return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
 
@@ -283,6 +288,30 @@ class GracefulConfig:
         "/run/nologin",
         _path,
         "Marker file whose presence means the host is shutting down (its ranks skip saving).",
+    )
+    cloud_notices: str = _setting(
+        "off",
+        _cloud,
+        "Read the cloud's own eviction notices from the instance metadata service, one poller "
+        "per node: 'auto' (detect AWS, GCE or Azure; silent elsewhere), 'aws', 'gce', 'azure', "
+        "or 'off'. Off by default: it makes HTTP requests to the metadata address.",
+    )
+    cloud_metadata_url: str | None = _setting(
+        None,
+        _optional_path,
+        "Base URL of the metadata service (default: each cloud's documented address); a "
+        "stand-in server's address in tests.",
+    )
+    cloud_poll_interval_s: float = _setting(
+        5.0,
+        _between(0.1, 300.0, low_open=False),
+        "How often the node's poller reads the metadata service (AWS recommends 5 s).",
+    )
+    cloud_drain: bool = _setting(
+        False,
+        _boolean,
+        "Also ask Ray to drain the node with the cloud's deadline, so Ray's autoscaler and Ray "
+        "Train's own preemption handling see the same event.",
     )
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api")
+SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api", "cloud")
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
 
 

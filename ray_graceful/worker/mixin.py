@@ -24,6 +24,7 @@ from typing import Any
 from ..checkpoint import save_state_dict, shard_key
 from ..config import GracefulConfig
 from ..protocol import Order, RankSpec
+from .cloud_poller import ensure_node_poller
 from .control import ControlChannel, find_coordinator, gpu_indices
 from .exit_path import hard_exit
 from .process_groups import GroupHandle, SetupError, resolve_group
@@ -91,6 +92,7 @@ class _ProcessRuntime:
     lock: threading.RLock = field(default_factory=threading.RLock)
     pid: int = field(default_factory=os.getpid)
     control: ControlChannel | None = None
+    cloud_poller: Any = None  # this node's cloud-notice poller, if this process started it
     sigterm_seen: bool = False
     order: Order | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
@@ -514,7 +516,13 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
             on_order=runtime.obey,
             done=lambda: runtime.teardown is not None,
         )
-    return runtime.control.register()
+    status = runtime.control.register()
+    if runtime.control.alive:
+        try:
+            runtime.cloud_poller = ensure_node_poller(config, runtime.control.handle)
+        except Exception as exc:  # cloud notices are an addition: never a reason to fail setup
+            status += f"; cloud notices not started ({exc!r})"
+    return status
 
 
 def should_stop(step: int | None = None) -> bool:

@@ -1,0 +1,103 @@
+"""One cloud-notice poller per node: the first rank registered on a node starts it.
+
+It is a small actor pinned to its node (``num_cpus=0``, named after the job and the node, so
+the other ranks of that node find it instead of starting another): it detects the cloud (or
+takes the one configured), polls the metadata service every ``cloud_poll_interval_s``, and turns
+each new event into a notice for the job's coordinator - with the cloud's own deadline - and,
+with ``cloud_drain``, a Ray drain of the node with that deadline (so Ray's autoscaler and Ray
+Train's preemption handling see it too). Off a cloud it stops after the detection.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..config import GracefulConfig
+
+logger = logging.getLogger(__name__)
+
+
+class CloudNoticeActor:
+    def __init__(self, config: GracefulConfig, node_id: str, coordinator: Any) -> None:
+        self.config, self.node_id, self.coordinator = config, node_id, coordinator
+        self.cloud: str | None = None
+        self.events: list[dict] = []
+        threading.Thread(target=self._run, name="ray_graceful-cloud", daemon=True).start()
+
+    def _run(self) -> None:
+        from .. import cloud as clouds
+
+        config = self.config
+        urls = {c: config.cloud_metadata_url for c in clouds.CLOUDS if config.cloud_metadata_url}
+        cloud = config.cloud_notices
+        if cloud == "auto":
+            cloud = clouds.detect(urls)
+            if cloud is None:
+                logger.info("ray_graceful: no cloud metadata service answers on this node")
+                return
+        self.cloud = cloud
+        poller = clouds.CloudPoller(cloud, urls.get(cloud))
+        while True:
+            for event in poller.poll_once():
+                self._tell(event)
+            time.sleep(config.cloud_poll_interval_s)
+
+    def _tell(self, event: Any) -> None:
+        import ray
+
+        from .. import ray_adapter
+
+        self.events.append({"kind": event.kind, "deadline": event.deadline})
+        logger.warning("ray_graceful: %s %s on node %s", event.cloud, event.kind, self.node_id)
+        try:
+            reply = ray.get(
+                self.coordinator.notify.remote(
+                    {
+                        "source": "cloud",
+                        "node_id": self.node_id,
+                        "reason": f"{event.cloud} {event.kind}: {event.detail}"[:500],
+                        "deadline": event.deadline,
+                    }
+                ),
+                timeout=10,
+            )
+            if not reply.accepted:
+                logger.warning("ray_graceful: the coordinator refused it: %s", reply.reason)
+        except Exception as exc:
+            logger.warning("ray_graceful: could not tell the coordinator: %r", exc)
+        if self.config.cloud_drain:
+            try:
+                ray_adapter.drain_node(self.node_id, event.deadline, f"{event.cloud} {event.kind}")
+            except Exception as exc:
+                logger.warning("ray_graceful: could not drain the node: %r", exc)
+
+    def seen(self) -> dict:
+        return {"cloud": self.cloud, "events": list(self.events)}
+
+
+def ensure_node_poller(config: GracefulConfig, coordinator: Any) -> Any | None:
+    """Start this node's poller unless one runs already (``cloud_notices`` not 'off').
+
+    The caller keeps the handle: Ray ends an actor once no handle to it is left."""
+    if config.cloud_notices == "off":
+        return None
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ctx = ray.get_runtime_context()
+    node_id, job_id = ctx.get_node_id(), ctx.get_job_id()
+    return (
+        ray.remote(CloudNoticeActor)
+        .options(
+            name=f"ray_graceful_cloud-{job_id}-{node_id[:16]}",
+            namespace=config.coordinator_namespace,
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(config, node_id, coordinator)
+    )
