@@ -264,3 +264,25 @@ def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
 
     answer = run(scenario())
     assert not answer.accepted and "protocol version 99" in answer.reason
+
+
+def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
+    """Memory does not grow with the number of cycles: old processes and ranks are dropped."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        for cycle in range(3):
+            for i in range(20):
+                spec = RankSpec("g", i, 20, str(i), True)
+                await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
+            await coord.notify({"node_id": "n0", "reason": "test"})
+            await asyncio.sleep(0.05)
+            for i in range(20):
+                await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
+            await coord.wait_outcome(cycle, 10)
+        return coord
+
+    coord = run(scenario())
+    assert coord.cycle.number == 3
+    assert coord.registry.processes == {} and coord.registry.ranks == {}
+    assert sorted(coord.outcomes) == [0, 1, 2]

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_POLL_S = 60.0
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
+KEEP_OUTCOMES = 16  # concluded cycles whose outcome wait_outcome() can still return
 
 DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
 LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
@@ -360,6 +361,9 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         self.outcomes[outcome.cycle] = outcome
         self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
+        for old in [c for c in self.outcomes if c < outcome.cycle - KEEP_OUTCOMES]:
+            del self.outcomes[old]  # each holds every rank's report: keep the recent ones
+            self.outcome_events.pop(old, None)
         self.cycle = Cycle(outcome.cycle + 1)
         self.registry.forget_before(self.cycle.number)
 
