@@ -55,3 +55,15 @@ def kill_actors(*actors: Any) -> None:
             ray.kill(actor)
         except Exception:
             pass
+
+
+def register_stand_in_rank(coordinator, pid: str = "p0", group: str = "g"):
+    """Register one rank (group/0) on this node as a worker would, without a worker: for
+    tests of what reaches the coordinator (the CLI, the examples' hooks)."""
+    import ray
+
+    from ray_graceful.protocol import RankSpec, Register
+
+    node = ray.get_runtime_context().get_node_id()
+    spec = RankSpec(group, 0, 1, "0", True)
+    return ray.get(coordinator.handle.register.remote(Register(pid, node, 1, "h", "", (spec,))))

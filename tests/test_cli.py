@@ -8,15 +8,14 @@ import subprocess
 import sys
 
 import pytest
-import ray
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_graceful import GracefulConfig
 from ray_graceful.coordinator import Coordinator
-from ray_graceful.protocol import RankSpec, Register
 from ray_graceful.tools.cli import main
+from tests.helpers import register_stand_in_rank
 
 COMMANDS = ["notify", "status", "plan", "demo", "anyscale", "bench", "config"]
 
@@ -191,12 +190,7 @@ def test_notify_reaches_the_coordinator_and_changes_the_plan(ray_cluster, tmp_pa
     )
     coordinator = Coordinator.start(config)
     try:
-        node = ray.get_runtime_context().get_node_id()
-        ray.get(
-            coordinator.handle.register.remote(
-                Register("p0", node, 1, "h", "", (RankSpec("g", 0, 1, "0", True),))
-            )
-        )
+        register_stand_in_rank(coordinator)
         rejected = cli(
             "notify",
             "--rank",

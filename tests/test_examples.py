@@ -66,11 +66,10 @@ def test_scenario_example_plans():
 def test_slurm_example_trap_notifies_every_node(ray_cluster, tmp_path):
     """The SLURM batch script's USR2 trap, run by bash with stand-ins for srun and scontrol
     (no SLURM here): its `ray-graceful notify` reaches the running job's coordinator."""
-    import ray
 
     from ray_graceful import GracefulConfig
     from ray_graceful.coordinator import Coordinator
-    from ray_graceful.protocol import RankSpec, Register
+    from tests.helpers import register_stand_in_rank
 
     config = GracefulConfig(
         report_dir=str(tmp_path),
@@ -80,12 +79,7 @@ def test_slurm_example_trap_notifies_every_node(ray_cluster, tmp_path):
     )
     coordinator = Coordinator.start(config)
     try:
-        node = ray.get_runtime_context().get_node_id()
-        ray.get(
-            coordinator.handle.register.remote(
-                Register("p0", node, 1, "h", "", (RankSpec("g", 0, 1, "0", True),))
-            )
-        )
+        register_stand_in_rank(coordinator)
         with open(os.path.join(EXAMPLES, "slurm_job.sbatch")) as f:
             script = f.read()
         trap = script[script.index("notify_all() {") : script.index("trap notify_all USR2")]
