@@ -32,7 +32,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .protocol import shard_key
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["shard_key"]  # re-exported: checkpoints name shards as the protocol does
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -103,11 +107,6 @@ class CommittedCheckpoint:
                 f"it holds {sorted(self.shards)}."
             )
         return self.shards[key]
-
-
-def shard_key(group: str, shard: str) -> str:
-    """How the shard ``shard`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
-    return f"{group}/{shard}"
 
 
 def step_dir(root: str, step: int) -> str:

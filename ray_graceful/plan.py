@@ -26,8 +26,9 @@ from typing import Any, NamedTuple
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
 from .notices import EvictionNotice, short
+from .protocol import RankKey
 
-Key = tuple[str, int]
+Key = RankKey  # one rank-key type, the protocol's
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
 _SEVERITY_OK = frozenset(VERDICTS)
 _HEALTH_WORDS = {HEALTHY: "healthy", UNKNOWN: "health unknown", DEGRADED: "degraded"}

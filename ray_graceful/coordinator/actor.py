@@ -41,17 +41,17 @@ from ..protocol import (
     Reply,
     SaveAssignment,
     SigtermSeen,
+    shard_key,
 )
 from ..worker.report import TeardownReport
 from .cycle import Cycle, Phase, conclude, failed
-from .registry import Process, Registry
+from .registry import Process, Registry, poll_timeout
 from .spares import SparesMixin
 from .watch import WatcherMixin
 
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
-MAX_POLL_S = 60.0
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 KEEP_OUTCOMES = 16  # concluded cycles whose outcome wait_outcome() can still return
 
@@ -145,8 +145,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
         future = asyncio.get_running_loop().create_future()
         process.waiter = future
         try:
-            timeout = min(max(float(wait_s), 0.1), MAX_POLL_S)
-            return await asyncio.wait_for(future, timeout=timeout)
+            return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
         except asyncio.TimeoutError:
             return PollAnswer("idle")
         finally:
@@ -317,7 +316,10 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
                 trigger=trigger,
                 saves=tuple(
                     SaveAssignment(
-                        o.group, o.rank, f"{o.group}/{o.shard}", self.config.checkpoint_dir or ""
+                        o.group,
+                        o.rank,
+                        shard_key(o.group, o.shard),
+                        self.config.checkpoint_dir or "",
                     )
                     for o in orders
                     if o.action == "save"

@@ -15,6 +15,8 @@ from ..outcome import TerminationOutcome
 from ..protocol import Reply
 from .actor import MAX_CONCURRENCY, CoordinatorActor
 
+DEFAULT_NAME = "ray_graceful_coordinator"  # + "-<job id>": one coordinator per job
+
 
 def coordinator_name(config: GracefulConfig, job_id: str) -> str:
     """The coordinator's actor name: the configured one, else one per Ray job.
@@ -22,7 +24,7 @@ def coordinator_name(config: GracefulConfig, job_id: str) -> str:
     Per job by default, so that a second job on the same cluster never registers with, or is
     stopped by, the first job's coordinator (issue: one job cannot stop another).
     """
-    return config.coordinator_name or f"ray_graceful_coordinator-{job_id}"
+    return config.coordinator_name or f"{DEFAULT_NAME}-{job_id}"
 
 
 class CoordinatorExists(RuntimeError):
@@ -33,7 +35,7 @@ def running_coordinators(config: GracefulConfig) -> list[str]:
     """Names of the coordinators alive in ``config.coordinator_namespace``."""
     import ray
 
-    prefix = config.coordinator_name or "ray_graceful_coordinator"
+    prefix = config.coordinator_name or DEFAULT_NAME
     return sorted(
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)

@@ -15,6 +15,13 @@ from dataclasses import dataclass, field
 from ..health import HealthReport
 from ..protocol import Order, RankKey, RankSpec, Register, SpareOrder
 
+MAX_POLL_S = 60.0
+
+
+def poll_timeout(wait_s: float) -> float:
+    """How long a long poll is held: what the caller asked, within 0.1 s and ``MAX_POLL_S``."""
+    return min(max(float(wait_s), 0.1), MAX_POLL_S)
+
 
 @dataclass
 class Process:

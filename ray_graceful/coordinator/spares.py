@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING
 
 from ..notices import short
 from ..protocol import Reply, SpareOrder
-from .registry import Spare
+from .registry import Spare, poll_timeout
 
 if TYPE_CHECKING:
     from .actor import CoordinatorActor
-
-MAX_POLL_S = 60.0
 
 
 class SparesMixin:
@@ -44,8 +42,7 @@ class SparesMixin:
             future = asyncio.get_running_loop().create_future()
             spare.waiter = future
             try:
-                timeout = min(max(float(wait_s), 0.1), MAX_POLL_S)
-                spare.order = await asyncio.wait_for(future, timeout=timeout)
+                spare.order = await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
             except asyncio.TimeoutError:
                 return None
             finally:

@@ -78,6 +78,11 @@ class Registration:
     release_only: bool = False  # an extra group registered for abort, not a rank to plan for
     cooperative: bool = False  # the training function saves (Ray Train); see train.py
 
+    def save_order(self, root: str, shard: str, budget_s: float) -> SaveOrder:
+        """Save ``shard`` under ``root`` with this rank's saver (which must exist)."""
+        assert self.saver is not None
+        return SaveOrder(root, shard, budget_s, self.saver, self.group.name, self.group.rank)
+
 
 @dataclass
 class _ProcessRuntime:
@@ -180,16 +185,7 @@ class _ProcessRuntime:
             if reg is None or reg.saver is None:
                 skipped.append(f"{save.shard_key}: this process has no saver for it")
                 continue
-            save_orders.append(
-                SaveOrder(
-                    save.root,
-                    save.shard_key,
-                    order.save_budget_s,
-                    reg.saver,
-                    reg.group.name,
-                    reg.group.rank,
-                )
-            )
+            save_orders.append(reg.save_order(save.root, save.shard_key, order.save_budget_s))
         skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
         self.begin_teardown(
             trigger=f"coordinator order ({order.trigger})",
@@ -295,16 +291,8 @@ class _ProcessRuntime:
         for reg in self.registrations.values():
             if reg.release_only or reg.saver is None:
                 continue
-            orders.append(
-                SaveOrder(
-                    config.checkpoint_dir,
-                    shard_key(reg.group.name, reg.shard),
-                    config.save_budget_s,
-                    reg.saver,
-                    reg.group.name,
-                    reg.group.rank,
-                )
-            )
+            shard = shard_key(reg.group.name, reg.shard)
+            orders.append(reg.save_order(config.checkpoint_dir, shard, config.save_budget_s))
         if not orders:
             return [], "no registered rank of this process has a saver"
         return orders, ""

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 from .. import ray_adapter
+from .exit_path import write_stderr
 
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -131,7 +132,7 @@ class SignalListener:
                     try:
                         callback(signal.SIGTERM, self.signals_seen)
                     except Exception as exc:  # a bug in a callback must not kill the listener
-                        _write_stderr(f"ray_graceful: signal callback failed: {exc!r}\n")
+                        write_stderr(f"ray_graceful: signal callback failed: {exc!r}\n")
 
     # --- fork: the child must never write into our pipe ----------------------------------------
     # A child starts with our wakeup fd. A SIGTERM that reaches it before its at-fork hooks ran
@@ -213,10 +214,3 @@ def install_listener(where: str) -> SignalListener:
             listener.adopt_previous(signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, listener._handle)
         return listener
-
-
-def _write_stderr(text: str) -> None:
-    try:
-        os.write(2, text.encode())
-    except OSError:
-        pass
