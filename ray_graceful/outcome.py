@@ -31,6 +31,7 @@ class TerminationOutcome:
     resume_from: dict[str, Any] | None = None  # the committed checkpoint a restart loads
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds from the first notice
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # shards a backup saved
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,6 +9,10 @@ Rules (DESIGN.md §6):
 - every shard gets exactly one saver: survivors (ranks not being evicted) before evicted ones,
   healthier before less healthy (HEALTHY, UNKNOWN, DEGRADED), then the most time left, then
   the lowest rank - and only a replica whose expected save fits before its deadline;
+- the next viable replica of a shard (by the same preference) is its *backup*: it stays parked
+  at its step boundary and saves only if the saver cannot (stuck in a collective after the
+  release, refused as not quiescent, failed, died) - asked at the latest moment its own save
+  still fits before its deadline (``start_by``), so a shard is not lost to one bad rank;
 - if some shard has no viable saver, nobody saves (a partial checkpoint is never written as if
   complete) and the plan says why.
 
@@ -32,6 +36,7 @@ Key = RankKey  # one rank-key type, the protocol's
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
 _SEVERITY_OK = frozenset(VERDICTS)
 _HEALTH_WORDS = {HEALTHY: "healthy", UNKNOWN: "health unknown", DEGRADED: "degraded"}
+Candidate = tuple[tuple[bool, int, float, int], RankKey]  # (preference, key): lowest wins
 
 
 class TopologyError(ValueError):
@@ -60,10 +65,11 @@ class RankOrder(NamedTuple):
     node_id: str
     shard: str
     health: str
-    action: str  # "save" | "leave"
+    action: str  # "save" | "backup" | "leave"
     reason: str
     deadline: float
     evicted: bool
+    start_by: float = 0.0  # a backup: the latest time its save may start and still fit
 
 
 class TerminationPlan(NamedTuple):
@@ -71,6 +77,7 @@ class TerminationPlan(NamedTuple):
     savers: dict[tuple[str, str], Key]
     abandoned: str | None
     created_at: float
+    backups: dict[tuple[str, str], Key]  # shard -> the replica that saves if its saver cannot
 
     def order_for(self, key: Key) -> RankOrder:
         for order in self.orders:
@@ -85,6 +92,9 @@ class TerminationPlan(NamedTuple):
             "savers": [
                 {"group": g, "shard": s, "rank": k[1]} for (g, s), k in sorted(self.savers.items())
             ],
+            "backups": [
+                {"group": g, "shard": s, "rank": k[1]} for (g, s), k in sorted(self.backups.items())
+            ],
             "orders": [o._asdict() for o in self.orders],
         }
 
@@ -98,7 +108,7 @@ class TerminationPlan(NamedTuple):
                 o.node_id[:12],
                 o.shard,
                 o.health,
-                o.action.upper() if o.action == "save" else o.action,
+                o.action.upper() if o.action != "leave" else o.action,
                 f"{o.deadline - now:+.1f}s",
                 o.reason,
             )
@@ -113,7 +123,10 @@ class TerminationPlan(NamedTuple):
         if self.abandoned:
             lines.append(f"checkpoint abandoned: {self.abandoned}")
         else:
-            lines.append(f"checkpoint: {len(self.savers)} shard(s), one saver each")
+            lines.append(
+                f"checkpoint: {len(self.savers)} shard(s), one saver each; "
+                f"{len(self.backups)} with a backup"
+            )
         return "\n".join(lines)
 
 
@@ -174,7 +187,8 @@ def _plan(
 
     # One pass over ranks: deadline, health, eviction, and the best candidate of each shard.
     ranks: list[tuple[RankInfo, Key, str, float, bool]] = []
-    best: dict[tuple[str, str], tuple[tuple[int, int, float, int], Key]] = {}
+    best: dict[tuple[str, str], Candidate] = {}
+    second: dict[tuple[str, str], Candidate] = {}
     shards: set[tuple[str, str]] = set()
     margin = config.watchdog_margin_s + config.plan_margin_s
     default_save = config.expected_save_s
@@ -204,10 +218,14 @@ def _plan(
         shards.add(shard_key)
         if can_save and verdict != FAULTY:
             if now + expected_get(shard_key, default_save) + margin <= deadline:
-                preference = (evicted, _PREFERENCE[verdict], -deadline, rank)
+                candidate = ((evicted, _PREFERENCE[verdict], -deadline, rank), key)
                 current = best.get(shard_key)
-                if current is None or preference < current[0]:
-                    best[shard_key] = (preference, key)
+                if current is None or candidate < current:
+                    best[shard_key] = candidate
+                    if current is not None:
+                        second[shard_key] = current
+                elif shard_key not in second or candidate < second[shard_key]:
+                    second[shard_key] = candidate
         elif verdict not in _SEVERITY_OK:
             raise TopologyError(f"health for {group}/{rank} is {verdict!r}")
 
@@ -222,18 +240,26 @@ def _plan(
             f"shard(s) {shown} have no replica that is not FAULTY, can save, and has "
             f"{config.expected_save_s:.0f}s+{margin:.0f}s before its deadline"
         )
+    backups: dict[tuple[str, str], Key] = {s: k for s, (_p, k) in second.items()}
     if abandoned:
-        savers = {}
+        savers, backups = {}, {}
 
     saver_keys = set(savers.values())
+    backup_of = {k: s for s, k in backups.items()}
     leave_reason = {s: f"rank {k[1]} saves shard {s[1]}" for s, k in savers.items()}
     orders = []
     append = orders.append
     for info, key, verdict, deadline, evicted in ranks:
         group, rank, node, shard, can_save = info
+        start_by = 0.0
         if key in saver_keys:
             who = "evicted replica" if evicted else "survivor"
             action, reason = "save", f"saves shard {shard} ({who}, {_HEALTH_WORDS[verdict]})"
+        elif key in backup_of:
+            shard_of = backup_of[key]
+            action = "backup"
+            reason = f"saves shard {shard} only if rank {savers[shard_of][1]} cannot"
+            start_by = deadline - expected_get(shard_of, default_save) - margin
         elif verdict == FAULTY:
             note = notes.get(key)
             action, reason = (
@@ -246,8 +272,12 @@ def _plan(
             action, reason = "leave", "has no saver"
         else:
             action, reason = "leave", leave_reason[(group, shard)]
-        append(RankOrder(group, rank, node, shard, verdict, action, reason, deadline, evicted))
-    return TerminationPlan(tuple(orders), savers, abandoned, now)
+        append(
+            RankOrder(
+                group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by
+            )
+        )
+    return TerminationPlan(tuple(orders), savers, abandoned, now, backups)
 
 
 def parse_topology(data: Any) -> list[RankInfo]:

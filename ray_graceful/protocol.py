@@ -1,10 +1,12 @@
 """Every message between a worker process and the coordinator, as one frozen, versioned type.
 
 The data flows one way: notice -> plan -> order -> acknowledgement -> report -> outcome. Workers
-send ``Register``, ``PollState`` (with each long poll), ``SigtermSeen``, ``Ack`` and their
-``TeardownReport`` (``teardown.py``); the coordinator answers with a ``Reply`` or, to a poll, a
-``PollAnswer`` that may carry an ``Order``. Spares get ``SpareOrder``. Nothing is read back by
-string key: a message is built once, checked where it arrives (``check()``), and read by field.
+send ``Register``, ``PollState`` (with each long poll), ``SigtermSeen``, ``Ack``, ``SaveResult``
+(a saver, as soon as its save step ended), ``SaveTurn`` (a backup asking whether to save) and
+their ``TeardownReport`` (``teardown.py``); the coordinator answers with a ``Reply`` or, to a
+poll, a ``PollAnswer`` that may carry an ``Order``. Spares get ``SpareOrder``. Nothing is read
+back by string key: a message is built once, checked where it arrives (``check()``), and read by
+field.
 
 Words used everywhere:
 
@@ -121,12 +123,22 @@ class PollState:
 
 @dataclass(frozen=True)
 class SaveAssignment:
-    """Save this rank's shard under ``root``."""
+    """Save this rank's shard under ``root``; a backup only if rank ``backup_for`` cannot.
+
+    A backup asks (``SaveTurn``) by ``start_by`` at the latest, the last moment its own save
+    still fits before its deadline; until then it stays parked, its state intact.
+    """
 
     group: str
     rank: int
     shard_key: str
     root: str
+    backup_for: int | None = None
+    start_by: float = 0.0
+
+    @property
+    def is_backup(self) -> bool:
+        return self.backup_for is not None
 
     @property
     def key(self) -> RankKey:
@@ -191,6 +203,28 @@ class SigtermSeen:
             raise ProtocolError(
                 f"received_at {self.received_at!r} is not allowed: Unix seconds (finite, > 0)"
             )
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A saver's save step ended: which shard keys it saved, which it could not, and why."""
+
+    process_id: str
+    cycle: int
+    saved: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    reason: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class SaveTurn:
+    """A backup saver asks whether it must save ``shard_key`` (answered: Reply, ``save``)."""
+
+    process_id: str
+    cycle: int
+    shard_key: str
+    version: int = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ def coordinator(ray_cluster, config):
     coord.shutdown()
 
 
-def start_group(config, exit_recorder, placement=NODES, resume=None, save_seconds=0.0):
+def start_group(
+    config, exit_recorder, placement=NODES, resume=None, save_seconds=0.0, failing_savers=()
+):
     port = free_port()
     actor = ray.remote(actors.GracefulTrainer)
     ranks = [
@@ -71,7 +73,14 @@ def start_group(config, exit_recorder, placement=NODES, resume=None, save_second
     statuses = ray.get(
         [
             r.setup.remote(
-                i, len(ranks), "127.0.0.1", port, config, shard=SHARDS[i], save_seconds=save_seconds
+                i,
+                len(ranks),
+                "127.0.0.1",
+                port,
+                config,
+                shard=SHARDS[i],
+                save_seconds=save_seconds,
+                fail_save=i in failing_savers,
             )
             for i, r in enumerate(ranks)
         ],
@@ -130,6 +139,29 @@ def test_drain_with_deadline_saves_once_per_shard_commits_and_resumes(
     assert "cycle 1" in statuses[0]
     assert ray.get([r.train.remote(2) for r in restarted], timeout=60) == [5] * 4
     kill_actors(*restarted)
+
+
+def test_a_saver_that_cannot_save_is_replaced_by_its_backup(
+    nodes, config, coordinator, exit_recorder
+):
+    """Rank 0 (survivor) is to save shard 0 but its disk is full: rank 2, the replica on the
+    drained node, parked as its backup, saves it instead - the checkpoint is still committed."""
+    ranks, pids, _ = start_group(config, exit_recorder, failing_savers={0})
+    block_in_collective(ranks)
+    drain_node(nodes["b"], time.time() + 12)
+    codes = wait_all_exited(exit_recorder, pids, 20)
+    assert set(codes.values()) == {0}, codes
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome.result == "committed", outcome.summary()
+    savers = {(r["ranks"][0]["rank"], s["shard"]) for r in outcome.reports for s in r["saved"]}
+    assert savers == {(2, "trainer/0"), (1, "trainer/1")}, savers
+    assert [f["shard"] for f in outcome.fallbacks] == ["trainer/0"]
+    assert "No space left on device" in outcome.fallbacks[0]["why"]
+    by_rank = {r["ranks"][0]["rank"]: r for r in outcome.reports}
+    save_of_3 = next(s for s in by_rank[3]["steps"] if s["name"] == "save")
+    assert "not saving (" in save_of_3["detail"], "rank 1 saved its shard: its backup did not"
+    ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]
 
 
 def test_faulty_node_saves_nothing_and_leaves_first(nodes, config, coordinator, exit_recorder):

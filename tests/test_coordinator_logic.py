@@ -15,7 +15,15 @@ import pytest
 from ray_graceful import GracefulConfig, TeardownReport, latest_committed
 from ray_graceful.checkpoint import save_state_dict, write_shard
 from ray_graceful.coordinator import CoordinatorActor
-from ray_graceful.protocol import Ack, PollState, RankSpec, Register, SigtermSeen
+from ray_graceful.protocol import (
+    Ack,
+    PollState,
+    RankSpec,
+    Register,
+    SaveResult,
+    SaveTurn,
+    SigtermSeen,
+)
 
 RANK = RankSpec("g", 0, 1, "0", True)
 
@@ -286,3 +294,77 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     assert coord.cycle.number == 3
     assert coord.registry.processes == {} and coord.registry.ranks == {}
     assert sorted(coord.outcomes) == [0, 1, 2]
+
+
+REPLICA = RankSpec("g", 1, 2, "0", True)  # a second replica of shard "0", on node n1
+
+
+@pytest.mark.parametrize("saver_fate", ["failed", "saved", "died", "silent"])
+def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
+    """Drain n1: rank 0 (survivor) saves shard g/0, rank 1 (drained) is its backup. The backup
+    saves only if the saver failed or died - never both, so a shard has one writer."""
+
+    async def scenario():
+        coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
+        await register(coord, pid="p0", actor_id="a0")
+        await register(coord, pid="p1", node="n1", actor_id="a1", ranks=(REPLICA,))
+        polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
+        await asyncio.sleep(0)
+        await coord.notify({"node_id": "n1", "reason": "test"})
+        saver, backup = [(await p).order for p in polls]
+        assert [s.is_backup for s in saver.saves] == [False]
+        assert backup.saves[0].backup_for == 0 and backup.saves[0].shard_key == "g/0"
+        turn = asyncio.create_task(
+            coord.save_turn(SaveTurn("p1", 0, "g/0"), 0.5 if saver_fate == "silent" else 10)
+        )
+        await asyncio.sleep(0.05)
+        assert not turn.done(), "the backup waits for the saver's word"
+        if saver_fate == "failed":
+            why = "save failed: not quiescent"
+            await coord.save_result(SaveResult("p0", 0, failed=("g/0",), reason=why))
+        elif saver_fate == "saved":
+            await coord.save_result(SaveResult("p0", 0, saved=("g/0",)))
+        elif saver_fate == "died":
+            dead.ids = {"a0"}
+        answer = await turn
+        if answer.details["save"]:
+            await coord.report_teardown("p1", saved_report(config.checkpoint_dir, 0, 9))
+        else:
+            await coord.report_teardown("p1", report(0))
+        if saver_fate != "died":
+            saved = saver_fate == "saved"
+            await coord.report_teardown(
+                "p0", saved_report(config.checkpoint_dir, 0, 9) if saved else report(0)
+            )
+        return answer, await coord.wait_outcome(0, 15)
+
+    answer, outcome = run(scenario())
+    must_save = saver_fate in ("failed", "died")
+    assert answer.accepted and answer.details["save"] is must_save, answer
+    if saver_fate == "failed":
+        assert "not quiescent" in answer.details["why"]
+    if saver_fate == "silent":
+        assert "had not reported" in answer.details["why"]
+        assert outcome.result == "abandoned"  # nobody saved: nothing committed
+    else:
+        assert outcome.result == "committed" and outcome.committed["step"] == 9
+    assert [f["shard"] for f in outcome.fallbacks] == (["g/0"] if must_save else [])
+
+
+def test_only_a_named_backup_may_ask_for_a_turn(config):
+    async def scenario():
+        coord, *_ = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
+        await register(coord, pid="p0")
+        await register(coord, pid="p1", node="n1", ranks=(REPLICA,))
+        await coord.notify({"node_id": "n1", "reason": "test"})
+        await asyncio.sleep(0.05)  # the plan is made and the orders are out
+        return (
+            await coord.save_turn(SaveTurn("p0", 0, "g/0"), 1),  # the saver itself
+            await coord.save_turn(SaveTurn("p1", 3, "g/0"), 1),  # another cycle
+            await coord.save_turn(SaveTurn("p1", 0, "g/0", version=99), 1),
+        )
+
+    own, stale, version = run(scenario())
+    assert not own.accepted and "no backup of g/0" in own.reason
+    assert not stale.accepted and "stale" in stale.reason
+    assert not version.accepted and "protocol version 99" in version.reason

@@ -46,10 +46,25 @@ def actions(plan):
 
 def test_drained_node_survivors_save():
     plan = plan_termination(two_replicas_per_shard(), [drain("B")], {}, CONFIG, NOW)
-    assert actions(plan) == {0: "save", 1: "save", 2: "leave", 3: "leave"}
+    # The drained node's replicas are the backups: they save only if a survivor cannot.
+    assert actions(plan) == {0: "save", 1: "save", 2: "backup", 3: "backup"}
     assert plan.abandoned is None
-    assert plan.order_for(("p", 2)).reason == "rank 0 saves shard 0"
+    assert plan.order_for(("p", 2)).reason == "saves shard 0 only if rank 0 cannot"
     assert plan.order_for(("p", 2)).deadline == NOW + 30
+    # ... asked no later than the moment its own save still fits: 30 - 5 (save) - 2 (margins)
+    assert plan.order_for(("p", 2)).start_by == NOW + 23
+    assert plan.backups == {("p", "0"): ("p", 2), ("p", "1"): ("p", 3)}
+
+
+def test_backup_is_the_next_viable_replica_never_a_faulty_one():
+    ranks = [RankInfo("p", r, n, "0") for r, n in enumerate("ABCD")]
+    health = {("p", 1): FAULTY, ("p", 2): DEGRADED}
+    plan = plan_termination(ranks, [drain("D", in_s=4)], health, CONFIG, NOW)
+    # A saves (healthy survivor); B is FAULTY; C is degraded but viable; D's 4 s do not fit.
+    assert actions(plan) == {0: "save", 1: "leave", 2: "backup", 3: "leave"}
+    assert plan.backups == {("p", "0"): ("p", 2)}
+    single = plan_termination([RankInfo("p", 0, "A", "0")], [drain("A")], {}, CONFIG, NOW)
+    assert single.backups == {} and actions(single) == {0: "save"}
 
 
 def test_faulty_node_never_saves_even_as_survivor():
@@ -64,7 +79,7 @@ def test_no_viable_saver_abandons_for_everyone():
     health = {("p", 0): FAULTY, ("p", 1): FAULTY}
     plan = plan_termination(two_replicas_per_shard(), [drain("B", in_s=4)], health, CONFIG, NOW)
     assert set(actions(plan).values()) == {"leave"}
-    assert plan.savers == {}
+    assert plan.savers == {} and plan.backups == {}
     assert "p/0" in plan.abandoned and "p/1" in plan.abandoned
 
 
@@ -108,7 +123,8 @@ def test_plan_table_is_readable():
     lines = text.splitlines()
     assert lines[0].split() == ["rank", "node", "shard", "health", "action", "deadline", "reason"]
     assert "p/0" in lines[2] and "SAVE" in lines[2] and "+25.0s" in lines[2]
-    assert lines[-1] == "checkpoint: 2 shard(s), one saver each"
+    assert "p/2" in lines[4] and "BACKUP" in lines[4]
+    assert lines[-1] == "checkpoint: 2 shard(s), one saver each; 2 with a backup"
 
 
 @st.composite
@@ -138,8 +154,15 @@ def test_plan_invariants(scenario):
     assert all(by_key[(o.group, o.rank)].can_save for o in savers)
     shards_saved = [(o.group, o.shard) for o in savers]
     assert len(shards_saved) == len(set(shards_saved)), "at most one saver per shard"
+    backups = [o for o in plan.orders if o.action == "backup"]
+    assert all(o.health != FAULTY and by_key[(o.group, o.rank)].can_save for o in backups)
+    backed = [(o.group, o.shard) for o in backups]
+    assert len(backed) == len(set(backed)), "at most one backup per shard"
+    assert set(backed) <= set(shards_saved), "a backup only where a saver is"
+    for o in backups:
+        assert o.start_by + CONFIG.expected_save_s + 2 <= o.deadline + 1e-9, "its save fits"
     if plan.abandoned:
-        assert savers == []
+        assert savers == [] and backups == []
     else:
         assert set(shards_saved) == {(r.group, r.shard) for r in ranks}, "every shard saved"
         for o in savers:

@@ -30,7 +30,7 @@ from ..config import GracefulConfig
 from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import OutcomeMetrics, TerminationOutcome
-from ..plan import RankInfo, plan_termination
+from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
 from ..protocol import (
     Ack,
     Order,
@@ -45,6 +45,7 @@ from ..protocol import (
 )
 from ..worker.report import TeardownReport
 from .cycle import Cycle, Phase, conclude, failed
+from .fallback import FallbackMixin
 from .registry import Process, Registry, poll_timeout
 from .spares import SparesMixin
 from .watch import WatcherMixin
@@ -59,7 +60,7 @@ DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
 LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
 
 
-class CoordinatorActor(WatcherMixin, SparesMixin):
+class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
     """The actor's implementation (started through ``Coordinator.start``).
 
     Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``
@@ -314,16 +315,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
                 order_id=uuid.uuid4().hex,
                 deadline=min(o.deadline for o in orders),
                 trigger=trigger,
-                saves=tuple(
-                    SaveAssignment(
-                        o.group,
-                        o.rank,
-                        shard_key(o.group, o.shard),
-                        self.config.checkpoint_dir or "",
-                    )
-                    for o in orders
-                    if o.action == "save"
-                ),
+                saves=tuple(self._assignment(plan, o) for o in orders if o.action != "leave"),
                 skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
                 save_budget_s=self.config.save_budget_s,
             )
@@ -332,6 +324,19 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
         if not by_process:
             cycle.all_reported.set()
         self._check_all_reported()
+
+    def _assignment(self, plan: TerminationPlan, order: RankOrder) -> SaveAssignment:
+        backup_for = None
+        if order.action == "backup":
+            backup_for = plan.savers[(order.group, order.shard)][1]
+        return SaveAssignment(
+            order.group,
+            order.rank,
+            shard_key(order.group, order.shard),
+            self.config.checkpoint_dir or "",
+            backup_for=backup_for,
+            start_by=order.start_by,
+        )
 
     async def _await_reports(self, cycle: Cycle) -> None:
         assert cycle.plan is not None
@@ -381,6 +386,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin):
                 {"process": process_id, "cycle": report.cycle}, self._stale(report.cycle)
             )
         process.report = report
+        self._resolve_saves(process, {s.get("shard") for s in report.saved}, report.save_failure())
         self._check_all_reported()
         return Reply.ok(self.cycle.number)
 

@@ -55,6 +55,10 @@ class Cycle:
     orders_at: float | None = None
     task: asyncio.Task | None = None
     all_reported: asyncio.Event = field(default_factory=asyncio.Event)
+    # Backup savers (fallback.py): each shard's saver's fate, once known, and who waits on it.
+    save_results: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    save_resolved: dict[str, asyncio.Event] = field(default_factory=dict)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tearing_down(self) -> bool:
@@ -129,6 +133,7 @@ def conclude(
         resume_from={"step": latest.step, "path": latest.path} if latest else None,
         reason=reason,
         timings=timings,
+        fallbacks=list(cycle.fallbacks),
     )
 
 

@@ -110,6 +110,7 @@ class WatcherMixin:
             return  # the GCS is unreachable for a moment: next round
         for actor_id in dead:
             watched[actor_id].lost = True
+            self._resolve_saves(watched[actor_id], set(), "its process died")
         if not dead:
             return
         self._check_all_reported()

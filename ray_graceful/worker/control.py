@@ -24,7 +24,17 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
-from ..protocol import Ack, Order, PollState, RankSpec, Register, Reply, SigtermSeen
+from ..protocol import (
+    Ack,
+    Order,
+    PollState,
+    RankSpec,
+    Register,
+    Reply,
+    SaveResult,
+    SaveTurn,
+    SigtermSeen,
+)
 from .report import TeardownReport
 
 logger = logging.getLogger(__name__)
@@ -222,6 +232,30 @@ class ControlChannel:
             self._lost(f"reporting SIGTERM: {exc!r}")
             return False
         return answer.accepted
+
+    def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:
+        """Tell the coordinator how this process's own saves went (its backups wait on it)."""
+        import ray
+
+        if self.cycle is None:
+            return
+        message = SaveResult(self.process_id, self.cycle, tuple(saved), tuple(failed), reason)
+        ray.get(self.handle.save_result.remote(message), timeout=REPORT_TIMEOUT_S)
+
+    def save_turn(self, cycle: int, key: str, wait_s: float) -> tuple[bool, str]:
+        """As a backup saver: must this process save shard ``key``? Waits at most ``wait_s``."""
+        import ray
+
+        try:
+            reply: Reply = ray.get(
+                self.handle.save_turn.remote(SaveTurn(self.process_id, cycle, key), wait_s),
+                timeout=wait_s + REPORT_TIMEOUT_S,
+            )
+        except Exception as exc:
+            return False, f"could not ask the coordinator ({type(exc).__name__})"
+        if not reply.accepted:
+            return False, reply.reason
+        return bool(reply.details.get("save")), str(reply.details.get("why", ""))
 
     def report(self, report: TeardownReport) -> None:
         """Send the TeardownReport before the process exits (bounded)."""

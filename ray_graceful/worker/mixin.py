@@ -78,10 +78,22 @@ class Registration:
     release_only: bool = False  # an extra group registered for abort, not a rank to plan for
     cooperative: bool = False  # the training function saves (Ray Train); see train.py
 
-    def save_order(self, root: str, shard: str, budget_s: float) -> SaveOrder:
-        """Save ``shard`` under ``root`` with this rank's saver (which must exist)."""
+    def save_order(
+        self,
+        root: str,
+        shard: str,
+        budget_s: float,
+        turn: Callable[[float], tuple[bool, str]] | None = None,
+        start_by: float = 0.0,
+    ) -> SaveOrder:
+        """Save ``shard`` under ``root`` with this rank's saver (which must exist).
+
+        ``turn`` makes it a backup save: done only if the coordinator says so (see SaveOrder).
+        """
         assert self.saver is not None
-        return SaveOrder(root, shard, budget_s, self.saver, self.group.name, self.group.rank)
+        return SaveOrder(
+            root, shard, budget_s, self.saver, self.group.name, self.group.rank, turn, start_by
+        )
 
 
 @dataclass
@@ -185,7 +197,12 @@ class _ProcessRuntime:
             if reg is None or reg.saver is None:
                 skipped.append(f"{save.shard_key}: this process has no saver for it")
                 continue
-            save_orders.append(reg.save_order(save.root, save.shard_key, order.save_budget_s))
+            turn = None
+            if save.is_backup:
+                turn = self._turn_asker(order.cycle, save.shard_key)
+            save_orders.append(
+                reg.save_order(save.root, save.shard_key, order.save_budget_s, turn, save.start_by)
+            )
         skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
         self.begin_teardown(
             trigger=f"coordinator order ({order.trigger})",
@@ -194,6 +211,17 @@ class _ProcessRuntime:
             save_orders=save_orders,
             skip_save_reason=skip_reason or "the plan has another replica save",
         )
+
+    def _turn_asker(self, cycle: int, key: str) -> Callable[[float], tuple[bool, str]]:
+        """How a backup save asks the coordinator whether it is its turn."""
+        control = self.control
+
+        def ask(wait_s: float) -> tuple[bool, str]:
+            if control is None or not control.alive:
+                return False, "no coordinator to ask: the saver may have saved"
+            return control.save_turn(cycle, key, wait_s)
+
+        return ask
 
     def _cooperative_stop(self, order: Order) -> None:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
@@ -274,6 +302,7 @@ class _ProcessRuntime:
                 skip_save_reason=skip_save_reason or "",
                 on_stop=self.stop_event.set,
                 on_report=self.control.report if self.control is not None else None,
+                on_saved=self.control.save_result if self.control is not None else None,
                 training=self.loop,
                 exit_process=exit_process,
             )

@@ -68,6 +68,13 @@ class TeardownReport:
                 return record
         raise KeyError(f"no step {name!r} in this report; steps: {[s.name for s in self.steps]}")
 
+    def save_failure(self) -> str:
+        """Why the save step saved nothing (or only part): its detail, else the exit path."""
+        for record in self.steps:
+            if record.name == "save":
+                return f"save {record.status}: {record.detail}"[:300]
+        return f"no save step ran (exit: {self.exit_path})"
+
     def summary(self) -> str:
         ranks = ",".join(f"{r['group']}/{r['rank']}" for r in self.ranks) or "-"
         steps = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.steps)

@@ -17,7 +17,10 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
                           (a sync would never return) and drains after. Release = abort NCCL
                           communicators, shut gloo connections down; no collective is issued.
 4. ``save``             - only if this rank was ordered to and is quiescent, within its
-                          budget, atomically; labelled with the step it parked at.
+                          budget, atomically; labelled with the step it parked at. Its own
+                          shards first (the coordinator is told at once how that went), then
+                          any it is the backup saver of: those only if the coordinator says
+                          their saver could not (``coordinator/fallback.py``).
 5. ``destroy_process_group`` - bounded, on a helper thread.
 6. ``exit``             - the report is written (JSON file + one log line), then Ray's
                           intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
@@ -66,6 +69,10 @@ class SaveOrder:
     saver: Callable[[str, int], tuple[int, int] | None]
     group: str = ""
     rank: int = -1
+    # A backup saver: ``turn(wait_s)`` asks the coordinator whether to save (True, why), waiting
+    # at most ``wait_s``; asked no later than ``start_by``, when the save still fits.
+    turn: Callable[[float], tuple[bool, str]] | None = None
+    start_by: float = 0.0
 
 
 class TrainingThread(Protocol):
@@ -100,6 +107,7 @@ class Teardown:
         skip_save_reason: str = "",
         on_stop: Callable[[], None] | None = None,
         on_report: Callable[[TeardownReport], None] | None = None,
+        on_saved: Callable[[list[str], list[str], str], None] | None = None,
         training: TrainingThread | None = None,
         exit_process: bool = True,
     ) -> None:
@@ -109,6 +117,8 @@ class Teardown:
         self.skip_save_reason = skip_save_reason
         self.on_stop = on_stop
         self.on_report = on_report
+        self.on_saved = on_saved
+        self._told_saved = False
         self.training = training
         self.exit_process = exit_process
         self.quiescent = training is None  # no loop registered: nothing to wait for
@@ -164,6 +174,7 @@ class Teardown:
             self._step("save", self._save)
         finally:
             self.training_released.set()
+            self._tell_saved()
         self._step("destroy_process_group", self._destroy)
         self._finish()
         return self.report
@@ -276,39 +287,75 @@ class Teardown:
             )
         self.report.last_step = step
         done = [f"state of step {step}"]
-        for order in self.save_orders:
-            budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
-            if budget <= 0:
-                raise RuntimeError(
-                    f"no time left before the deadline to save shard {order.shard!r} "
-                    f"({'; '.join(done)})"
-                )
-
-            def save(order: SaveOrder = order) -> ShardRecord:
-                return write_shard(
-                    order.root,
-                    step,
-                    order.shard,
-                    order.saver,
-                    abandoned=self._abandon_save,
-                    group=order.group,
-                    rank=order.rank,
-                )
-
-            try:
-                record: ShardRecord = run_bounded(save, budget, "emergency-save")
-            except TimeoutError:
-                self._abandon_save.set()
-                raise TimeoutError(
-                    f"save of shard {order.shard!r} exceeded its budget of {budget:.1f}s; "
-                    "abandoned, never renamed into place"
-                ) from None
-            self.report.saved.append(record.to_dict())
-            done.append(
-                f"shard {order.shard!r}: {record.bytes} bytes in {record.seconds:.2f}s"
-                + (" (already committed: kept, not rewritten)" if record.reused else "")
+        own = [o for o in self.save_orders if o.turn is None]
+        backups = [o for o in self.save_orders if o.turn is not None]
+        for order in own:
+            self._save_one(order, step, done)
+        self._tell_saved()  # before any backup turn: another process's backup may wait on it
+        for order in backups:
+            assert order.turn is not None
+            wait_s = min(
+                order.start_by - time.time(), self.remaining() - self.config.destroy_timeout_s
             )
+            must_save, why = order.turn(max(wait_s, 0.0))
+            if not must_save:
+                done.append(f"backup of shard {order.shard!r}: not saving ({why})")
+                continue
+            done.append(f"backup of shard {order.shard!r}: saving ({why})")
+            self._save_one(order, step, done)
+        if not own and not any(o.shard in {r["shard"] for r in self.report.saved} for o in backups):
+            raise _Skip("; ".join(done))
         return "; ".join(done)
+
+    def _save_one(self, order: SaveOrder, step: int, done: list[str]) -> None:
+        budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
+        if budget <= 0:
+            raise RuntimeError(
+                f"no time left before the deadline to save shard {order.shard!r} "
+                f"({'; '.join(done)})"
+            )
+
+        def save() -> ShardRecord:
+            return write_shard(
+                order.root,
+                step,
+                order.shard,
+                order.saver,
+                abandoned=self._abandon_save,
+                group=order.group,
+                rank=order.rank,
+            )
+
+        try:
+            record: ShardRecord = run_bounded(save, budget, "emergency-save")
+        except TimeoutError:
+            self._abandon_save.set()
+            raise TimeoutError(
+                f"save of shard {order.shard!r} exceeded its budget of {budget:.1f}s; "
+                "abandoned, never renamed into place"
+            ) from None
+        self.report.saved.append(record.to_dict())
+        done.append(
+            f"shard {order.shard!r}: {record.bytes} bytes in {record.seconds:.2f}s"
+            + (" (already committed: kept, not rewritten)" if record.reused else "")
+        )
+
+    def _tell_saved(self) -> None:
+        """Tell the coordinator, once, which of its own shards this process saved."""
+        own = [o.shard for o in self.save_orders if o.turn is None]
+        if self._told_saved or self.on_saved is None or not own:
+            return
+        self._told_saved = True
+        saved = {r["shard"] for r in self.report.saved}
+        try:
+            record = self.report.step("save")
+            why = f"save {record.status}: {record.detail}"[:300]
+        except KeyError:
+            why = "no save step ran"
+        try:
+            self.on_saved([s for s in own if s in saved], [s for s in own if s not in saved], why)
+        except Exception as exc:  # the backup then waits for the report, or its own limit
+            write_stderr(f"ray_graceful: could not tell the coordinator the save result: {exc!r}\n")
 
     def _destroy(self) -> str:
         import torch.distributed as dist
