@@ -39,7 +39,7 @@ def shard_key(group: str, label: str) -> str:
     return f"{group}/{label}"
 
 
-def _check_version(message: object) -> None:
+def check_version(message: object) -> None:
     version = getattr(message, "version", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -101,7 +101,7 @@ class Register:
     version: int = PROTOCOL_VERSION
 
     def check(self) -> None:
-        _check_version(self)
+        check_version(self)
         for name in ("process_id", "node_id", "hostname", "job_id", "actor_id"):
             _text(getattr(self, name), name)
         _non_negative_int(self.pid, "pid")
@@ -193,7 +193,7 @@ class SigtermSeen:
     version: int = PROTOCOL_VERSION
 
     def check(self) -> None:
-        _check_version(self)
+        check_version(self)
         if (
             not isinstance(self.received_at, (int, float))
             or isinstance(self.received_at, bool)

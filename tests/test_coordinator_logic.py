@@ -268,10 +268,18 @@ def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
     async def scenario():
         coord, *_ = make(config)
         message = Register("p0", "n0", 1, "h", "job-a", (RANK,), version=99)
-        return await coord.register(message)
+        refused = await coord.register(message)
+        await register(coord)
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await asyncio.sleep(0.05)
+        order = coord.registry.processes["p0"].order
+        old_ack = await coord.ack(Ack("p0", 0, order.order_id, version=99))
+        return refused, old_ack, coord.registry.processes["p0"].acked
 
-    answer = run(scenario())
-    assert not answer.accepted and "protocol version 99" in answer.reason
+    refused, old_ack, acked = run(scenario())
+    assert not refused.accepted and "protocol version 99" in refused.reason
+    assert not old_ack.accepted and "protocol version 99" in old_ack.reason
+    assert not acked, "an acknowledgement of another version does not stop the re-sends"
 
 
 def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):

@@ -41,6 +41,7 @@ from ..protocol import (
     Reply,
     SaveAssignment,
     SigtermSeen,
+    check_version,
     shard_key,
 )
 from ..worker.report import TeardownReport
@@ -155,6 +156,10 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
 
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it is not sent again."""
+        try:
+            check_version(message)
+        except (ProtocolError, AttributeError) as exc:
+            return self._reject({"ack": short(message)}, str(exc))
         process = self.registry.processes.get(message.process_id)
         if process is None or process.order is None or process.order.order_id != message.order_id:
             return Reply.refused("no such order", self.cycle.number)

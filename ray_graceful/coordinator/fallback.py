@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..notices import short
-from ..protocol import ProtocolError, Reply, SaveResult, SaveTurn, _check_version
+from ..protocol import ProtocolError, Reply, SaveResult, SaveTurn, check_version
 from .registry import Process
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class FallbackMixin:
     async def save_result(self: CoordinatorActor, message: SaveResult) -> Reply:
         """A saver's save step ended: its backups are told at once."""
         try:
-            _check_version(message)
+            check_version(message)
         except (ProtocolError, AttributeError) as exc:
             return self._reject({"save_result": short(message)}, str(exc))
         process = self.registry.processes.get(message.process_id)
@@ -44,7 +44,7 @@ class FallbackMixin:
     async def save_turn(self: CoordinatorActor, message: SaveTurn, wait_s: float) -> Reply:
         """A backup asks whether it must save; answered once the saver's fate is known."""
         try:
-            _check_version(message)
+            check_version(message)
         except (ProtocolError, AttributeError) as exc:
             return self._reject({"save_turn": short(message)}, str(exc))
         cycle = self.cycle
