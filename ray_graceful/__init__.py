@@ -29,6 +29,7 @@ from .checkpoint import (
 from .config import ConfigError, GracefulConfig
 from .coordinator import Coordinator
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthReport, Reason
+from .memory.handoff import LoadedShard
 from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
 from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
@@ -44,6 +45,7 @@ from .worker.mixin import (
 )
 from .worker.process_groups import SetupError
 from .worker.report import StepRecord, TeardownReport, read_reports
+from .worker.restore import load_latest
 from .worker.spares import SpareResult, wait_as_spare
 
 __version__ = "0.1.0"
@@ -82,6 +84,7 @@ __all__ = [
     "GracefulWorkerMixin",
     "HealthProbe",
     "HealthReport",
+    "LoadedShard",
     "NoticeError",
     "RankInfo",
     "RankOrder",
@@ -100,6 +103,7 @@ __all__ = [
     "after_init_process_group",
     "install_signal_handling",
     "latest_committed",
+    "load_latest",
     "load_state_dict",
     "plan_termination",
     "read_reports",

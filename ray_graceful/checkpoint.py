@@ -62,6 +62,8 @@ class ShardRecord:
     rank: int = -1
     seconds: float = 0.0
     reused: bool = False  # the step was already committed: the committed shard was kept
+    tier: str = "disk"  # "memory": held by keepers (memory/), its file not yet written
+    holders: tuple[str, ...] = ()  # memory: the nodes whose keepers hold it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +74,10 @@ class ShardRecord:
         if not isinstance(data, Mapping):
             raise CheckpointError(f"a shard record is a mapping, got {type(data).__name__}")
         try:
-            record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+            values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+            if isinstance(values.get("holders"), list):
+                values["holders"] = tuple(values["holders"])
+            record = cls(**values)
         except TypeError as exc:
             raise CheckpointError(f"not a shard record: {exc}") from None
         kinds = {"shard": str, "file": str, "step": int, "bytes": int, "crc32": int}

@@ -136,6 +136,15 @@ def _train_shards(value: Any) -> str | None:
     return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
 
 
+def _count(low: int, high: int, what: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+            return None
+        return f"{what}: an integer from {low} to {high}"
+
+    return check
+
+
 def _setting(default: Any, check: Callable[[Any], str | None], doc: str, **kw: Any) -> Any:
     if "default_factory" in kw:
         return field(default_factory=kw["default_factory"], metadata={"check": check, "doc": doc})
@@ -312,6 +321,20 @@ class GracefulConfig:
         _boolean,
         "Also ask Ray to drain the node with the cloud's deadline, so Ray's autoscaler and Ray "
         "Train's own preemption handling see the same event.",
+    )
+
+    memory_replicas: int = _setting(
+        0,
+        _count(0, 8, "a number of nodes"),
+        "Memory tier: how many nodes that are not being evicted hold each shard of an "
+        "emergency checkpoint in memory (a keeper actor per node), persisted to checkpoint_dir "
+        "in the background. 0: no memory tier, saves go to checkpoint_dir as before.",
+    )
+    memory_budget_mb: int = _setting(
+        8192,
+        _count(1, 1 << 24, "megabytes"),
+        "Memory tier: the most one node's keeper holds; a shard that does not fit is saved to "
+        "checkpoint_dir instead, and the outcome says so.",
     )
 
     def __post_init__(self) -> None:

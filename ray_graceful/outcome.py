@@ -32,6 +32,9 @@ class TerminationOutcome:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds from the first notice
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # shards a backup saved
+    # Memory tier: when the background copy to checkpoint_dir landed ({"path", "at"}), or why
+    # it did not ({"error"}); None until then (Coordinator.wait_durable waits for it).
+    durable: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -135,6 +135,7 @@ class SaveAssignment:
     root: str
     backup_for: int | None = None
     start_by: float = 0.0
+    keepers: tuple[str, ...] = ()  # memory tier: the keepers that hold it (else: to ``root``)
 
     @property
     def is_backup(self) -> bool:

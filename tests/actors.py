@@ -68,6 +68,15 @@ class Trainer:
         self.step = saved["step"]
         return self.step
 
+    def restore(self, shard: str, config) -> dict:
+        """Resume from the newest committed checkpoint, whichever tier holds it."""
+        loaded = ray_graceful.load_latest("trainer", shard, config)
+        if loaded is None:
+            return {"step": None, "tier": None}
+        self.model.load_state_dict(loaded.state["model"])
+        self.step = loaded.step
+        return {"step": loaded.step, "tier": loaded.tier, "source": loaded.source}
+
     def weights_sum(self) -> float:
         return float(sum(p.sum() for p in self.model.parameters()))
 

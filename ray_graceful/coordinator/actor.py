@@ -28,6 +28,7 @@ from typing import Any
 from .. import ray_adapter
 from ..config import GracefulConfig
 from ..health import FAULTY, UNKNOWN, HealthReport
+from ..memory.commit import MemoryCheckpoint
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import OutcomeMetrics, TerminationOutcome
 from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
@@ -47,6 +48,7 @@ from ..protocol import (
 from ..worker.report import TeardownReport
 from .cycle import Cycle, Phase, conclude, failed
 from .fallback import FallbackMixin
+from .memory import MemoryTierMixin
 from .registry import Process, Registry, poll_timeout
 from .spares import SparesMixin
 from .watch import WatcherMixin
@@ -61,7 +63,7 @@ DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
 LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
 
 
-class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
+class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin):
     """The actor's implementation (started through ``Coordinator.start``).
 
     Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``
@@ -89,6 +91,10 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
         self.drains_seen: dict[str, int] = {}
         self.failures: list[str] = []  # errors of background work, shown in status()
         self.polls_served = 0
+        self.keepers: dict[str, Any] = {}  # node id -> its keeper (memory tier)
+        self.memory_checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
+        self.durable_events: dict[int, asyncio.Event] = {}
+        self.background: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
@@ -119,6 +125,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
         if self.job_state != "running":
             return Reply.refused(f"the job is {self.job_state}", self.cycle.number)
         self.registry.register(message, self.cycle.number)
+        self._ensure_keeper(message.node_id)
         return Reply.ok(self.cycle.number)
 
     # --- the long poll (the fan-out) ---------------------------------------------------------
@@ -302,7 +309,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
             self.config,
             expected_save_s=self.save_times,
             health_notes=notes,
-            destination="ray-train" if cycle.cooperative else self.config.checkpoint_dir,
+            destination=self._destination(cycle),
         )
         cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
         logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle.number, plan.table())
@@ -311,6 +318,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
             process = self.registry.process_of((rank_order.group, rank_order.rank))
             if process is not None:
                 by_process.setdefault(process.process_id, []).append(rank_order)
+        survivors = self._surviving_keepers(plan)
         trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
         for process_id, orders in by_process.items():
             process = self.registry.processes[process_id]
@@ -320,7 +328,9 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
                 order_id=uuid.uuid4().hex,
                 deadline=min(o.deadline for o in orders),
                 trigger=trigger,
-                saves=tuple(self._assignment(plan, o) for o in orders if o.action != "leave"),
+                saves=tuple(
+                    self._assignment(plan, o, survivors) for o in orders if o.action != "leave"
+                ),
                 skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
                 save_budget_s=self.config.save_budget_s,
             )
@@ -330,17 +340,29 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
             cycle.all_reported.set()
         self._check_all_reported()
 
-    def _assignment(self, plan: TerminationPlan, order: RankOrder) -> SaveAssignment:
+    def _destination(self, cycle: Cycle) -> str | None:
+        """Where savers write: Ray Train, the checkpoint directory, or only keepers' memory."""
+        if cycle.cooperative:
+            return "ray-train"
+        if self.config.checkpoint_dir is None and self.config.memory_replicas > 0:
+            return "memory"
+        return self.config.checkpoint_dir
+
+    def _assignment(
+        self, plan: TerminationPlan, order: RankOrder, survivors: list[str]
+    ) -> SaveAssignment:
         backup_for = None
         if order.action == "backup":
             backup_for = plan.savers[(order.group, order.shard)][1]
+        key = shard_key(order.group, order.shard)
         return SaveAssignment(
             order.group,
             order.rank,
-            shard_key(order.group, order.shard),
+            key,
             self.config.checkpoint_dir or "",
             backup_for=backup_for,
             start_by=order.start_by,
+            keepers=self._holders_for(key, order.node_id, survivors),
         )
 
     async def _await_reports(self, cycle: Cycle) -> None:
@@ -373,6 +395,8 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin):
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         self.outcomes[outcome.cycle] = outcome
         self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
+        if self.keepers:
+            self._after_memory_commit(outcome.cycle, self.cycle.memory_checkpoint)
         for old in [c for c in self.outcomes if c < outcome.cycle - KEEP_OUTCOMES]:
             del self.outcomes[old]  # each holds every rank's report: keep the recent ones
             self.outcome_events.pop(old, None)

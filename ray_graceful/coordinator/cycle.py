@@ -25,6 +25,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
+from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..notices import EvictionNotice
 from ..outcome import TerminationOutcome
 from ..plan import TerminationPlan
@@ -59,6 +60,7 @@ class Cycle:
     save_results: dict[str, tuple[bool, str]] = field(default_factory=dict)
     save_resolved: dict[str, asyncio.Event] = field(default_factory=dict)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    memory_checkpoint: MemoryCheckpoint | None = None  # committed in the keepers' memory
 
     @property
     def tearing_down(self) -> bool:
@@ -95,15 +97,24 @@ def conclude(
         save_times[(group, label)] = record.seconds
     root = config.checkpoint_dir
     committed, reason = None, ""
+    expected = [shard_key(g, s) for g, s in plan.savers]
     if plan.abandoned:
         result, reason = "abandoned", plan.abandoned
     elif cycle.cooperative:
         result = "ray-train"
         reason = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
+    elif any(r.tier == "memory" for r in records):
+        try:
+            memory = commit_in_memory(
+                job_id, cycle.number, expected, records, config.memory_replicas
+            )
+            cycle.memory_checkpoint = memory
+            result, committed = "committed", memory.describe()
+        except CheckpointError as exc:
+            result, reason = "abandoned", str(exc)
     elif root is None:
         result, reason = "no-checkpoint", "no checkpoint_dir is configured"
     else:
-        expected = [shard_key(g, s) for g, s in plan.savers]
         step = records[0].step if records else -1
         try:
             path = commit(
@@ -113,6 +124,9 @@ def conclude(
         except CheckpointError as exc:
             result, reason = "abandoned", str(exc)
     latest = latest_committed(root) if root else None
+    resume_from = {"step": latest.step, "path": latest.path} if latest else None
+    if cycle.memory_checkpoint is not None:
+        resume_from = {"step": cycle.memory_checkpoint.step, "tier": "memory"}
     report_times = [r.started_at + (r.finished_s or 0) for r in reports]
     timings = {"plan": (cycle.plan_at or t0) - t0, "orders": (cycle.orders_at or t0) - t0}
     if report_times:
@@ -130,7 +144,7 @@ def conclude(
         reports=[r.to_dict() for r in reports],
         missing=missing,
         committed=committed,
-        resume_from={"step": latest.step, "path": latest.path} if latest else None,
+        resume_from=resume_from,
         reason=reason,
         timings=timings,
         fallbacks=list(cycle.fallbacks),

@@ -159,6 +159,26 @@ class Coordinator:
         )
         return outcome
 
+    def wait_durable(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """Memory tier: when cycle ``cycle``'s checkpoint landed in ``checkpoint_dir``.
+
+        ``{"path", "at"}``, or ``{"error"}`` if the background copy failed; None if it had not
+        ended within ``timeout`` (or that cycle committed nothing in memory).
+        """
+        import ray
+
+        durable: dict[str, Any] | None = ray.get(
+            self.handle.wait_durable.remote(cycle, timeout), timeout=timeout + 10
+        )
+        return durable
+
+    def keeper_stats(self) -> dict[str, Any]:
+        """Memory tier: every node's keeper - its budget, what it holds."""
+        import ray
+
+        stats: dict[str, Any] = ray.get(self.handle.keeper_stats.remote(), timeout=30)
+        return stats
+
     def job_finished(self, success: bool = True, permanent: bool = True) -> dict[str, Any]:
         """Tell spares and standbys the job is over: they exit 0."""
         import ray

@@ -77,6 +77,7 @@ class Registration:
     saver: Saver | None
     release_only: bool = False  # an extra group registered for abort, not a rank to plan for
     cooperative: bool = False  # the training function saves (Ray Train); see train.py
+    state: Callable[[], Any] | None = None  # state_dict=: what the memory tier hands over
 
     def save_order(
         self,
@@ -85,14 +86,27 @@ class Registration:
         budget_s: float,
         turn: Callable[[float], tuple[bool, str]] | None = None,
         start_by: float = 0.0,
+        keepers: tuple[str, ...] = (),
+        namespace: str = "",
     ) -> SaveOrder:
         """Save ``shard`` under ``root`` with this rank's saver (which must exist).
 
-        ``turn`` makes it a backup save: done only if the coordinator says so (see SaveOrder).
+        ``turn`` makes it a backup save: done only if the coordinator says so; ``keepers`` a
+        memory-tier save (see SaveOrder).
         """
         assert self.saver is not None
         return SaveOrder(
-            root, shard, budget_s, self.saver, self.group.name, self.group.rank, turn, start_by
+            root,
+            shard,
+            budget_s,
+            self.saver,
+            self.group.name,
+            self.group.rank,
+            turn,
+            start_by,
+            keepers,
+            self.state,
+            namespace,
         )
 
 
@@ -201,7 +215,15 @@ class _ProcessRuntime:
             if save.is_backup:
                 turn = self._turn_asker(order.cycle, save.shard_key)
             save_orders.append(
-                reg.save_order(save.root, save.shard_key, order.save_budget_s, turn, save.start_by)
+                reg.save_order(
+                    save.root,
+                    save.shard_key,
+                    order.save_budget_s,
+                    turn,
+                    save.start_by,
+                    save.keepers,
+                    self.config_or_default().coordinator_namespace,
+                )
             )
         skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
         self.begin_teardown(
@@ -464,7 +486,7 @@ def after_init_process_group(
         def saver(path: str, step: int) -> tuple[int, int]:
             return save_state_dict({"step": step, "state": provider()}, path)
 
-    return _register(name, process_group, rank, world_size, shard, saver, config)
+    return _register(name, process_group, rank, world_size, shard, saver, config, state=state_dict)
 
 
 def _register(
@@ -477,6 +499,7 @@ def _register(
     config: GracefulConfig | None,
     release_only: bool = False,
     cooperative: bool = False,
+    state: Callable[[], Any] | None = None,
 ) -> SetupStatus:
     runtime = _process_runtime()
     cfg = runtime.adopt_config(config)
@@ -493,10 +516,11 @@ def _register(
             )
         if existing is None:
             runtime.registrations[handle.key] = Registration(
-                handle, shard_key, saver, release_only, cooperative
+                handle, shard_key, saver, release_only, cooperative, state
             )
         else:
             existing.saver = saver or existing.saver
+            existing.state = state if saver is not None else existing.state
             existing.shard = shard_key
             existing.cooperative = cooperative
     installed, listener = _listener_status(cfg)

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import ray_adapter
 from ..checkpoint import ShardRecord, write_shard
@@ -73,6 +73,11 @@ class SaveOrder:
     # at most ``wait_s``; asked no later than ``start_by``, when the save still fits.
     turn: Callable[[float], tuple[bool, str]] | None = None
     start_by: float = 0.0
+    # Memory tier: hand ``state()`` to these keepers (in ``namespace``) instead of writing a
+    # file; on refusal, save to ``root`` as before and say so.
+    keepers: tuple[str, ...] = ()
+    state: Callable[[], Any] | None = None
+    namespace: str = ""
 
 
 class TrainingThread(Protocol):
@@ -307,13 +312,54 @@ class Teardown:
             raise _Skip("; ".join(done))
         return "; ".join(done)
 
-    def _save_one(self, order: SaveOrder, step: int, done: list[str]) -> None:
+    def _budget(self, order: SaveOrder, done: list[str]) -> float:
         budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
         if budget <= 0:
             raise RuntimeError(
                 f"no time left before the deadline to save shard {order.shard!r} "
                 f"({'; '.join(done)})"
             )
+        return budget
+
+    def _hand_off(self, order: SaveOrder, step: int, done: list[str]) -> bool:
+        """Memory tier: True once every keeper named holds the shard; False: save to disk."""
+        from ..memory.handoff import hand_off
+
+        assert order.state is not None
+        budget = self._budget(order, done)
+        state = order.state
+
+        def give() -> ShardRecord:
+            return hand_off(
+                state(),
+                step,
+                order.shard,
+                order.keepers,
+                order.namespace,
+                self.report.cycle,
+                budget,
+                order.group,
+                order.rank,
+            )
+
+        try:
+            record: ShardRecord = run_bounded(give, budget, "memory-hand-off")
+        except Exception as exc:
+            done.append(f"memory tier: shard {order.shard!r} not held ({exc}); saving to disk")
+            return False
+        self.report.saved.append(record.to_dict())
+        done.append(
+            f"shard {order.shard!r}: {record.bytes} bytes held in memory on "
+            f"{len(record.holders)} node(s) in {record.seconds:.2f}s"
+        )
+        return True
+
+    def _save_one(self, order: SaveOrder, step: int, done: list[str]) -> None:
+        if order.keepers and order.state is not None and self._hand_off(order, step, done):
+            return
+        if order.keepers and order.state is None:
+            done.append("memory tier: this rank registered a saver=, not state=; saving to disk")
+        budget = self._budget(order, done)
 
         def save() -> ShardRecord:
             return write_shard(

@@ -1,0 +1,76 @@
+"""When a memory-tier checkpoint counts as committed - as strict as the manifest on disk.
+
+Every shard of the plan saved at one step, each either held in memory by ``replicas`` keepers
+on nodes that survive or written to disk (a shard that did not fit a keeper's budget), never
+twice: then the coordinator records a ``MemoryCheckpoint``. It is made durable in the
+background (the keepers write their shards, the manifest goes last) and the record says when.
+A restart loads from it before any older checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint import CheckpointError, ShardRecord
+
+
+@dataclass
+class MemoryCheckpoint:
+    """A committed emergency checkpoint some of whose shards live only in keepers' memory."""
+
+    job_id: str
+    cycle: int
+    step: int
+    shards: dict[str, ShardRecord]  # shard key -> its record (tier "memory" or "disk")
+    committed_at: float = field(default_factory=time.time)
+    durable_path: str | None = None  # the step directory, once the manifest is on disk
+    durable_at: float | None = None
+    durable_error: str | None = None
+
+    def in_memory(self) -> dict[str, tuple[str, ...]]:
+        return {k: r.holders for k, r in self.shards.items() if r.tier == "memory"}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tier": "memory",
+            "step": self.step,
+            "holders": {k: list(v) for k, v in sorted(self.in_memory().items())},
+            "on_disk": sorted(k for k, r in self.shards.items() if r.tier == "disk"),
+            "durable_path": self.durable_path,
+            "durable_at": self.durable_at,
+            "durable_error": self.durable_error,
+        }
+
+
+def commit_in_memory(
+    job_id: str,
+    cycle: int,
+    expected: list[str],
+    records: list[ShardRecord],
+    replicas: int,
+) -> MemoryCheckpoint:
+    """The memory checkpoint of these records, or CheckpointError saying what is missing."""
+    if not expected:
+        raise CheckpointError("refusing to commit a checkpoint with no shards")
+    steps = {r.step for r in records}
+    if len(steps) > 1:
+        raise CheckpointError(f"shards were saved at steps {sorted(steps)}: a checkpoint holds one")
+    by_shard: dict[str, ShardRecord] = {}
+    for record in records:
+        if record.shard in by_shard:
+            raise CheckpointError(f"shard {record.shard!r} was saved twice")
+        if record.tier == "memory" and len(set(record.holders)) < replicas:
+            raise CheckpointError(
+                f"shard {record.shard!r} is held by {len(set(record.holders))} node(s), "
+                f"memory_replicas is {replicas}; not committed"
+            )
+        by_shard[record.shard] = record
+    missing = sorted(set(expected) - set(by_shard))
+    if missing:
+        raise CheckpointError(f"shards {missing} were not saved; not committed")
+    unexpected = sorted(set(by_shard) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+    return MemoryCheckpoint(job_id, cycle, steps.pop(), by_shard)

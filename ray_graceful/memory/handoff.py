@@ -1,0 +1,128 @@
+"""The worker's side of the memory tier: hand a shard to keepers, and load one back.
+
+A save is ``to_tree`` (tensors as numpy bytes, no copy on CPU), one ``ray.put`` (one copy, into
+this node's object store) and a ``hold`` on each chosen keeper, in parallel; it counts as done
+only when every keeper answered "held" - each has its own copy by then, so this process may
+exit. What it held is exactly what the default saver writes to disk: ``{"step", "state"}``.
+
+A restarted rank loads with ``load_shard``: the keeper on its own node if it holds the shard
+(no copy), else a peer keeper (one transfer), else the committed checkpoint on disk - and the
+caller gets the same ``{"step", "state"}`` whichever it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import ShardRecord, latest_committed, load_state_dict, shard_file_name
+from .keeper import keeper_name
+from .tree import from_tree, to_tree, tree_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryTierError(RuntimeError):
+    """A hand-off did not complete; the message says which keeper refused and why."""
+
+
+def hand_off(
+    state: Any,
+    step: int,
+    shard_key: str,
+    keepers: tuple[str, ...],
+    namespace: str,
+    cycle: int,
+    timeout_s: float,
+    group: str = "",
+    rank: int = -1,
+) -> ShardRecord:
+    """Give ``{"step": step, "state": state}`` to every keeper named; the record says where."""
+    import ray
+
+    started = time.monotonic()
+    tree = to_tree({"step": step, "state": state})
+    nbytes = tree_bytes(tree)
+    ref = ray.put(tree)
+    handles = [ray.get_actor(name, namespace=namespace) for name in keepers]
+    calls = [
+        h.hold.remote(cycle, step, shard_key, [ref], nbytes, group, rank, timeout_s)
+        for h in handles
+    ]
+    replies = ray.get(calls, timeout=timeout_s)
+    refused = [r.reason for r in replies if not r.accepted]
+    if refused:
+        raise MemoryTierError("; ".join(refused))
+    return ShardRecord(
+        shard=shard_key,
+        step=step,
+        file=shard_file_name(shard_key),
+        bytes=nbytes,
+        crc32=0,  # computed when a keeper persists it; Ray moved it whole or not at all
+        group=group,
+        rank=rank,
+        seconds=time.monotonic() - started,
+        tier="memory",
+        holders=tuple(str(r.details["node_id"]) for r in replies),
+    )
+
+
+@dataclass
+class LoadedShard:
+    """What ``load_shard`` found: the saved ``{"step", "state"}`` and where it came from."""
+
+    step: int
+    value: Any
+    tier: str  # "memory-local" | "memory-peer" | "disk"
+    source: str
+
+    @property
+    def state(self) -> Any:
+        return self.value["state"] if isinstance(self.value, dict) else self.value
+
+
+def load_shard(
+    shard_key: str,
+    coordinator: Any | None,
+    checkpoint_dir: str | None,
+    namespace: str,
+    timeout_s: float = 60.0,
+) -> LoadedShard | None:
+    """The newest committed copy of ``shard_key``: memory (own node, then a peer), else disk.
+
+    ``coordinator`` is the job's coordinator handle (None: disk only). A keeper that is gone or
+    answers nothing is skipped with a log line; the disk copy is the last resort.
+    """
+    import ray
+
+    on_disk = latest_committed(checkpoint_dir) if checkpoint_dir else None
+    memory = None
+    if coordinator is not None:
+        try:
+            memory = ray.get(coordinator.memory_checkpoint.remote(shard_key), timeout=timeout_s)
+        except Exception as exc:
+            logger.warning("ray_graceful: could not ask for the memory checkpoint: %r", exc)
+    if memory is not None and (on_disk is None or memory["step"] >= on_disk.step):
+        here = ray.get_runtime_context().get_node_id()
+        holders = sorted(memory["holders"], key=lambda node: node != here)
+        job_id = memory["job_id"]
+        for node in holders:
+            try:
+                keeper = ray.get_actor(keeper_name(job_id, node), namespace=namespace)
+                boxed = ray.get(keeper.fetch.remote(memory["step"], shard_key), timeout=timeout_s)
+                if boxed is None:
+                    continue
+                value = from_tree(ray.get(boxed[0], timeout=timeout_s))
+            except Exception as exc:
+                logger.warning(
+                    "ray_graceful: keeper on %s did not give %s: %r", node, shard_key, exc
+                )
+                continue
+            tier = "memory-local" if node == here else "memory-peer"
+            return LoadedShard(memory["step"], value, tier, f"keeper on node {node[:12]}")
+    if on_disk is not None and shard_key in on_disk.shards:
+        path = on_disk.shard_path(shard_key)
+        return LoadedShard(on_disk.step, load_state_dict(path), "disk", path)
+    return None

@@ -1,0 +1,158 @@
+"""The keeper: one actor per node that holds emergency-checkpoint shards in memory.
+
+Why an actor of its own: a Ray object lives on the node that created it and dies with its
+owner. A saver's ``ray.put`` is owned by the saver, whose process is about to exit. So the
+keeper takes the shard (``hold``: a ``ray.get`` - zero-copy on its own node, a transfer from
+another) and puts it again, as its own object in its own node's object store: from then on the
+shard lives as long as the keeper, whatever happens to the saver and its node. The saver is told
+"held" only then.
+
+The coordinator starts one keeper per node that runs ranks (pinned to that node, owned by the
+coordinator, so it lives as long as the job's coordinator) and decides which keepers hold which
+shard (``placement.py``). A keeper refuses what does not fit its budget - the saver then saves
+to disk and says so - writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic,
+checksummed, exactly as a rank's own save), hands shards to a restarted rank (``fetch``), and
+forgets a step once a newer one is committed (``release``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import ShardRecord, save_state_dict, write_shard
+from ..protocol import Reply
+from .tree import from_tree
+
+KEEPER_PREFIX = "ray_graceful_keeper"
+
+
+def keeper_name(job_id: str, node_id: str) -> str:
+    """The keeper of ``node_id`` for job ``job_id`` (named: a restarted rank finds it)."""
+    return f"{KEEPER_PREFIX}-{job_id}-{node_id}"
+
+
+@dataclass
+class Held:
+    """One shard a keeper holds: its own object in its node's store, and what it is."""
+
+    shard_key: str
+    step: int
+    cycle: int
+    nbytes: int
+    ref: Any  # the keeper's own ObjectRef
+    held_at: float
+    group: str = ""
+    rank: int = -1
+
+
+class Keeper:
+    """The keeper's implementation (a threaded actor: holds, fetches and persists overlap)."""
+
+    def __init__(self, job_id: str, node_id: str, budget_bytes: int) -> None:
+        self.job_id = job_id
+        self.node_id = node_id
+        self.budget_bytes = budget_bytes
+        self.held: dict[tuple[int, str], Held] = {}
+        self.reserved = 0  # bytes promised to holds still transferring
+        self.lock = threading.Lock()
+
+    def used(self) -> int:
+        return sum(h.nbytes for h in self.held.values())
+
+    def hold(
+        self,
+        cycle: int,
+        step: int,
+        shard_key: str,
+        boxed_ref: list[Any],
+        nbytes: int,
+        group: str = "",
+        rank: int = -1,
+        timeout_s: float = 60.0,
+    ) -> Reply:
+        """Take a copy of the shard in ``boxed_ref`` (a list, so Ray does not resolve it).
+
+        If the saver dies mid-transfer the ``ray.get`` fails, nothing is held, and the error
+        goes back to nobody: a shard is held whole or not at all.
+        """
+        import ray
+
+        with self.lock:
+            existing = self.held.get((step, shard_key))
+            if existing is not None:  # a second delivery, or a backup after its saver
+                return Reply.ok(cycle, node_id=self.node_id, nbytes=existing.nbytes, again=True)
+            if self.used() + self.reserved + nbytes > self.budget_bytes:
+                return Reply.refused(
+                    f"keeper on node {self.node_id[:12]} is over its budget: holds "
+                    f"{self.used() >> 20} MiB of {self.budget_bytes >> 20} MiB "
+                    f"(memory_budget_mb), this shard needs {nbytes >> 20} MiB",
+                    cycle,
+                )
+            self.reserved += nbytes
+        try:
+            value = ray.get(boxed_ref[0], timeout=timeout_s)
+            own = ray.put(value)  # owned by the keeper: outlives the saver and its node
+            del value
+        finally:
+            with self.lock:
+                self.reserved -= nbytes
+        with self.lock:
+            self.held[(step, shard_key)] = Held(
+                shard_key, step, cycle, nbytes, own, time.time(), group, rank
+            )
+        return Reply.ok(cycle, node_id=self.node_id, nbytes=nbytes)
+
+    def fetch(self, step: int, shard_key: str) -> list[Any] | None:
+        """The shard's ObjectRef, boxed (a ``ray.get`` on this node copies nothing)."""
+        held = self.held.get((step, shard_key))
+        return None if held is None else [held.ref]
+
+    def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
+        """Write a held shard to ``root`` as a rank's own save would (atomic, checksummed)."""
+        import ray
+
+        held = self.held.get((step, shard_key))
+        if held is None:
+            raise KeyError(f"keeper on node {self.node_id[:12]} holds no {shard_key} at {step}")
+        state = from_tree(ray.get(held.ref))
+        record: ShardRecord = write_shard(
+            root,
+            step,
+            shard_key,
+            lambda path, _step: save_state_dict(state, path),
+            group=held.group,
+            rank=held.rank,
+        )
+        return record.to_dict()
+
+    def release(self, below_step: int | None = None, cycle: int | None = None) -> int:
+        """Forget every shard of a step below ``below_step`` (or of ``cycle``); bytes freed."""
+        with self.lock:
+            gone = [
+                key
+                for key, h in self.held.items()
+                if (below_step is not None and h.step < below_step)
+                or (cycle is not None and h.cycle == cycle)
+            ]
+            freed = sum(self.held.pop(key).nbytes for key in gone)
+        return freed
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.used(),
+            "shards": sorted(
+                (
+                    {"step": h.step, "shard": h.shard_key, "bytes": h.nbytes}
+                    for h in self.held.values()
+                ),
+                key=lambda d: (d["step"], d["shard"]),
+            ),
+        }
+
+    def ping(self) -> str:
+        return "ok"

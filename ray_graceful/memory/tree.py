@@ -1,0 +1,76 @@
+"""A state dict as Ray moves it fastest: every tensor a flat uint8 numpy array, the rest as is.
+
+Ray serializes numpy arrays out of band: one copy into the object store on ``ray.put``, none on
+a ``ray.get`` on the same node. A torch tensor would go through pickle instead (a copy into a
+bytes object, then another). So the memory tier ships a *tree*: the same nesting of dicts,
+lists and tuples, each tensor replaced by a ``TensorLeaf`` holding its bytes as uint8 (any
+dtype - bfloat16 and float8 have no numpy twin), its dtype and shape. ``from_tree`` gives the
+tensors back as views of those bytes, without a copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    """One tensor's bytes (``data``: flat uint8 numpy array), dtype name and shape."""
+
+    data: Any
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def to_tree(obj: Any) -> Any:
+    """``obj`` with every torch tensor replaced by a ``TensorLeaf`` (CPU, detached)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()  # device to host: the one copy a GPU shard needs
+        tensor = tensor.contiguous()
+        if tensor.numel():
+            flat = tensor.reshape(-1).view(torch.uint8)
+        else:
+            flat = torch.empty(0, dtype=torch.uint8)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return TensorLeaf(flat.numpy(), dtype, tuple(tensor.shape))
+    if isinstance(obj, dict):
+        return type(obj)((k, to_tree(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_tree(v) for v in obj)
+    return obj
+
+
+def from_tree(obj: Any) -> Any:
+    """The state back, tensors as views of the leaves' bytes (read-only if they are)."""
+    import torch
+
+    if isinstance(obj, TensorLeaf):
+        dtype = getattr(torch, obj.dtype)
+        if obj.data.size == 0:
+            return torch.empty(obj.shape, dtype=dtype)
+        with warnings.catch_warnings():  # a zero-copy view of an object in Ray's store
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(obj.data)
+        return raw.view(dtype).reshape(obj.shape)
+    if isinstance(obj, dict):
+        return type(obj)((k, from_tree(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(from_tree(v) for v in obj)
+    return obj
+
+
+def tree_bytes(obj: Any) -> int:
+    """How many tensor bytes a tree holds (what a keeper's budget counts)."""
+    if isinstance(obj, TensorLeaf):
+        return int(obj.data.nbytes)
+    if isinstance(obj, dict):
+        return sum(tree_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_bytes(v) for v in obj)
+    return 0

@@ -1,0 +1,207 @@
+"""The memory tier: shards held by keepers on surviving nodes, made durable, loaded back.
+
+Unit tests for the pure parts (the tensor tree, placement, the commit rule); the rest on a real
+cluster: extra raylets as nodes, gloo ranks, a real drain.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful.checkpoint import CheckpointError, ShardRecord, shard_file_name
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.memory.commit import commit_in_memory
+from ray_graceful.memory.placement import choose_holders
+from ray_graceful.memory.tree import from_tree, to_tree, tree_bytes
+from ray_graceful.ray_adapter import drain_node
+from tests import actors
+from tests.helpers import free_port, kill_actors
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def test_a_state_dict_survives_the_tree_bit_for_bit():
+    state = {
+        "model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        "optim": [torch.arange(6).reshape(2, 3), {"lr": 0.1, "step": 7}],
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 5),
+        "note": "text",
+    }
+    tree = to_tree(state)
+    assert tree_bytes(tree) == 4 * 3 * 4 + 3 * 2 + 6 * 8 + 4
+    back = from_tree(tree)
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
+    assert back["model"]["b"].dtype == torch.bfloat16 and back["model"]["b"].shape == (3,)
+    assert torch.equal(back["optim"][0], state["optim"][0]) and back["optim"][1] == {
+        "lr": 0.1,
+        "step": 7,
+    }
+    assert back["scalar"].item() == 2.5 and back["empty"].shape == (0, 5)
+    assert back["note"] == "text"
+
+
+def test_holders_are_surviving_nodes_own_node_first_and_spread():
+    assert choose_holders("g/0", "a", ["a", "b", "c"], 1) == ("a",)
+    assert choose_holders("g/0", "x", ["a", "b", "c"], 2)[0] in "abc"
+    assert len(set(choose_holders("g/0", "a", ["a", "b", "c"], 3))) == 3
+    assert choose_holders("g/0", "a", ["b"], 2) == ()  # too few survivors: no memory tier
+    assert choose_holders("g/0", "a", ["a", "b"], 0) == ()
+    firsts = {choose_holders(f"g/{i}", "x", ["a", "b", "c", "d"], 1)[0] for i in range(40)}
+    assert len(firsts) > 1, "shards of evicted savers spread over the survivors"
+
+
+def record(shard, step=3, tier="memory", holders=("a",)):
+    return ShardRecord(shard, step, shard_file_name(shard), 10, 0, tier=tier, holders=holders)
+
+
+def test_a_memory_checkpoint_is_committed_only_when_whole():
+    ok = commit_in_memory("j", 0, ["g/0", "g/1"], [record("g/0"), record("g/1", tier="disk")], 1)
+    assert ok.step == 3 and ok.in_memory() == {"g/0": ("a",)}
+    for records, replicas, message in [
+        ([record("g/0")], 1, "were not saved"),
+        ([record("g/0"), record("g/1", step=4)], 1, "steps [3, 4]"),
+        ([record("g/0"), record("g/1")], 2, "held by 1 node(s), memory_replicas is 2"),
+        ([record("g/0"), record("g/0"), record("g/1")], 1, "saved twice"),
+        ([record("g/0"), record("g/1"), record("g/2")], 1, "not in the topology"),
+    ]:
+        with pytest.raises(CheckpointError) as info:
+            commit_in_memory("j", 0, ["g/0", "g/1"], records, replicas)
+        assert message in str(info.value)
+
+
+def test_memory_settings_are_bounded():
+    from ray_graceful import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        GracefulConfig(memory_replicas=9)
+    assert "memory_replicas = 9" in str(info.value) and "from 0 to 8" in str(info.value)
+    with pytest.raises(ConfigError):
+        GracefulConfig(memory_budget_mb=0)
+
+
+# --- on a cluster ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nodes(ray_cluster):
+    added = {
+        name: ray_cluster.add_node(num_cpus=2, resources={f"node_{name}": 10})
+        for name in ("a", "b")
+    }
+    ray_cluster.wait_for_nodes()
+    yield {name: node.node_id for name, node in added.items()}
+    for node in added.values():
+        ray_cluster.remove_node(node)
+
+
+@pytest.fixture
+def config(tmp_path):
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        expected_save_s=2.0,
+        teardown_timeout_s=15.0,
+        save_budget_s=8.0,
+        health_probe="none",
+        memory_replicas=1,
+    )
+
+
+def start_group(config, exit_recorder, placement, shards):
+    port = free_port()
+    actor = ray.remote(actors.GracefulTrainer)
+    ranks = [
+        actor.options(
+            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+        ).remote()
+        for n in placement
+    ]
+    ray.get(
+        [
+            r.setup.remote(i, len(ranks), "127.0.0.1", port, config, shard=shards[i])
+            for i, r in enumerate(ranks)
+        ],
+        timeout=120,
+    )
+    return ranks, ray.get([r.pid.remote() for r in ranks], timeout=30)
+
+
+def train_then_block(ranks, steps=3):
+    assert ray.get([r.train.remote(steps) for r in ranks], timeout=60) == [steps] * len(ranks)
+    [r.train.remote(1000) for r in ranks[:-1]]  # blocked on the idle last rank
+    time.sleep(0.5)
+
+
+def test_a_drain_commits_in_survivors_memory_persists_and_restarts_from_memory(
+    nodes, config, exit_recorder
+):
+    """Node b is drained: the survivors on a hand their shards to a's keeper (no disk on the
+    critical path); the cycle commits in memory, the keepers write the durable copy in the
+    background, and a restarted group loads from memory - the same weights, no step lost."""
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
+        train_then_block(ranks)
+        weights = ray.get(ranks[0].weights_sum.remote(), timeout=30)
+        drain_node(nodes["b"], time.time() + 12)
+        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+        assert set(codes.values()) == {0}, codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "committed", outcome.summary()
+        assert outcome.committed["tier"] == "memory" and outcome.committed["step"] == 3
+        assert outcome.committed["holders"] == {
+            "trainer/0": [nodes["a"]],
+            "trainer/1": [nodes["a"]],
+        }
+        assert outcome.resume_from == {"step": 3, "tier": "memory"}
+        durable = coordinator.wait_durable(0, timeout=30)
+        assert durable is not None and "path" in durable, durable
+        ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]
+
+        restarted, _ = start_group(config, exit_recorder, ["a"] * 4, ["0", "1"] * 2)
+        loaded = ray.get(
+            [r.restore.remote(s, config) for r, s in zip(restarted, "0101", strict=True)],
+            timeout=60,
+        )
+        assert {x["tier"] for x in loaded} == {"memory-local"}, loaded
+        assert {x["step"] for x in loaded} == {3}
+        assert ray.get(restarted[0].weights_sum.remote(), timeout=30) == pytest.approx(weights)
+        assert ray.get([r.train.remote(2) for r in restarted], timeout=60) == [5] * 4
+        kill_actors(*restarted)
+    finally:
+        coordinator.shutdown()
+
+
+def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
+    nodes, config, exit_recorder
+):
+    """Every rank runs on node b, which is drained: the shard goes to the keeper on the
+    coordinator's node (a transfer), and a group restarted on node a loads it from that peer."""
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(
+            config.replace(checkpoint_dir=None), exit_recorder, ["b", "b"], ["m", "m"]
+        )
+        train_then_block(ranks)
+        drain_node(nodes["b"], time.time() + 12)
+        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+        assert set(codes.values()) == {0}, codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "committed", outcome.summary()
+        head = ray.get_runtime_context().get_node_id()
+        assert outcome.committed["holders"] == {"trainer/m": [head]}
+        restarted, _ = start_group(config, exit_recorder, ["a", "a"], ["m", "m"])
+        loaded = ray.get([r.restore.remote("m", config) for r in restarted], timeout=60)
+        assert {x["tier"] for x in loaded} == {"memory-peer"} and {x["step"] for x in loaded} == {3}
+        kill_actors(*restarted)
+    finally:
+        coordinator.shutdown()
