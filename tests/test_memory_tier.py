@@ -135,9 +135,12 @@ def start_group(config, exit_recorder, placement, shards):
 
 
 def train_then_block(ranks, steps=3):
+    """Train ``steps`` steps; return rank 0's weights; leave all but the last rank blocked."""
     assert ray.get([r.train.remote(steps) for r in ranks], timeout=60) == [steps] * len(ranks)
+    weights = ray.get(ranks[0].weights_sum.remote(), timeout=30)
     [r.train.remote(1000) for r in ranks[:-1]]  # blocked on the idle last rank
     time.sleep(0.5)
+    return weights
 
 
 def test_a_drain_commits_in_survivors_memory_persists_and_restarts_from_memory(
@@ -149,8 +152,7 @@ def test_a_drain_commits_in_survivors_memory_persists_and_restarts_from_memory(
     coordinator = Coordinator.start(config)
     try:
         ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
-        train_then_block(ranks)
-        weights = ray.get(ranks[0].weights_sum.remote(), timeout=30)
+        weights = train_then_block(ranks)
         drain_node(nodes["b"], time.time() + 12)
         codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
         assert set(codes.values()) == {0}, codes
@@ -198,7 +200,7 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
         outcome = coordinator.wait_outcome(timeout=30, cycle=0)
         assert outcome.result == "committed", outcome.summary()
         head = ray.get_runtime_context().get_node_id()
-        assert outcome.committed["holders"] == {"trainer/m": [head]}
+        assert outcome.committed["holders"] == {"trainer/m": [head]}, (nodes, head)
         restarted, _ = start_group(config, exit_recorder, ["a", "a"], ["m", "m"])
         loaded = ray.get([r.restore.remote("m", config) for r in restarted], timeout=60)
         assert {x["tier"] for x in loaded} == {"memory-peer"} and {x["step"] for x in loaded} == {3}

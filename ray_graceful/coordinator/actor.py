@@ -91,6 +91,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         self.drains_seen: dict[str, int] = {}
         self.failures: list[str] = []  # errors of background work, shown in status()
         self.polls_served = 0
+        self.instance_id = uuid.uuid4().hex[:8]  # names this coordinator's keepers
         self.keepers: dict[str, Any] = {}  # node id -> its keeper (memory tier)
         self.memory_checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
         self.durable_events: dict[int, asyncio.Event] = {}

@@ -51,12 +51,7 @@ class MemoryTierMixin:
             self._ensure_keeper(own)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        name = keeper_name(self.job_id, node_id)
-        try:
-            self.keepers[node_id] = ray.get_actor(name, namespace=self.config.coordinator_namespace)
-            return
-        except ValueError:
-            pass
+        name = keeper_name(self.job_id, self.instance_id, node_id)
         self.keepers[node_id] = (
             ray.remote(Keeper)
             .options(
@@ -79,7 +74,7 @@ class MemoryTierMixin:
         self: CoordinatorActor, shard: str, saver_node: str, survivors: list[str]
     ) -> tuple[str, ...]:
         nodes = choose_holders(shard, saver_node, survivors, self.config.memory_replicas)
-        return tuple(keeper_name(self.job_id, node) for node in nodes)
+        return tuple(keeper_name(self.job_id, self.instance_id, node) for node in nodes)
 
     # --- after a cycle concluded ----------------------------------------------------------
 
@@ -160,12 +155,18 @@ class MemoryTierMixin:
     # --- queries ----------------------------------------------------------------------------
 
     async def memory_checkpoint(self: CoordinatorActor, shard_key: str) -> dict[str, Any] | None:
-        """The newest memory checkpoint that holds ``shard_key``: step, holders, job id."""
+        """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}."""
         for step in sorted(self.memory_checkpoints, reverse=True):
             memory = self.memory_checkpoints[step]
             record = memory.shards.get(shard_key)
             if record is not None and record.tier == "memory":
-                return {"step": step, "holders": list(record.holders), "job_id": self.job_id}
+                return {
+                    "step": step,
+                    "holders": {
+                        node: keeper_name(self.job_id, self.instance_id, node)
+                        for node in record.holders
+                    },
+                }
         return None
 
     async def wait_durable(

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import ShardRecord, latest_committed, load_state_dict, shard_file_name
-from .keeper import keeper_name
 from .tree import from_tree, to_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
@@ -106,11 +105,10 @@ def load_shard(
             logger.warning("ray_graceful: could not ask for the memory checkpoint: %r", exc)
     if memory is not None and (on_disk is None or memory["step"] >= on_disk.step):
         here = ray.get_runtime_context().get_node_id()
-        holders = sorted(memory["holders"], key=lambda node: node != here)
-        job_id = memory["job_id"]
-        for node in holders:
+        holders = sorted(memory["holders"].items(), key=lambda item: item[0] != here)
+        for node, name in holders:
             try:
-                keeper = ray.get_actor(keeper_name(job_id, node), namespace=namespace)
+                keeper = ray.get_actor(name, namespace=namespace)
                 boxed = ray.get(keeper.fetch.remote(memory["step"], shard_key), timeout=timeout_s)
                 if boxed is None:
                     continue

@@ -29,9 +29,14 @@ from .tree import from_tree
 KEEPER_PREFIX = "ray_graceful_keeper"
 
 
-def keeper_name(job_id: str, node_id: str) -> str:
-    """The keeper of ``node_id`` for job ``job_id`` (named: a restarted rank finds it)."""
-    return f"{KEEPER_PREFIX}-{job_id}-{node_id}"
+def keeper_name(job_id: str, coordinator_id: str, node_id: str) -> str:
+    """The keeper of ``node_id`` started by coordinator ``coordinator_id`` of job ``job_id``.
+
+    Named, so savers and restarted ranks reach it by the name their order (or the coordinator)
+    gives them; the coordinator's id keeps a dying keeper of an earlier coordinator of the same
+    job (``trainer.fit()`` twice) from being taken for a live one.
+    """
+    return f"{KEEPER_PREFIX}-{job_id}-{coordinator_id}-{node_id}"
 
 
 @dataclass
