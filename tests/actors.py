@@ -152,8 +152,10 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         hang_save: str | None = None,
         save_seconds: float = 0.0,
         fail_save: bool = False,
+        ballast_mb: int = 0,
     ) -> str:
         self.init(rank, world, addr, port)
+        self._ballast = torch.zeros(ballast_mb << 18)  # float32: ballast_mb MiB more to save
         self._hang_save = hang_save
         self._save_seconds = save_seconds
         self._fail_save = fail_save
@@ -168,7 +170,7 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         time.sleep(getattr(self, "_save_seconds", 0.0))  # a save of a realistic size
         if getattr(self, "_fail_save", False):
             raise OSError(28, "No space left on device (injected)")
-        return {"model": self.model.state_dict(), "step": self.step}
+        return {"model": self.model.state_dict(), "step": self.step, "ballast": self._ballast}
 
     def setup_before_init(self, config: GracefulConfig) -> str:
         return str(self.graceful_setup("trainer", config=config))

@@ -115,7 +115,7 @@ def config(tmp_path):
     )
 
 
-def start_group(config, exit_recorder, placement, shards):
+def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
     port = free_port()
     actor = ray.remote(actors.GracefulTrainer)
     ranks = [
@@ -126,7 +126,9 @@ def start_group(config, exit_recorder, placement, shards):
     ]
     ray.get(
         [
-            r.setup.remote(i, len(ranks), "127.0.0.1", port, config, shard=shards[i])
+            r.setup.remote(
+                i, len(ranks), "127.0.0.1", port, config, shard=shards[i], ballast_mb=ballast_mb
+            )
             for i, r in enumerate(ranks)
         ],
         timeout=120,
@@ -205,5 +207,33 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
         loaded = ray.get([r.restore.remote("m", config) for r in restarted], timeout=60)
         assert {x["tier"] for x in loaded} == {"memory-peer"} and {x["step"] for x in loaded} == {3}
         kill_actors(*restarted)
+    finally:
+        coordinator.shutdown()
+
+
+def test_a_shard_over_the_keepers_budget_goes_to_disk_and_the_outcome_says_so(
+    nodes, config, exit_recorder
+):
+    """Two 2 MiB shards, a 3 MiB budget on node a: one is held in memory, the other is saved
+    to disk by its saver; the checkpoint is committed across both tiers and made durable."""
+    config = config.replace(memory_budget_mb=3)
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(
+            config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2, ballast_mb=2
+        )
+        train_then_block(ranks)
+        drain_node(nodes["b"], time.time() + 12)
+        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+        assert set(codes.values()) == {0}, codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "committed", outcome.summary()
+        assert len(outcome.committed["holders"]) == 1 and len(outcome.committed["on_disk"]) == 1
+        details = [s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"]
+        assert any("over its budget" in d and "saving to disk" in d for d in details), details
+        durable = coordinator.wait_durable(0, timeout=30)
+        assert durable is not None and "path" in durable, durable
+        ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]
     finally:
         coordinator.shutdown()

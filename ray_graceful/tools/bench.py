@@ -8,7 +8,8 @@
 - ``plan``     planning time for 1,000 / 10,000 / 100,000 ranks with mixed health and deadlines.
 - ``overhead`` training step time with the plugin installed and idle, against without.
 - ``save``     emergency-save throughput against the directory's raw sequential write speed
-               and a plain ``torch.save``, measured in the same run.
+               and a plain ``torch.save``, measured in the same run; ``--tier memory``: the
+               memory tier (local and peer keeper) against the durable save, and the loads.
 - ``recovery`` a Ray Train run preempted mid-way: time to resumed training and steps lost,
                with the callback and without.
 - ``fanout``   a real coordinator and 1,024 - 16,384 simulated ranks holding long polls: time
@@ -759,6 +760,13 @@ def add_bench_parser(sub: Any) -> None:
     )
     save.add_argument("--reps", type=positive_int, default=3)
     save.add_argument("--dir", help="directory to write to (default: a temp directory)")
+    save.add_argument(
+        "--tier",
+        choices=("disk", "memory"),
+        default="disk",
+        help="disk: today's durable save vs raw writes; memory: the memory tier (a keeper on "
+        "this node and on a second one) vs the durable disk save vs torch.save, and the loads",
+    )
 
     recovery = names.add_parser("recovery", help="Ray Train: preemption to resumed training")
     recovery.add_argument(
@@ -806,12 +814,20 @@ def _bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
     return bench_fanout(args)
 
 
+def _bench_save(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "tier", "disk") == "memory":
+        from .bench_memory import bench_save_memory
+
+        return bench_save_memory(args)
+    return bench_save(args)
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     run = {
         "release": bench_release,
         "plan": bench_plan,
         "overhead": bench_overhead,
-        "save": bench_save,
+        "save": _bench_save,
         "recovery": bench_recovery,
         "fanout": _bench_fanout,
     }[args.bench]
