@@ -376,3 +376,36 @@ def test_only_a_named_backup_may_ask_for_a_turn(config):
     assert not own.accepted and "no backup of g/0" in own.reason
     assert not stale.accepted and "stale" in stale.reason
     assert not version.accepted and "protocol version 99" in version.reason
+
+
+def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
+    """A window of 5 s: a drain of a node plans at once; a SIGTERM to one of two processes on
+    a node waits for the other (or the window), and plans the moment it comes."""
+
+    async def scenario():
+        coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
+        await register(coord, pid="p0")
+        await register(coord, pid="p1", ranks=(REPLICA,))
+        await register(coord, pid="p2", node="n1", ranks=(RankSpec("g", 2, 3, "0", True),))
+        started = time.monotonic()
+        await coord.report_sigterm(SigtermSeen("p0", 0, time.time()))
+        await asyncio.sleep(0.3)
+        after_one = coord.cycle.phase
+        await coord.report_sigterm(SigtermSeen("p1", 0, time.time()))
+        await asyncio.sleep(0.05)
+        return after_one, coord.cycle.phase, time.monotonic() - started, coord.cycle.notices
+
+    after_one, after_both, took, notices = run(scenario())
+    assert after_one.value == "gathering", "p1 on the same node has no notice yet"
+    assert after_both.value == "tearing down" and took < 1.0
+    assert {n.rank for n in notices} == {("g", 0), ("g", 1)}
+
+    async def drained():
+        coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
+        await register(coord, pid="p0")
+        await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
+        await coord.notify({"node_id": "n1", "reason": "test"})
+        await asyncio.sleep(0.05)
+        return coord.cycle.phase
+
+    assert run(drained()).value == "tearing down", "a node notice covers its node at once"

@@ -66,13 +66,17 @@ def test_a_memory_checkpoint_is_committed_only_when_whole():
     for records, replicas, message in [
         ([record("g/0")], 1, "were not saved"),
         ([record("g/0"), record("g/1", step=4)], 1, "steps [3, 4]"),
-        ([record("g/0"), record("g/1")], 2, "held by 1 node(s), memory_replicas is 2"),
+        ([record("g/0"), record("g/1")], 2, "held by 1 node(s) not being evicted, memory_"),
         ([record("g/0"), record("g/0"), record("g/1")], 1, "saved twice"),
         ([record("g/0"), record("g/1"), record("g/2")], 1, "not in the topology"),
     ]:
         with pytest.raises(CheckpointError) as info:
             commit_in_memory("j", 0, ["g/0", "g/1"], records, replicas)
         assert message in str(info.value)
+    # A holder whose node got a notice after the plan (a late one) does not count.
+    with pytest.raises(CheckpointError) as info:
+        commit_in_memory("j", 0, ["g/0"], [record("g/0")], 1, frozenset({"a"}))
+    assert "held by 0 node(s) not being evicted" in str(info.value)
 
 
 def test_memory_settings_are_bounded():

@@ -2,10 +2,10 @@
 
 ::
 
-    IDLE --first notice--> GATHERING --notice_gather_s--> TEARING_DOWN --all reported, or the
-     ^                                                                  last deadline passed--+
-     |                                                                                       |
-     +------------- the next cycle opens <------------- CONCLUDED (outcome published) <------+
+    IDLE --first notice--> GATHERING --notice_gather_s, or--> TEARING_DOWN --all reported, or the
+     ^                                  every touched node         last deadline passed--+
+     |                                  covered                                          |
+     +------------- the next cycle opens <------------- CONCLUDED (outcome published) <---+
 
 Each transition is one method of the coordinator actor (``actor.py``); this module holds the
 cycle's state and the conclusion, a plain function of what the cycle saw: which processes were
@@ -56,6 +56,11 @@ class Cycle:
     orders_at: float | None = None
     task: asyncio.Task | None = None
     all_reported: asyncio.Event = field(default_factory=asyncio.Event)
+    # Gathering ends early once every process on every node a notice touched is covered by a
+    # notice: nothing more can be learned about those nodes (node -> processes not yet covered).
+    uncovered: dict[str, set[str]] = field(default_factory=dict)
+    noticed_ranks: set[tuple[str, int]] = field(default_factory=set)
+    gathered: asyncio.Event = field(default_factory=asyncio.Event)
     # Backup savers (fallback.py): each shard's saver's fate, once known, and who waits on it.
     save_results: dict[str, tuple[bool, str]] = field(default_factory=dict)
     save_resolved: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -106,7 +111,12 @@ def conclude(
     elif any(r.tier == "memory" for r in records):
         try:
             memory = commit_in_memory(
-                job_id, cycle.number, expected, records, config.memory_replicas
+                job_id,
+                cycle.number,
+                expected,
+                records,
+                config.memory_replicas,
+                evicted_nodes(cycle, involved),
             )
             cycle.memory_checkpoint = memory
             result, committed = "committed", memory.describe()
@@ -149,6 +159,15 @@ def conclude(
         timings=timings,
         fallbacks=list(cycle.fallbacks),
     )
+
+
+def evicted_nodes(cycle: Cycle, involved: list[Process]) -> frozenset[str]:
+    """Every node a notice of this cycle named, or whose process a rank notice named."""
+    notices = cycle.notices + cycle.late_notices
+    ranks = {n.rank for n in notices if n.rank is not None}
+    nodes = {n.node_id for n in notices if n.node_id is not None}
+    nodes |= {p.node_id for p in involved if any(k in ranks for k in p.keys)}
+    return frozenset(nodes)
 
 
 def failed(cycle: Cycle, job_id: str, exc: BaseException) -> TerminationOutcome:

@@ -50,8 +50,13 @@ def commit_in_memory(
     expected: list[str],
     records: list[ShardRecord],
     replicas: int,
+    evicted_nodes: frozenset[str] = frozenset(),
 ) -> MemoryCheckpoint:
-    """The memory checkpoint of these records, or CheckpointError saying what is missing."""
+    """The memory checkpoint of these records, or CheckpointError saying what is missing.
+
+    A holder on a node with a notice (a late one included: it came after the plan) does not
+    count: its keeper goes when the node goes.
+    """
     if not expected:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
     steps = {r.step for r in records}
@@ -61,10 +66,11 @@ def commit_in_memory(
     for record in records:
         if record.shard in by_shard:
             raise CheckpointError(f"shard {record.shard!r} was saved twice")
-        if record.tier == "memory" and len(set(record.holders)) < replicas:
+        survivors = set(record.holders) - evicted_nodes
+        if record.tier == "memory" and len(survivors) < replicas:
             raise CheckpointError(
-                f"shard {record.shard!r} is held by {len(set(record.holders))} node(s), "
-                f"memory_replicas is {replicas}; not committed"
+                f"shard {record.shard!r} is held by {len(survivors)} node(s) not being "
+                f"evicted, memory_replicas is {replicas}; not committed"
             )
         by_shard[record.shard] = record
     missing = sorted(set(expected) - set(by_shard))

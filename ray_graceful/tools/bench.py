@@ -767,6 +767,12 @@ def add_bench_parser(sub: Any) -> None:
         help="disk: today's durable save vs raw writes; memory: the memory tier (a keeper on "
         "this node and on a second one) vs the durable disk save vs torch.save, and the loads",
     )
+    save.add_argument(
+        "--preallocate",
+        action="store_true",
+        help="--tier memory: start the object stores pre-populated "
+        "(RAY_preallocate_plasma_memory=1), so the first hand-off pays no page faults",
+    )
 
     recovery = names.add_parser("recovery", help="Ray Train: preemption to resumed training")
     recovery.add_argument(
