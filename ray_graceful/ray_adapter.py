@@ -100,6 +100,29 @@ def dead_actors(actor_ids: set[str]) -> set[str]:
     return dead
 
 
+def worker_exits(pids: set[int]) -> dict[int, str]:
+    """How Ray recorded the end of each dead worker process in ``pids`` (its exit type).
+
+    "INTENDED_SYSTEM_EXIT", "INTENDED_USER_EXIT", "USER_ERROR", "SYSTEM_ERROR", ... from the
+    GCS worker table; a pid not there (or still alive) is left out.
+    """
+    import ray
+
+    try:
+        from ray.core.generated import common_pb2, gcs_pb2
+
+        accessor = ray._private.state.state._connect_and_get_accessor()
+        rows = accessor.get_worker_table()
+    except Exception as exc:
+        raise _moved("GCS worker table (state._connect_and_get_accessor)", exc) from exc
+    out = {}
+    for raw in rows:
+        worker = gcs_pb2.WorkerTableData.FromString(raw)
+        if worker.pid in pids and not worker.is_alive and worker.HasField("exit_type"):
+            out[worker.pid] = common_pb2.WorkerExitType.Name(worker.exit_type)
+    return out
+
+
 # --- leaving a worker ------------------------------------------------------------------------
 
 

@@ -1,9 +1,19 @@
 """A small TorchTrainer job (DDP on gloo, CPU): the Ray Train test and `bench recovery` run it.
 
 It appends one line per executed step to ``progress`` (rank, step, time) and one per attempt
-to ``attempt_file`` (rank, "start", step, time), so a test can tell where each attempt started,
-when training was going again, and whether a step ran twice. Periodic checkpoints every
-``every`` steps; an emergency checkpoint when ray_graceful says stop.
+to ``attempt_file`` (rank, "start", step, time, pid, node id), so a test can tell where each attempt
+started, when training was going again, and whether a step ran twice. Periodic checkpoints
+every ``every`` steps. What it does about a preemption is ``handling``:
+
+- ``"graceful"`` (default): an emergency checkpoint when ray_graceful says stop;
+- ``"none"``: nothing (the periodic checkpoints only);
+- ``"ray-documented"``: Ray Train's own pattern (``ray.train.get_preemption_info`` docstring,
+  Ray 2.60): a just-in-time checkpoint when a preemption is reported, then keep training;
+- ``"ray-best"``: the same checkpoint, then raise, so Train restarts from it at once instead
+  of at the deadline (the best Ray Train alone did in our trials).
+
+``stall_rank``/``stall_at``: that rank hangs before step ``stall_at`` (a stuck data loader),
+so its peers block in the next all-reduce - a rank stuck in a collective.
 """
 
 from __future__ import annotations
@@ -36,13 +46,30 @@ def train_func(config: dict) -> None:
             model.module.load_state_dict(torch.load(path))
     attempt = config["attempt_file"]
     with open(attempt, "a") as f:
-        f.write(f"{rank} start {start} {time.time()}\n")
+        node = ray.get_runtime_context().get_node_id()
+        f.write(f"{rank} start {start} {time.time()} {os.getpid()} {node}\n")
 
     def save(directory: str) -> None:
         torch.save(model.module.state_dict(), os.path.join(directory, "model.pt"))
 
+    def report_checkpoint(done: int) -> None:
+        checkpoint_out = None
+        if rank == 0:
+            import tempfile
+
+            d = tempfile.mkdtemp()
+            save(d)
+            with open(os.path.join(d, "step"), "w") as f:
+                f.write(str(done))
+            checkpoint_out = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"step": done}, checkpoint=checkpoint_out)
+
+    handling = config.get("handling", "graceful" if config.get("graceful", True) else "none")
+    saved_on_preemption = False
     x = torch.ones(4, 8)
     for step in range(start, config["total"]):
+        if rank == config.get("stall_rank") and step + 1 == config.get("stall_at"):
+            time.sleep(10**6)  # hangs: the peers block in the next all-reduce
         opt.zero_grad()
         model(x).sum().backward()  # DDP all-reduces the gradients over gloo
         opt.step()
@@ -50,16 +77,15 @@ def train_func(config: dict) -> None:
         with open(config["progress"], "a") as f:
             f.write(f"{rank} {step + 1} {time.time()}\n")
         done = step + 1
-        if config.get("graceful", True) and should_stop(done):
+        if handling == "graceful" and should_stop(done):
             emergency_checkpoint(save, done)
+        ray_handles = handling in ("ray-documented", "ray-best") and not saved_on_preemption
+        # get_preemption_info() is a barrier across the ranks: every rank calls it every step.
+        if ray_handles and ray.train.get_preemption_info() is not None:
+            report_checkpoint(done)
+            saved_on_preemption = True
+            if handling == "ray-best":
+                raise RuntimeError(f"preempted: restart from the checkpoint of step {done}")
+            continue
         if done % config["every"] == 0:
-            checkpoint_out = None
-            if rank == 0:
-                import tempfile
-
-                d = tempfile.mkdtemp()
-                save(d)
-                with open(os.path.join(d, "step"), "w") as f:
-                    f.write(str(done))
-                checkpoint_out = ray.train.Checkpoint.from_directory(d)
-            ray.train.report({"step": done}, checkpoint=checkpoint_out)
+            report_checkpoint(done)

@@ -116,3 +116,28 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     runtime._await_order(15, SilentControl(), signalled)
     assert started["deadline"] == signalled + 4.0
     assert "no order from the coordinator" in started["trigger"]
+
+
+def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monkeypatch):
+    """The cooperative (Ray Train) guard leaves early only for a loop that is really stuck."""
+    import time as real_time
+
+    from ray_graceful.worker.training_loop import TrainingLoop
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(real_time, "monotonic", lambda: clock["now"])
+    loop = TrainingLoop()
+    for step in range(1, 5):  # steps of 1 s
+        loop.mark(step)
+        clock["now"] += 1.0
+    assert loop.typical_step_s() == 1.0
+    ordered_at = clock["now"]
+    clock["now"] += 2.5
+    assert not loop.stuck_since(ordered_at, patience_s=2.0), "within 3 typical steps"
+    clock["now"] += 1.0
+    assert loop.stuck_since(ordered_at, patience_s=2.0), "3.5 s without a boundary"
+    loop.mark(5)
+    assert not loop.stuck_since(ordered_at, patience_s=2.0), "it reached should_stop"
+    fresh = TrainingLoop()  # no step seen yet: the patience alone counts
+    assert not fresh.stuck_since(clock["now"] - 1.0, patience_s=2.0)
+    assert fresh.stuck_since(clock["now"] - 2.5, patience_s=2.0)

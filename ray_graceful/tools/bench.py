@@ -646,7 +646,7 @@ def _recovery_once(
         cluster.remove_node(busy[0])
         thread.join()
         with open(attempts) as f:
-            starts = [(int(r), int(s), float(t)) for r, _, s, t in map(str.split, f)]
+            starts = [(int(r), int(s), float(t)) for r, _, s, t, *_pid in map(str.split, f)]
         restart = min((t for _r, _s, t in starts[2:]), default=None)
         resumed_at = starts[2][1] if len(starts) > 2 else None
         # Training is going again at the first step the restarted attempt finished.
@@ -667,6 +667,10 @@ def _recovery_once(
 
 
 def bench_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "peers", False):
+        from .bench_race import bench_race
+
+        return bench_race(args)
     rows, results = [], []
     for graceful in (True, False):
         r = _recovery_once(
@@ -790,6 +794,22 @@ def add_bench_parser(sub: Any) -> None:
         type=positive_seconds,
         default=10.0,
         help="drain deadline in seconds (default 10)",
+    )
+    recovery.add_argument(
+        "--peers",
+        action="store_true",
+        help="the race: no handling, Ray Train's own preemption handling (documented, and its "
+        "best), and ray_graceful, through each scenario (see --scenarios)",
+    )
+    recovery.add_argument(
+        "--scenarios",
+        default="drain,sigterm,stuck,faulty",
+        help="with --peers: drain, sigterm, stuck, faulty (default: all)",
+    )
+    recovery.add_argument(
+        "--ways",
+        default="none,ray-documented,ray-best,graceful",
+        help="with --peers: none, ray-documented, ray-best, graceful (default: all)",
     )
 
     fanout = names.add_parser("fanout", help="notice to every rank ordered, N simulated ranks")

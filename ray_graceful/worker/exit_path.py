@@ -22,6 +22,31 @@ def write_stderr(text: str) -> None:
         pass
 
 
+def skip_finalization(code: int = 0) -> None:
+    """Once Ray has ended this worker, leave without CPython's finalization.
+
+    Ray's intended exit tells the raylet the exit is intended, stops the core worker and
+    returns from the task loop; then ``sys.exit(0)`` runs the interpreter's finalization: a
+    collection over every object and every module's teardown - seconds in a process that
+    imported transformers (measured with verl's workers: teardown done at 0.25 s, core worker
+    down at 0.9 s, process gone at 2.5-6.6 s). Nothing of the rank's work is left by then (the
+    report is written, Ray is told), so an ``atexit`` handler, registered last so it runs
+    first, flushes the standard streams and ``os._exit``-s with the status Ray chose.
+    """
+    import atexit
+    import sys
+
+    def leave() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+    atexit.register(leave)
+
+
 def hard_exit(code: int, why: str) -> None:
     write_stderr(f"ray_graceful: hard exit ({why}), status {code}\n")
     os._exit(code)

@@ -249,25 +249,39 @@ class _ProcessRuntime:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
 
         ``should_stop()`` turns true and the training function saves at its step boundary
-        (``ray_graceful.train.emergency_checkpoint``). Whatever it does, a guard starts the
-        normal teardown shortly before the deadline, so the rank still leaves in time.
+        (``ray_graceful.train.emergency_checkpoint``). A guard starts the normal teardown (no
+        save) as soon as the loop is found stuck (``TrainingLoop.stuck_since``), else shortly
+        before the deadline whatever it does, so the rank still leaves in time.
         """
         config = self.config_or_default()
+        ordered_at = time.monotonic()
         self.stop_event.set()
         guard_at = order.deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
-        timer = threading.Timer(
-            max(guard_at - time.time(), 0.0),
-            self.begin_teardown,
-            kwargs={
-                "trigger": f"coordinator order ({order.trigger}); guard before the deadline",
-                "deadline": order.deadline,
-                "cycle": order.cycle,
-                "save_orders": [],
-                "skip_save_reason": "saving is the training function's (Ray Train)",
-            },
-        )
-        timer.daemon = True
-        timer.start()
+
+        def guard() -> None:
+            # Leave as soon as the loop is found stuck (it will not reach its boundary to
+            # save); else shortly before the deadline, whatever it does.
+            while time.time() < guard_at and self.teardown is None:
+                if self.loop.stuck_since(ordered_at, config.quiesce_timeout_s):
+                    self.begin_teardown(
+                        trigger=f"coordinator order ({order.trigger}); the training loop is "
+                        "stuck: it did not reach should_stop() in time",
+                        deadline=order.deadline,
+                        cycle=order.cycle,
+                        save_orders=[],
+                        skip_save_reason="the training loop is stuck before its step boundary",
+                    )
+                    return
+                time.sleep(0.05)
+            self.begin_teardown(
+                trigger=f"coordinator order ({order.trigger}); guard before the deadline",
+                deadline=order.deadline,
+                cycle=order.cycle,
+                save_orders=[],
+                skip_save_reason="saving is the training function's (Ray Train)",
+            )
+
+        threading.Thread(target=guard, name="ray_graceful-cooperative-guard", daemon=True).start()
 
     def rank_specs(self) -> tuple[RankSpec, ...]:
         """The ranks this process registers with the coordinator (not the release-only ones)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+from collections import deque
 from types import CodeType
 from typing import TYPE_CHECKING
 
@@ -30,11 +32,35 @@ class TrainingLoop:
         # Where the loop last called should_stop(step): (thread id, its code object).
         self.step_site: tuple[int, CodeType] | None = None
         self.parked_step: int | None = None  # the step the thread is parked at, if it is
+        self.marked_at: float | None = None  # time.monotonic() of the last boundary
+        self.step_times: deque[float] = deque(maxlen=8)  # seconds between recent boundaries
 
     def mark(self, step: int) -> None:
         """A step boundary: ``step`` steps are done (called by ``should_stop(step)``)."""
-        self.last_step = step
+        now = time.monotonic()
+        if self.marked_at is not None and step != self.last_step:
+            self.step_times.append(now - self.marked_at)
+        self.last_step, self.marked_at = step, now
         self.step_site = (threading.get_ident(), _caller_code())
+
+    def typical_step_s(self) -> float | None:
+        """The median of the recent step times, or None before two boundaries were seen."""
+        if not self.step_times:
+            return None
+        ordered = sorted(self.step_times)
+        return ordered[len(ordered) // 2]
+
+    def stuck_since(self, since: float, patience_s: float) -> bool:
+        """No step boundary since ``since`` (monotonic) for longer than the patience allows.
+
+        Patience: three typical steps, and at least ``patience_s``. A loop that took that long
+        to reach its next boundary after a stop order is blocked (a collective whose peer
+        hangs, a stalled data loader): waiting for it to save only costs the grace window.
+        """
+        typical = self.typical_step_s()
+        patience = max(patience_s, 3 * typical if typical is not None else 0.0)
+        reached = self.marked_at is not None and self.marked_at >= since
+        return not reached and self.parked_step is None and time.monotonic() - since > patience
 
     def state(self) -> str:
         """Where the training thread is: parked / idle / in_collective / in_step.
