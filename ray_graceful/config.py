@@ -235,8 +235,9 @@ class GracefulConfig:
     notice_gather_s: float = _setting(
         0.2,
         _between(0.0, 10.0, low_open=False),
-        "After the first notice of a cycle, how long the coordinator gathers further notices "
-        "(a drain and a fault together, a SIGTERM to every rank) before it plans.",
+        "After the first notice of a cycle, the longest the coordinator gathers further "
+        "notices (a drain and a fault together, a SIGTERM to every rank) before it plans; it "
+        "plans at once when every process on each node a notice touched has a notice.",
     )
     drain_poll_interval_s: float = _setting(
         1.0,
