@@ -295,6 +295,16 @@ def _write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
     fsync_path(os.path.dirname(path) or ".")
 
 
+def check_shard_set(expected: list[str], saved: Mapping[str, Any], where: str = "") -> None:
+    """CheckpointError unless ``saved`` holds exactly the ``expected`` shards."""
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise CheckpointError(f"shards {missing} were not saved{where}; not committed")
+    unexpected = sorted(set(saved) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+
+
 def commit(
     root: str,
     step: int,
@@ -320,12 +330,7 @@ def commit(
         if record.shard in by_shard:
             raise CheckpointError(f"shard {record.shard!r} was saved twice at step {step}")
         by_shard[record.shard] = record
-    missing = sorted(set(expected_shards) - set(by_shard))
-    if missing:
-        raise CheckpointError(f"shards {missing} were not saved at step {step}; not committed")
-    unexpected = sorted(set(by_shard) - set(expected_shards))
-    if unexpected:
-        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+    check_shard_set(expected_shards, by_shard, f" at step {step}")
     directory = step_dir(root, step)
     existing, _reason = _read_manifest(directory, step)
     if existing is not None:

@@ -55,6 +55,38 @@ def ray_cluster(session_dir):
     cluster.shutdown()
 
 
+@pytest.fixture
+def drain_config(tmp_path):
+    """Settings for tests that drain a node: a fast drain poll, a 15 s teardown, scripted
+    health (faults written to ``faults.json``), checkpoints and reports under tmp_path."""
+    from ray_graceful import GracefulConfig
+
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        expected_save_s=2.0,
+        teardown_timeout_s=15.0,
+        save_budget_s=8.0,
+        health_probe="scripted",
+        health_script_path=str(tmp_path / "faults.json"),
+    )
+
+
+@pytest.fixture
+def nodes(ray_cluster):
+    """Two extra raylets, "a" and "b" (resources ``node_a``/``node_b``), removed afterwards."""
+    added = {
+        name: ray_cluster.add_node(num_cpus=2, resources={f"node_{name}": 10})
+        for name in ("a", "b")
+    }
+    ray_cluster.wait_for_nodes()
+    yield {name: node.node_id for name, node in added.items()}
+    for node in added.values():
+        ray_cluster.remove_node(node)
+
+
 @pytest.fixture(scope="session")
 def exit_recorder(session_dir):
     """A ``py_executable`` wrapper that records each worker's real exit status.

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful import latest_committed
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.health.scripted import write_faults
 from ray_graceful.protocol import PollState, RankSpec, Register, SigtermSeen
@@ -26,30 +26,8 @@ NODES = ["a", "a", "b", "b"]
 
 
 @pytest.fixture
-def nodes(ray_cluster):
-    added = {
-        name: ray_cluster.add_node(num_cpus=2, resources={f"node_{name}": 10})
-        for name in ("a", "b")
-    }
-    ray_cluster.wait_for_nodes()
-    yield {name: node.node_id for name, node in added.items()}
-    for node in added.values():
-        ray_cluster.remove_node(node)
-
-
-@pytest.fixture
-def config(tmp_path):
-    return GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        drain_poll_interval_s=0.5,
-        health_interval_s=0.5,
-        expected_save_s=2.0,
-        teardown_timeout_s=15.0,
-        save_budget_s=8.0,
-        health_probe="scripted",
-        health_script_path=str(tmp_path / "faults.json"),
-    )
+def config(drain_config):
+    return drain_config
 
 
 @pytest.fixture

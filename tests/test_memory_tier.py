@@ -93,30 +93,8 @@ def test_memory_settings_are_bounded():
 
 
 @pytest.fixture
-def nodes(ray_cluster):
-    added = {
-        name: ray_cluster.add_node(num_cpus=2, resources={f"node_{name}": 10})
-        for name in ("a", "b")
-    }
-    ray_cluster.wait_for_nodes()
-    yield {name: node.node_id for name, node in added.items()}
-    for node in added.values():
-        ray_cluster.remove_node(node)
-
-
-@pytest.fixture
-def config(tmp_path):
-    return GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        drain_poll_interval_s=0.5,
-        health_interval_s=0.5,
-        expected_save_s=2.0,
-        teardown_timeout_s=15.0,
-        save_budget_s=8.0,
-        health_probe="none",
-        memory_replicas=1,
-    )
+def config(drain_config):
+    return drain_config.replace(memory_replicas=1)
 
 
 def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
@@ -149,6 +127,16 @@ def train_then_block(ranks, steps=3):
     return weights
 
 
+def drain_b_and_conclude(nodes, coordinator, exit_recorder, pids):
+    """Drain node b (12 s): every rank must exit 0 and the cycle commit; its outcome."""
+    drain_node(nodes["b"], time.time() + 12)
+    codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+    assert set(codes.values()) == {0}, codes
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome.result == "committed", outcome.summary()
+    return outcome
+
+
 def test_a_drain_commits_in_survivors_memory_persists_and_restarts_from_memory(
     nodes, config, exit_recorder
 ):
@@ -159,11 +147,7 @@ def test_a_drain_commits_in_survivors_memory_persists_and_restarts_from_memory(
     try:
         ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
         weights = train_then_block(ranks)
-        drain_node(nodes["b"], time.time() + 12)
-        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
-        assert set(codes.values()) == {0}, codes
-        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
-        assert outcome.result == "committed", outcome.summary()
+        outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
         assert outcome.committed["tier"] == "memory" and outcome.committed["step"] == 3
         assert outcome.committed["holders"] == {
             "trainer/0": [nodes["a"]],
@@ -200,11 +184,7 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
             config.replace(checkpoint_dir=None), exit_recorder, ["b", "b"], ["m", "m"]
         )
         train_then_block(ranks)
-        drain_node(nodes["b"], time.time() + 12)
-        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
-        assert set(codes.values()) == {0}, codes
-        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
-        assert outcome.result == "committed", outcome.summary()
+        outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
         head = ray.get_runtime_context().get_node_id()
         assert outcome.committed["holders"] == {"trainer/m": [head]}, (nodes, head)
         restarted, _ = start_group(config, exit_recorder, ["a", "a"], ["m", "m"])
@@ -227,11 +207,7 @@ def test_a_shard_over_the_keepers_budget_goes_to_disk_and_the_outcome_says_so(
             config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2, ballast_mb=2
         )
         train_then_block(ranks)
-        drain_node(nodes["b"], time.time() + 12)
-        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
-        assert set(codes.values()) == {0}, codes
-        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
-        assert outcome.result == "committed", outcome.summary()
+        outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
         assert len(outcome.committed["holders"]) == 1 and len(outcome.committed["on_disk"]) == 1
         details = [s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"]
         assert any("over its budget" in d and "saving to disk" in d for d in details), details

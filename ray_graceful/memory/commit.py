@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint import CheckpointError, ShardRecord
+from ..checkpoint import CheckpointError, ShardRecord, check_shard_set
 
 
 @dataclass
@@ -73,10 +73,5 @@ def commit_in_memory(
                 f"evicted, memory_replicas is {replicas}; not committed"
             )
         by_shard[record.shard] = record
-    missing = sorted(set(expected) - set(by_shard))
-    if missing:
-        raise CheckpointError(f"shards {missing} were not saved; not committed")
-    unexpected = sorted(set(by_shard) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+    check_shard_set(expected, by_shard)
     return MemoryCheckpoint(job_id, cycle, steps.pop(), by_shard)

@@ -564,17 +564,48 @@ def bench_save(args: argparse.Namespace) -> dict[str, Any]:
 # --- recovery ------------------------------------------------------------------------------
 
 
+def bench_callback_config(work: str, **settings: Any) -> GracefulConfig:
+    """ray_graceful's settings in the recovery benchmarks: a fast drain poll and probe."""
+    return GracefulConfig(
+        report_dir=os.path.join(work, "reports"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+        **settings,
+    )
+
+
+def bench_trainer(loop: dict[str, Any], callbacks: list[Any], work: str) -> Any:
+    """The recovery benchmarks' TorchTrainer: 2 CPU workers on ``bench_slot`` nodes."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ..train_job import train_func
+
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop,
+        scaling_config=ScalingConfig(
+            num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
+        ),
+        run_config=RunConfig(
+            storage_path=os.path.join(work, "storage"),
+            name="run",
+            callbacks=callbacks,
+            failure_config=FailureConfig(max_failures=3),
+        ),
+    )
+
+
 def _recovery_once(
     graceful: bool, total: int, every: int, step_s: float, evict_after: int, deadline_s: float
 ) -> dict[str, Any]:
     """One Ray Train run; its node is drained with a deadline and removed at the deadline."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from ..ray_adapter import drain_node
     from ..train import GracefulTrainCallback
-    from ..train_job import train_func
 
     with local_cluster(extra_nodes=3, head_cpus=2, node_resources={"bench_slot": 1}) as (
         cluster,
@@ -584,20 +615,9 @@ def _recovery_once(
         progress, attempts = os.path.join(work, "progress"), os.path.join(work, "attempts")
         callbacks = []
         if graceful:
-            callbacks.append(
-                GracefulTrainCallback(
-                    GracefulConfig(
-                        report_dir=os.path.join(work, "reports"),
-                        drain_poll_interval_s=0.5,
-                        health_interval_s=0.5,
-                        train_shards="replicated",
-                        expected_save_s=1.0,
-                    )
-                )
-            )
-        trainer = TorchTrainer(
-            train_func,
-            train_loop_config={
+            callbacks.append(GracefulTrainCallback(bench_callback_config(work)))
+        trainer = bench_trainer(
+            {
                 "total": total,
                 "step_s": step_s,
                 "every": every,
@@ -605,15 +625,8 @@ def _recovery_once(
                 "attempt_file": attempts,
                 "graceful": graceful,
             },
-            scaling_config=ScalingConfig(
-                num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
-            ),
-            run_config=RunConfig(
-                storage_path=os.path.join(work, "storage"),
-                name="run",
-                callbacks=callbacks,
-                failure_config=FailureConfig(max_failures=3),
-            ),
+            callbacks,
+            work,
         )
         box: dict[str, Any] = {}
         started = time.time()

@@ -32,8 +32,6 @@ import threading
 import time
 from typing import Any
 
-from ..config import GracefulConfig
-
 WAYS = ("none", "ray-documented", "ray-best", "graceful")
 SCENARIOS = ("drain", "sigterm", "stuck", "faulty")
 RUN_TIMEOUT_S = 300.0
@@ -49,14 +47,10 @@ def _read(path: str) -> list[list[str]]:
 
 def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of one way through one scenario."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from ..health.scripted import write_faults
     from ..ray_adapter import drain_node, worker_exits
     from ..train import GracefulTrainCallback
-    from ..train_job import train_func
-    from .bench import _alive, local_cluster
+    from .bench import _alive, bench_callback_config, bench_trainer, local_cluster
 
     with local_cluster(extra_nodes=4, head_cpus=2, node_resources={"bench_slot": 1}) as (
         cluster,
@@ -69,15 +63,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         if way == "graceful":
             callbacks.append(
                 GracefulTrainCallback(
-                    GracefulConfig(
-                        report_dir=os.path.join(work, "reports"),
-                        drain_poll_interval_s=0.5,
-                        health_interval_s=0.5,
-                        train_shards="replicated",
-                        expected_save_s=1.0,
-                        health_probe="scripted",
-                        health_script_path=faults,
-                    )
+                    bench_callback_config(work, health_probe="scripted", health_script_path=faults)
                 )
             )
         loop = {
@@ -90,19 +76,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         }
         if scenario == "stuck":
             loop.update(stall_rank=1, stall_at=args.evict_after + 1)
-        trainer = TorchTrainer(
-            train_func,
-            train_loop_config=loop,
-            scaling_config=ScalingConfig(
-                num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
-            ),
-            run_config=RunConfig(
-                storage_path=os.path.join(work, "storage"),
-                name="run",
-                callbacks=callbacks,
-                failure_config=FailureConfig(max_failures=3),
-            ),
-        )
+        trainer = bench_trainer(loop, callbacks, work)
         box: dict[str, Any] = {}
         started = time.time()
         thread = threading.Thread(

@@ -8,8 +8,11 @@ Six CPU ranks (gloo) on three worker nodes hold three shards, two replicas each:
 Mid-training, node B is drained by Ray with a deadline (a spot reclaim) and node A's GPU
 reports XID 79 through the scripted health probe. The coordinator plans - A's ranks never save,
 B saves what only it can still save in time, C saves the rest - releases every rank from its
-collective, commits the checkpoint, and a new group on the healthy nodes resumes at the saved
-step. The outcome JSON and a timeline PNG land in ``--output``.
+collective and commits the checkpoint. With the memory tier on (the default here), each saver
+hands its shard to the keeper of a node that survives (C, or the head), the checkpoint commits
+in their memory, the durable copy lands in the checkpoint directory in the background, and a
+new group on the healthy nodes loads each shard from the keeper on its own node or a peer's.
+The outcome JSON and a timeline PNG land in ``--output``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from ..checkpoint import latest_committed, load_state_dict
+from ..checkpoint import latest_committed
 from ..config import GracefulConfig
 from ..worker.mixin import GracefulWorkerMixin
 from ..worker.process_groups import free_port
@@ -50,18 +53,22 @@ class DemoWorker(GracefulWorkerMixin):
         port: int,
         shard: str,
         config: GracefulConfig,
-        resume: str | None = None,
+        resume: bool = False,
     ) -> str:
         import torch.distributed as dist
+
+        from ..worker.restore import load_latest
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
-        if resume is not None:
-            saved = load_state_dict(resume)
-            self.model.load_state_dict(saved["state"]["model"])
-            self.step = saved["step"]
+        self.loaded_from = "-"
+        if resume:  # memory (this node's keeper, else a peer's), else disk: one call
+            loaded = load_latest("demo", shard, config)
+            if loaded is not None:
+                self.model.load_state_dict(loaded.state["model"])
+                self.step, self.loaded_from = loaded.step, f"{loaded.tier} ({loaded.source})"
         status = self.graceful_setup(
             "demo",
             shard=shard,
@@ -90,6 +97,9 @@ class DemoWorker(GracefulWorkerMixin):
     def pid(self) -> int:
         return os.getpid()
 
+    def where_loaded(self) -> str:
+        return self.loaded_from
+
 
 class _Clock:
     def __init__(self) -> None:
@@ -100,7 +110,7 @@ class _Clock:
 
 
 def _start_group(
-    ray: Any, config: GracefulConfig, placement: list[str], resume: Any = None
+    ray: Any, config: GracefulConfig, placement: list[str], resume: bool = False
 ) -> tuple[list[Any], list[str]]:
     port = free_port()
     worker = ray.remote(DemoWorker)
@@ -115,7 +125,7 @@ def _start_group(
                 port,
                 SHARDS[i],
                 config,
-                resume.shard_path(f"demo/{SHARDS[i]}") if resume else None,
+                resume,
             )
             for i, r in enumerate(ranks)
         ],
@@ -154,6 +164,8 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         teardown_timeout_s=20.0,
         save_budget_s=10.0,
         coordinator_name=f"demo-{os.getpid()}",
+        memory_replicas=1,
+        memory_budget_mb=64,
     )
     if own_cluster:
         clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
@@ -213,20 +225,39 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         _show_teardown(outcome, clock)
         ray.wait(training, num_returns=len(training), timeout=10)
 
-        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
-        if committed is None:
+        if outcome.result != "committed":
             clock.say(f"no committed checkpoint: {outcome.reason}")
             return 1
+        names = {node.node_id: name for name, node in nodes.items()}
+        names[ray.get_runtime_context().get_node_id()] = "head"
+        holders = outcome.committed.get("holders", {})
         clock.say(
-            f"COMMITTED step {committed.step}: {len(committed.shards)} shards, "
-            f"manifest written last ({committed.path})"
+            f"COMMITTED step {outcome.committed['step']} in memory: "
+            + ", ".join(
+                f"{shard} held by {'+'.join(names.get(n, n[:8]) for n in held)}"
+                for shard, held in sorted(holders.items())
+            )
+        )
+        durable = coordinator.wait_durable(0, timeout=60) or {}
+        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        if committed is None or "at" not in durable:
+            clock.say(f"the durable copy did not land: {durable}")
+            return 1
+        first = min(n["received_at"] for n in outcome.notices)
+        clock.say(
+            f"DURABLE   the keepers wrote it to disk in the background, "
+            f"+{durable['at'] - first:.1f}s after the first notice; manifest last "
+            f"({committed.path})"
         )
         last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
         lost = max(last_steps) - committed.step if last_steps else 0
 
         restart = ["C", "H", "C", "H", "C", "H"]
         clock.say("RESTART   a new group of 6 on the healthy nodes (C and the head) loads it")
-        new_ranks, _ = _start_group(ray, config, restart, resume=committed)
+        new_ranks, _ = _start_group(ray, config, restart, resume=True)
+        for i, (r, where) in enumerate(zip(new_ranks, restart, strict=True)):
+            loaded = ray.get(r.where_loaded.remote(), timeout=30)
+            print(f"    rank {i} ({where}), shard {SHARDS[i]}: loaded from {loaded}")
         steps = ray.get([r.train.remote(2) for r in new_ranks], timeout=120)
         clock.say(
             f"resumed at step {committed.step}, trained to step {steps[0]}: {lost} step(s) lost"
@@ -249,7 +280,10 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"{sum(r['exit_path'] == 'ray_intended' for r in outcome.reports)}/"
             f"{len(outcome.reports)}"
         )
-        print(f"  checkpoint: committed at step {committed.step}; resumed there, {lost} lost")
+        print(
+            f"  checkpoint: committed at step {committed.step} in the memory of the surviving "
+            f"nodes, durable in the background; resumed there, {lost} lost"
+        )
         print(f"  wrote:      {path}" + (f", {png}" if png else ""))
         print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")
         coordinator.job_finished(success=True)
