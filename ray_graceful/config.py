@@ -236,8 +236,9 @@ class GracefulConfig:
         0.2,
         _between(0.0, 10.0, low_open=False),
         "After the first notice of a cycle, the longest the coordinator gathers further "
-        "notices (a drain and a fault together, a SIGTERM to every rank) before it plans; it "
-        "plans at once when every process on each node a notice touched has a notice.",
+        "notices (a drain and a fault together, a SIGTERM to every rank) before it plans; "
+        "while every notice is a SIGTERM it plans as soon as every process on the nodes they "
+        "touched has one.",
     )
     drain_poll_interval_s: float = _setting(
         1.0,

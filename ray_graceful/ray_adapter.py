@@ -82,6 +82,16 @@ def drain_node(node_id: str, deadline_s: float, reason: str = "ray_graceful") ->
         raise RuntimeError(f"the GCS refused to drain {node_id}: {message}")
 
 
+def current_node_id() -> str:
+    """This process's Ray node id ("" outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:
+        return ""
+
+
 # --- the actor table -------------------------------------------------------------------------
 
 

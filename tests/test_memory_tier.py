@@ -6,6 +6,8 @@ cluster: extra raylets as nodes, gloo ranks, a real drain.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -102,7 +104,9 @@ def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
     actor = ray.remote(actors.GracefulTrainer)
     ranks = [
         actor.options(
-            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+            num_cpus=0,
+            resources={"head": 1} if n == "head" else {f"node_{n}": 1},
+            runtime_env=exit_recorder.runtime_env(),
         ).remote()
         for n in placement
     ]
@@ -177,7 +181,7 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
     nodes, config, exit_recorder
 ):
     """Every rank runs on node b, which is drained: the shard goes to the keeper on the
-    coordinator's node (a transfer), and a group restarted on node a loads it from that peer."""
+    coordinator's node (a transfer), and a group restarted elsewhere loads it from that peer."""
     coordinator = Coordinator.start(config)
     try:
         ranks, pids = start_group(
@@ -185,9 +189,10 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
         )
         train_then_block(ranks)
         outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
-        head = ray.get_runtime_context().get_node_id()
-        assert outcome.committed["holders"] == {"trainer/m": [head]}, (nodes, head)
-        restarted, _ = start_group(config, exit_recorder, ["a", "a"], ["m", "m"])
+        own_node = coordinator.stats()["node_id"]  # the coordinator's node has a keeper too
+        assert outcome.committed["holders"] == {"trainer/m": [own_node]}, (nodes, own_node)
+        elsewhere = "head" if own_node == nodes["a"] else "a"
+        restarted, _ = start_group(config, exit_recorder, [elsewhere] * 2, ["m", "m"])
         loaded = ray.get([r.restore.remote("m", config) for r in restarted], timeout=60)
         assert {x["tier"] for x in loaded} == {"memory-peer"} and {x["step"] for x in loaded} == {3}
         kill_actors(*restarted)
@@ -217,3 +222,97 @@ def test_a_shard_over_the_keepers_budget_goes_to_disk_and_the_outcome_says_so(
         assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]
     finally:
         coordinator.shutdown()
+
+
+def test_two_cycles_in_a_row_commit_in_memory_and_the_older_is_released(
+    nodes, config, exit_recorder
+):
+    """Cycle 0: node b drained, step 3 committed in a's keeper. The group restarts on a and the
+    head from memory; cycle 1: SIGTERM to a rank on the head, step 5 committed in a's keeper.
+    Once step 5 is durable, the keepers hold nothing of step 3: memory does not grow."""
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
+        train_then_block(ranks)
+        drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
+        assert coordinator.wait_durable(0, timeout=30)["path"]
+
+        placement = ["a", "a", "head", "head"]
+        restarted, pids = start_group(config, exit_recorder, placement, ["0", "1"] * 2)
+        loaded = ray.get(
+            [r.restore.remote(s, config) for r, s in zip(restarted, "0101", strict=True)],
+            timeout=60,
+        )
+        assert {x["step"] for x in loaded} == {3}
+        ray.get([r.train.remote(2) for r in restarted], timeout=60)  # steps 4 and 5
+        [r.train.remote(1000) for r in restarted[:-1]]
+        time.sleep(0.5)
+        os.kill(pids[2], signal.SIGTERM)
+        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+        assert set(codes.values()) == {0}, codes
+        second = coordinator.wait_outcome(timeout=30, cycle=1)
+        assert second.result == "committed" and second.committed["step"] == 5, second.summary()
+        assert set(second.committed["holders"]) == {"trainer/0", "trainer/1"}
+        assert coordinator.wait_durable(1, timeout=30)["path"]
+        held = [
+            (shard["step"], shard["shard"])
+            for stats in coordinator.keeper_stats().values()
+            for shard in stats.get("shards", [])
+        ]
+        assert held and all(step == 5 for step, _ in held), held
+        assert latest_committed(config.checkpoint_dir).step == 5
+    finally:
+        coordinator.shutdown()
+
+
+def test_a_keeper_lost_before_its_durable_copy_leaves_nothing_torn(
+    nodes, config, exit_recorder, tmp_path
+):
+    """The durable copy of step 3 cannot be written (a file sits where its directory goes) and
+    the keeper holding it is then killed: no manifest of step 3 ever appears, the outcome says
+    the durable copy failed, and a restart falls back to the last durable checkpoint (step 1)."""
+    from ray_graceful.checkpoint import commit, save_state_dict, step_dir, write_shard
+
+    state = {"step": 1, "state": {"model": torch.nn.Linear(4, 4).state_dict()}}
+    seed = [
+        write_shard(
+            config.checkpoint_dir, 1, f"trainer/{s}", lambda p, _s: save_state_dict(state, p)
+        )
+        for s in "01"
+    ]
+    commit(config.checkpoint_dir, 1, ["trainer/0", "trainer/1"], seed)
+    with open(step_dir(config.checkpoint_dir, 3), "w") as f:
+        f.write("in the way")
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
+        train_then_block(ranks)
+        outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
+        assert outcome.committed["tier"] == "memory"
+        durable = coordinator.wait_durable(0, timeout=30)
+        assert durable is not None and "error" in durable, durable
+        keeper = ray.get_actor(
+            next(n for n in _keeper_names() if n.endswith(nodes["a"])), namespace="ray_graceful"
+        )
+        ray.kill(keeper)
+        time.sleep(1.0)
+        latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert latest.step == 1, "nothing of step 3 is listed as committed on disk"
+        restarted, _ = start_group(config, exit_recorder, ["a", "a"], ["0", "1"])
+        loaded = ray.get(
+            [r.restore.remote(s, config) for r, s in zip(restarted, "01", strict=True)]
+        )
+        assert [x["tier"] for x in loaded] == ["disk", "disk"] and {x["step"] for x in loaded} == {
+            1
+        }
+        kill_actors(*restarted)
+    finally:
+        coordinator.shutdown()
+
+
+def _keeper_names() -> list[str]:
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("ray_graceful_keeper")
+    ]

@@ -284,9 +284,11 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         """Count what ``notice`` tells about its node; all touched nodes covered: plan now.
 
         The gathering window is for notices that belong together (a SIGTERM to every rank of a
-        pod, a drain and a fault). Once every process on each node a notice touched has a
-        notice of its own (or its node has one), waiting longer learns nothing more about those
-        nodes, and each millisecond is one the ranks do not have.
+        pod, a drain and a fault). When every notice so far is a SIGTERM - the shortest grace
+        there is - and every process on each node they touched has one, waiting longer learns
+        nothing more about those nodes, and each millisecond is one the ranks do not have. A
+        drain or a fault keeps the whole window: a drain brings its own deadline, and a fault
+        elsewhere arriving with it must change who saves.
         """
         if notice.node_id is not None:
             node = notice.node_id
@@ -305,7 +307,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 }
             if all(key in cycle.noticed_ranks for key in process.keys):
                 cycle.uncovered[node].discard(process.process_id)
-        if not any(cycle.uncovered.values()):
+        if not any(cycle.uncovered.values()) and all(n.source == "sigterm" for n in cycle.notices):
             cycle.gathered.set()
 
     async def _run_cycle(self, cycle: Cycle) -> None:
@@ -528,6 +530,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         """Cheap counters (the fan-out benchmark reads them while thousands of polls wait)."""
         return {
             "pid": os.getpid(),
+            "node_id": ray_adapter.current_node_id(),
             "cycle": self.cycle.number,
             "phase": self.cycle.phase.value,
             "processes": len(self.registry.active(self.cycle.number)),

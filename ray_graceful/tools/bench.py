@@ -133,9 +133,14 @@ class BenchRank:
         timeout_s: float,
         backend: str,
         config: GracefulConfig | None = None,
+        imports: tuple[str, ...] = (),
     ) -> int:
+        import importlib
+
         import torch.distributed as dist
 
+        for module in imports:  # a real training process's import graph (transformers, ...)
+            importlib.import_module(module)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
@@ -182,7 +187,14 @@ def _hard_exits(report_dir: str) -> int:
 
 
 def _release_once(
-    ray: Any, cluster: Any, n: int, graceful: bool, how: str, timeout_s: float, backend: str
+    ray: Any,
+    cluster: Any,
+    n: int,
+    graceful: bool,
+    how: str,
+    timeout_s: float,
+    backend: str,
+    imports: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
 
@@ -209,10 +221,12 @@ def _release_once(
             )
         pids = ray.get(
             [
-                r.start.remote(i, n, port, timeout_s, backend, config if graceful else None)
+                r.start.remote(
+                    i, n, port, timeout_s, backend, config if graceful else None, imports
+                )
                 for i, r in enumerate(ranks)
             ],
-            timeout=300,
+            timeout=600,
         )
         training = {r.train.remote(10**9): i for i, r in enumerate(ranks)}
         time.sleep(1.0)
@@ -241,10 +255,22 @@ def _release_once(
             if outcome is not None and outcome.notices:
                 first = min(notice["received_at"] for notice in outcome.notices)
                 outcome_s = first + outcome.timings["outcome"] - t0
+        from ..ray_adapter import worker_exits
+        from ..worker.report import read_reports
+
+        # From the end of each rank's teardown (its report) to its process gone: the exit path
+        # (Ray's intended exit, then what the interpreter does on its way out).
+        ended = {r.pid: r.started_at + (r.finished_s or 0) for r in read_reports(config.report_dir)}
+        linger = [out[i] - ended[pid] for i, pid in enumerate(pids) if i in out and pid in ended]
+        time.sleep(1.0)  # the GCS records a worker's end a moment after the process is gone
+        recorded = worker_exits(set(pids))
         return {
             "n": n,
             "graceful": graceful,
             "how": how,
+            "after_teardown_s": linger,
+            "ray_recorded": recorded,
+            "crashes": sum(kind == "SYSTEM_ERROR" for kind in recorded.values()),
             "hard_exits": _hard_exits(os.path.join(work, "reports")),
             "first_out_s": min(out.values()) - t0 if out else None,
             "all_out_s": max(out.values()) - t0 if len(out) == n else None,
@@ -266,19 +292,24 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     sizes = list(args.sizes)
     hows = args.how.split(",")
+    imports = tuple(m for m in (args.imports or "").split(",") if m)
     with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
         for how in hows:
             for n in sizes:
                 for rep in range(args.reps):
-                    r = _release_once(ray, cluster, n, True, how, args.timeout, args.backend)
+                    r = _release_once(
+                        ray, cluster, n, True, how, args.timeout, args.backend, imports
+                    )
                     results.append({**r, "rep": rep})
                     print(
                         f"  {how} N={n} rep {rep}: all out {r['all_out_s']}s, "
-                        f"{r['hard_exits']} hard exits",
+                        f"{r['hard_exits']} hard exits, {r['crashes']} recorded as crashes",
                         flush=True,
                     )
                 if args.baseline:
-                    b = _release_once(ray, cluster, n, False, how, args.timeout, args.backend)
+                    b = _release_once(
+                        ray, cluster, n, False, how, args.timeout, args.backend, imports
+                    )
                     results.append({**b, "rep": 0})
                     print(
                         f"  baseline {how} N={n}: all out {b['all_out_s']}s, {b['stuck']} stuck",
@@ -291,6 +322,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             alls = [r["all_out_s"] for r in runs if r["all_out_s"] is not None]
             firsts = [r["first_out_s"] for r in runs if r["first_out_s"] is not None]
             outcomes = [r["outcome_s"] for r in runs if r["outcome_s"] is not None]
+            lingers = [x for r in runs for x in r["after_teardown_s"]]
             base = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, how, False)]
             waited = args.timeout + 30
             if not base:
@@ -309,9 +341,13 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     _pct(firsts, 0.5),
                     _pct(alls, 0.5),
                     _pct(alls, 0.9),
+                    _pct(alls, 0.99),
                     max(alls) if alls else float("nan"),
                     _pct(outcomes, 0.5),
+                    _pct(lingers, 0.5),
+                    max(lingers) if lingers else float("nan"),
                     f"{sum(r['hard_exits'] for r in runs)}/{n * len(runs)}",
+                    f"{sum(r['crashes'] for r in runs)}/{n * len(runs)}",
                     base_text,
                     speedup,
                 ]
@@ -324,9 +360,13 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             "first out p50 s",
             "all out p50 s",
             "p90 s",
+            "p99 s",
             "max s",
             "outcome p50 s",
+            "gone after teardown p50 s",
+            "max s",
             "hard exits",
+            "Ray: crashes",
             "baseline: all out s",
             "vs baseline",
         ],
@@ -757,6 +797,12 @@ def add_bench_parser(sub: Any) -> None:
     )
     release.add_argument(
         "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl needs a GPU per rank"
+    )
+    release.add_argument(
+        "--imports",
+        default="",
+        help="modules every rank imports first, e.g. transformers (a real import graph: "
+        "what the interpreter's exit has to go through)",
     )
 
     plan = names.add_parser("plan", help="planning time for many ranks")

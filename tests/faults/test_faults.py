@@ -268,11 +268,12 @@ def test_a_save_killed_halfway(rep, fault_log, config, coordinator, exit_recorde
     outcome = run_and_record(
         "a save killed halfway", fault_log, config, coordinator, exit_recorder, pids, ranks
     )
-    assert outcome.result == "abandoned" and "trainer/0" in outcome.reason
-    leftovers = [
-        n
-        for _b, _d, files in os.walk(config.checkpoint_dir)
-        for n in files
-        if n.startswith(".tmp-")
+    # Rank 2, the other replica of shard 0, was parked as its backup: it saves it instead.
+    assert outcome.result == "committed", outcome.summary()
+    assert [(f["shard"], f["why"]) for f in outcome.fallbacks] == [
+        ("trainer/0", "its process died")
     ]
-    assert latest_committed(config.checkpoint_dir).step == 1, leftovers
+    savers = {(r["ranks"][0]["rank"], s["shard"]) for r in outcome.reports for s in r["saved"]}
+    assert (2, "trainer/0") in savers
+    latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert latest.step == outcome.committed["step"] > 1, "the killed save's file is never used"
