@@ -47,9 +47,10 @@ class TerminationOutcome:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def summary(self) -> str:
+        where = self.resume_from or {}
         resume = (
-            f"resume from step {self.resume_from['step']} ({self.resume_from['path']})"
-            if self.resume_from
+            f"resume from step {where['step']} ({where.get('path') or where.get('tier')})"
+            if where
             else "no committed checkpoint to resume from"
         )
         head = f"cycle {self.cycle}: {self.result}"

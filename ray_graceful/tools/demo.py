@@ -262,6 +262,7 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         clock.say(
             f"resumed at step {committed.step}, trained to step {steps[0]}: {lost} step(s) lost"
         )
+        coordinator.job_finished(success=True)  # the group is ended on purpose: no eviction
         for r in new_ranks:
             ray.kill(r)
 
@@ -286,7 +287,6 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         )
         print(f"  wrote:      {path}" + (f", {png}" if png else ""))
         print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")
-        coordinator.job_finished(success=True)
         return 0
     finally:
         if own_cluster:

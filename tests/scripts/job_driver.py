@@ -39,7 +39,9 @@ result: dict = {"kind": kind}
 
 
 def evict_now(pid: int | None) -> None:
+    result["evicted_at"] = time.time()
     if evict == "sigterm":
+        result["evict"] = {"sigterm_to": pid}
         os.kill(pid, signal.SIGTERM)
         return
     done = subprocess.run(
@@ -109,22 +111,33 @@ def train_run() -> None:
             ),  # no callbacks=: RAY_TRAIN_CALLBACKS in the job's env adds ours
         )
         if evicting:
-            threading.Thread(target=evict_when_registered, daemon=True).start()
+            threading.Thread(
+                target=evict_when_registered, args=(files["attempts"],), daemon=True
+            ).start()
         fit = trainer.fit()
         with open(files["attempts"]) as f:
             starts = sorted({int(line.split()[2]) for line in f if line.split()[1] == "start"})
         return {"error": repr(fit.error) if fit.error else None, "starts": starts}
 
-    def evict_when_registered() -> None:
-        for _ in range(240):
+    def evict_when_registered(attempts: str) -> None:
+        """Evict once this run's two workers (their pids from ``attempts``) are registered.
+
+        Not just "two ranks registered": the previous run's coordinator may still be shutting
+        down with the previous run's (finished) workers listed.
+        """
+        for _ in range(480):
             try:
+                with open(attempts) as f:
+                    pids = {int(line.split()[4]) for line in f if line.split()[1] == "start"}
                 coordinator = Coordinator.connect()  # this job's, started by the callback
-                if len(coordinator.status()["ranks"]) == 2:
+                registered = {r["pid"] for r in coordinator.status()["ranks"]}
+                if len(pids) == 2 and registered == pids:
                     break
             except Exception as exc:
                 result["evict_waiting"] = repr(exc)
             time.sleep(0.25)
         else:
+            result["evict_waiting"] = "gave up: this run's workers never registered"
             return
         time.sleep(0.5)
         if evict == "sigterm":
@@ -134,7 +147,9 @@ def train_run() -> None:
             evict_now(None)
 
     result["normal"] = run(3, 0.05, "normal", evicting=False)
-    result["evicted"] = run(20, 0.15, "evicted", evicting=True)
+    # Long enough (9 s) for the eviction to land mid-run even on a loaded 2-core machine, where
+    # the callback's coordinator and both registrations can take a few seconds.
+    result["evicted"] = run(60, 0.15, "evicted", evicting=True)
 
 
 if kind == "train":
