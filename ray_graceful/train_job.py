@@ -68,7 +68,12 @@ def train_func(config: dict) -> None:
     saved_on_preemption = False
     x = torch.ones(4, 8)
     for step in range(start, config["total"]):
-        if rank == config.get("stall_rank") and step + 1 == config.get("stall_at"):
+        first_attempt = checkpoint is None  # a restarted attempt does not stall again
+        if (
+            first_attempt
+            and rank == config.get("stall_rank")
+            and step + 1 == config.get("stall_at")
+        ):
             time.sleep(10**6)  # hangs: the peers block in the next all-reduce
         opt.zero_grad()
         model(x).sum().backward()  # DDP all-reduces the gradients over gloo
