@@ -18,6 +18,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import ray_adapter
 from ..checkpoint import CheckpointError, ShardRecord, commit
 from ..health import FAULTY
 from ..memory.commit import MemoryCheckpoint
@@ -46,8 +47,8 @@ class MemoryTierMixin:
             return
         import ray
 
-        own = ray.get_runtime_context().get_node_id()
-        if own not in self.keepers and own != node_id:
+        own = ray_adapter.current_node_id()
+        if own and own not in self.keepers and own != node_id:
             self._ensure_keeper(own)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
