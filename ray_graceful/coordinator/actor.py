@@ -94,6 +94,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         self.instance_id = uuid.uuid4().hex[:8]  # names this coordinator's keepers
         self.keepers: dict[str, Any] = {}  # node id -> its keeper (memory tier)
         self.memory_checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
+        self.leaving: dict[str, float] = {}  # keeper nodes being evicted -> their deadline
         self.durable_events: dict[int, asyncio.Event] = {}
         self.background: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
@@ -354,6 +355,11 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             process = self.registry.process_of((rank_order.group, rank_order.rank))
             if process is not None:
                 by_process.setdefault(process.process_id, []).append(rank_order)
+        for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
+            if notice.node_id is not None:
+                self._keeper_node_leaving(
+                    notice.node_id, notice.effective_deadline(self.config.teardown_timeout_s)
+                )
         survivors = self._surviving_keepers(plan)
         trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
         for process_id, orders in by_process.items():

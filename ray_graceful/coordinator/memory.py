@@ -8,11 +8,18 @@ FAULTY nodes (``memory/placement.py``). A cycle whose shards are all held commit
 background and the manifest goes last, with today's guarantees, and the outcome's ``durable``
 says when it landed. An older memory checkpoint is released once a newer one is durable; the
 shards of a cycle that did not commit are released at once.
+
+A keeper's own node can be evicted later (a drain, a notice naming it, a plan evicting its
+ranks): what it holds is handed on to a keeper that stays, before that node's deadline, and no
+new shard goes there. Where no keeper can take a shard, the durable copy has to land first; a
+shard left with no holder and no durable copy ends the memory checkpoint (``lost``), so a
+restart never mixes its step with an older one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -32,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEEPER_CONCURRENCY = 32
+KEEPER_PING_S = 5.0  # a keeper that does not answer a ping in this long cannot serve a restart
+HOLDERS_FRESH_S = 5.0  # a restarted group's ranks ask at once: one check serves them all
 
 
 class MemoryTierMixin:
@@ -69,7 +78,7 @@ class MemoryTierMixin:
     def _surviving_keepers(self: CoordinatorActor, plan: TerminationPlan) -> list[str]:
         """Nodes with a keeper that are neither being evicted nor FAULTY in this plan."""
         out = {o.node_id for o in plan.orders if o.evicted or o.health == FAULTY}
-        return [node for node in self.keepers if node not in out]
+        return [node for node in self.keepers if node not in out and node not in self.leaving]
 
     def _holders_for(
         self: CoordinatorActor, shard: str, saver_node: str, survivors: list[str]
@@ -153,12 +162,176 @@ class MemoryTierMixin:
                 errors.append(f"keeper on {node[:12]}: {type(exc).__name__}: {exc}")
         raise CheckpointError(f"no keeper could write {key}: {'; '.join(errors)}")
 
+    # --- a keeper's node is leaving ------------------------------------------------------
+
+    def _keeper_node_leaving(self: CoordinatorActor, node_id: str, deadline: float) -> None:
+        """``node_id`` is being evicted: its keeper's shards move before ``deadline``.
+
+        Once per node, in the background (the cycle's own teardown does not wait for it). From
+        now on no shard is placed on that node.
+        """
+        if node_id not in self.keepers or node_id in self.leaving:
+            return
+        if not deadline:
+            deadline = time.time() + self.config.teardown_timeout_s
+        self.leaving[node_id] = deadline
+        task = asyncio.get_running_loop().create_task(self._evacuate(node_id, deadline))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _evacuate(self: CoordinatorActor, node_id: str, deadline: float) -> None:
+        """Hand on every shard the leaving keeper holds, newest checkpoint first."""
+        for memory in sorted(self.memory_checkpoints.values(), key=lambda m: -m.step):
+            orphans = []
+            for key, record in list(memory.shards.items()):
+                if record.tier != "memory" or node_id not in record.holders:
+                    continue
+                target = await self._hand_on(memory, record, node_id, deadline)
+                holders = tuple(h for h in record.holders if h != node_id)
+                holders += (target,) if target else ()
+                memory.shards[key] = dataclasses.replace(record, holders=holders)
+                memory.handed_on.append(
+                    {"shard": key, "from": node_id, "to": target, "at": time.time()}
+                )
+                if not holders:
+                    orphans.append(key)
+            if orphans:
+                await self._orphaned(memory, orphans, node_id, deadline)
+            outcome = self.outcomes.get(memory.cycle)
+            if outcome is not None:
+                outcome.committed = memory.describe()
+
+    async def _hand_on(
+        self: CoordinatorActor,
+        memory: MemoryCheckpoint,
+        record: ShardRecord,
+        node_id: str,
+        deadline: float,
+    ) -> str | None:
+        """Copy one shard from the leaving keeper to a keeper that stays: its node, or None."""
+        staying = [n for n in self.keepers if n not in self.leaving and n not in record.holders]
+        for target in choose_holders(record.shard, "", staying, len(staying)):
+            left = deadline - time.time()
+            if left <= 0:
+                break
+            try:
+                boxed = await asyncio.wait_for(
+                    self.keepers[node_id].fetch.remote(memory.step, record.shard), left
+                )
+                if boxed is None:
+                    return None  # the leaving keeper does not hold it (any more)
+                reply = await asyncio.wait_for(
+                    self.keepers[target].hold.remote(
+                        memory.cycle,
+                        memory.step,
+                        record.shard,
+                        boxed,
+                        record.bytes,
+                        record.group,
+                        record.rank,
+                        left,
+                    ),
+                    left,
+                )
+            except Exception as exc:
+                logger.warning(
+                    "ray_graceful coordinator: could not hand %s on from %s to %s: %r",
+                    record.shard,
+                    node_id[:12],
+                    target[:12],
+                    exc,
+                )
+                continue
+            if reply.accepted:
+                logger.info(
+                    "ray_graceful coordinator: %s (step %s) handed on from %s to %s",
+                    record.shard,
+                    memory.step,
+                    node_id[:12],
+                    target[:12],
+                )
+                return target
+            logger.warning("ray_graceful coordinator: %s refused: %s", target[:12], reply.reason)
+        return None
+
+    async def _orphaned(
+        self: CoordinatorActor,
+        memory: MemoryCheckpoint,
+        shards: list[str],
+        node_id: str,
+        deadline: float,
+    ) -> None:
+        """Shards only the leaving node held: the durable copy must land before it goes."""
+        if memory.durable_path is None and self.config.checkpoint_dir is not None:
+            event = self.durable_events.setdefault(memory.cycle, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), max(deadline - time.time(), 0))
+            except asyncio.TimeoutError:
+                pass
+        if memory.durable_path is not None:
+            return  # on disk: a restart loads those shards from there, at the same step
+        self._forget(
+            memory,
+            f"{', '.join(shards)} held only on node {node_id[:12]}, which was evicted before "
+            "the durable copy landed and no other keeper could take it",
+        )
+
+    def _forget(self: CoordinatorActor, memory: MemoryCheckpoint, why: str) -> None:
+        """A memory checkpoint that can no longer be restored whole is no longer offered."""
+        memory.lost = why
+        self.memory_checkpoints.pop(memory.step, None)
+        outcome = self.outcomes.get(memory.cycle)
+        if outcome is not None:
+            outcome.committed = memory.describe()
+        logger.error(
+            "ray_graceful coordinator: the memory checkpoint of step %s is lost: %s; restarts "
+            "resume from the newest durable checkpoint",
+            memory.step,
+            why,
+        )
+
+    async def _check_holders(self: CoordinatorActor, memory: MemoryCheckpoint) -> None:
+        """Drop holders whose keeper is gone; a shard with none left ends the checkpoint.
+
+        Asked before a restart is told where to load from, so every rank of the restarted
+        group gets the same step: one rank falling back to an older step on disk while the
+        others load the newer one from memory would be a torn restore.
+        """
+        if time.time() - memory.checked_at < HOLDERS_FRESH_S:
+            return
+        nodes = sorted({n for holders in memory.in_memory().values() for n in holders})
+        answers = await asyncio.gather(*(self._keeper_answers(n) for n in nodes))
+        gone = {node for node, alive in zip(nodes, answers, strict=True) if not alive}
+        memory.checked_at = time.time()
+        orphans = []
+        for key, record in list(memory.shards.items()):
+            if record.tier == "memory" and gone & set(record.holders):
+                holders = tuple(h for h in record.holders if h not in gone)
+                memory.shards[key] = dataclasses.replace(record, holders=holders)
+                orphans += [] if holders else [key]
+        if orphans and memory.durable_path is None:
+            lost = ", ".join(n[:12] for n in sorted(gone))
+            self._forget(memory, f"{', '.join(orphans)} had no keeper left (gone: {lost})")
+
+    async def _keeper_answers(self: CoordinatorActor, node_id: str) -> bool:
+        keeper = self.keepers.get(node_id)
+        if keeper is None:
+            return False
+        try:
+            await asyncio.wait_for(keeper.ping.remote(), KEEPER_PING_S)
+            return True
+        except Exception:
+            return False
+
     # --- queries ----------------------------------------------------------------------------
 
     async def memory_checkpoint(self: CoordinatorActor, shard_key: str) -> dict[str, Any] | None:
         """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}."""
         for step in sorted(self.memory_checkpoints, reverse=True):
             memory = self.memory_checkpoints[step]
+            await self._check_holders(memory)
+            if memory.lost:
+                continue
             record = memory.shards.get(shard_key)
             if record is not None and record.tier == "memory":
                 return {

@@ -66,6 +66,8 @@ class WatcherMixin:
         for node_id, deadline_ms in dict(drains).items():
             if self.drains_seen.get(node_id) == number:
                 continue
+            if isinstance(deadline_ms, int) and deadline_ms >= 0:
+                self._keeper_node_leaving(node_id, deadline_ms / 1000.0)  # ranks there or not
             if not self.registry.has_node(node_id, number):
                 continue  # a node this job has no rank on
             if not isinstance(deadline_ms, int) or deadline_ms < 0:

@@ -28,6 +28,9 @@ class MemoryCheckpoint:
     durable_path: str | None = None  # the step directory, once the manifest is on disk
     durable_at: float | None = None
     durable_error: str | None = None
+    handed_on: list[dict[str, Any]] = field(default_factory=list)  # moved off a leaving node
+    lost: str | None = None  # why it can no longer be restored from memory
+    checked_at: float = 0.0  # when its holders were last seen alive (coordinator/memory.py)
 
     def in_memory(self) -> dict[str, tuple[str, ...]]:
         return {k: r.holders for k, r in self.shards.items() if r.tier == "memory"}
@@ -41,6 +44,8 @@ class MemoryCheckpoint:
             "durable_path": self.durable_path,
             "durable_at": self.durable_at,
             "durable_error": self.durable_error,
+            "handed_on": list(self.handed_on),
+            "lost": self.lost,
         }
 
 

@@ -150,6 +150,7 @@ class Keeper:
             "node_id": self.node_id,
             "budget_bytes": self.budget_bytes,
             "used_bytes": self.used(),
+            "reserved_bytes": self.reserved,  # promised to holds still transferring
             "shards": sorted(
                 (
                     {"step": h.step, "shard": h.shard_key, "bytes": h.nbytes}

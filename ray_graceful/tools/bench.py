@@ -64,7 +64,10 @@ def _machine() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def local_cluster(
-    extra_nodes: int = 0, head_cpus: int = 4, node_resources: dict[str, float] | None = None
+    extra_nodes: int = 0,
+    head_cpus: int = 4,
+    node_resources: dict[str, float] | None = None,
+    object_store_bytes: int | None = None,
 ) -> Iterator[tuple[Any, list[Any]]]:
     """A private multi-node Ray cluster on this machine; the driver attached to it."""
     work = tempfile.mkdtemp(prefix="ray-graceful-bench-")
@@ -79,10 +82,15 @@ def local_cluster(
             "num_cpus": head_cpus,
             "include_dashboard": False,
             "resources": {"bench_head": 1000},
+            "object_store_memory": object_store_bytes,
         },
     )
     nodes = [
-        cluster.add_node(num_cpus=2, resources={f"bench_n{i}": 1000, **(node_resources or {})})
+        cluster.add_node(
+            num_cpus=2,
+            resources={f"bench_n{i}": 1000, **(node_resources or {})},
+            object_store_memory=object_store_bytes,
+        )
         for i in range(extra_nodes)
     ]
     cluster.wait_for_nodes()
@@ -195,6 +203,7 @@ def _release_once(
     timeout_s: float,
     backend: str,
     imports: tuple[str, ...] = (),
+    drain_poll_s: float = 1.0,
 ) -> dict[str, Any]:
     """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
 
@@ -205,7 +214,9 @@ def _release_once(
     from ..ray_adapter import drain_node
 
     work = tempfile.mkdtemp(prefix="release-")
-    config = GracefulConfig(report_dir=os.path.join(work, "reports"), drain_poll_interval_s=1.0)
+    config = GracefulConfig(
+        report_dir=os.path.join(work, "reports"), drain_poll_interval_s=drain_poll_s
+    )
     coordinator = Coordinator.start(config) if graceful else None
     cls = GracefulBenchRank if graceful else BenchRank
     gpus = 1.0 / n if backend == "nccl" else 0
@@ -293,12 +304,24 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
     sizes = list(args.sizes)
     hows = args.how.split(",")
     imports = tuple(m for m in (args.imports or "").split(",") if m)
+    poll_cost = None
     with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
+        if "drain" in hows:
+            poll_cost = _drain_poll_cost(cluster, args.drain_poll)
+            print(f"  drain poll cost: {poll_cost}", flush=True)
         for how in hows:
             for n in sizes:
                 for rep in range(args.reps):
                     r = _release_once(
-                        ray, cluster, n, True, how, args.timeout, args.backend, imports
+                        ray,
+                        cluster,
+                        n,
+                        True,
+                        how,
+                        args.timeout,
+                        args.backend,
+                        imports,
+                        args.drain_poll,
                     )
                     results.append({**r, "rep": rep})
                     print(
@@ -376,7 +399,50 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
         f"\nbaseline: the same job without the plugin, collective timeout "
         f"{args.timeout:.0f}s (the real default is 600 s for NCCL, 1800 s for gloo)"
     )
-    return {"results": results, "table": table}
+    if poll_cost is not None:
+        table += (
+            f"\ndrain poll every {args.drain_poll}s: one poll {poll_cost['call_ms_p50']:.2f} ms "
+            f"p50 ({poll_cost['call_ms_p99']:.2f} ms p99) from the coordinator's side; the "
+            f"GCS spends {poll_cost['gcs_cpu_ms_per_call']:.3f} ms CPU per poll, "
+            f"{poll_cost['gcs_cpu_share_pct']:.3f} % of one core at this interval"
+        )
+    return {"results": results, "table": table, "drain_poll_cost": poll_cost}
+
+
+def _drain_poll_cost(cluster: Any, interval_s: float, calls: int = 2000) -> dict[str, float]:
+    """What polling Ray's drain state costs: per call, and on the GCS's CPU.
+
+    ``calls`` polls back to back (the call the coordinator's watcher makes), and the GCS
+    process's CPU time over them minus its CPU time over an idle stretch of the same length.
+    """
+    from ..ray_adapter import draining_nodes
+
+    gcs = cluster.head_node.all_processes["gcs_server"][0].process.pid
+
+    def cpu_s() -> float:
+        with open(f"/proc/{gcs}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    draining_nodes()  # connect first
+    durations = []
+    cpu0, t0 = cpu_s(), time.perf_counter()
+    for _ in range(calls):
+        start = time.perf_counter()
+        draining_nodes()
+        durations.append(time.perf_counter() - start)
+    busy_cpu, wall = cpu_s() - cpu0, time.perf_counter() - t0
+    cpu1 = cpu_s()
+    time.sleep(wall)
+    idle_cpu = cpu_s() - cpu1
+    per_call_ms = max(busy_cpu - idle_cpu, 0.0) * 1000 / calls
+    return {
+        "calls": calls,
+        "call_ms_p50": _pct(durations, 0.5) * 1000,
+        "call_ms_p99": _pct(durations, 0.99) * 1000,
+        "gcs_cpu_ms_per_call": per_call_ms,
+        "gcs_cpu_share_pct": per_call_ms / 1000 / interval_s * 100,
+    }
 
 
 # --- plan ----------------------------------------------------------------------------------
@@ -724,6 +790,10 @@ def bench_recovery(args: argparse.Namespace) -> dict[str, Any]:
         from .bench_race import bench_race
 
         return bench_race(args)
+    if getattr(args, "tier", None) == "memory":
+        from .bench_memory import bench_restart_memory
+
+        return bench_restart_memory(args)
     rows, results = [], []
     for graceful in (True, False):
         r = _recovery_once(
@@ -799,6 +869,13 @@ def add_bench_parser(sub: Any) -> None:
         "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl needs a GPU per rank"
     )
     release.add_argument(
+        "--drain-poll",
+        type=positive_seconds,
+        default=1.0,
+        help="the coordinator's drain_poll_interval_s in these runs (default 1.0); --how drain "
+        "also measures what one poll costs the GCS",
+    )
+    release.add_argument(
         "--imports",
         default="",
         help="modules every rank imports first, e.g. transformers (a real import graph: "
@@ -853,6 +930,24 @@ def add_bench_parser(sub: Any) -> None:
         type=positive_seconds,
         default=10.0,
         help="drain deadline in seconds (default 10)",
+    )
+    recovery.add_argument(
+        "--tier",
+        choices=("memory",),
+        help="memory: a hand-built group's restart from the memory tier against the same "
+        "checkpoint on disk, same run (see --sizes, --reps, --ranks)",
+    )
+    recovery.add_argument(
+        "--sizes",
+        type=positive_ints,
+        default="64,256,1024",
+        help="--tier memory: MB per shard (default 64,256,1024)",
+    )
+    recovery.add_argument(
+        "--reps", type=positive_int, default=3, help="--tier memory: repetitions (default 3)"
+    )
+    recovery.add_argument(
+        "--ranks", type=positive_int, default=2, help="--tier memory: ranks, one shard each"
     )
     recovery.add_argument(
         "--peers",

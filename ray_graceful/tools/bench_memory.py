@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any
 
+from ..worker.mixin import GracefulWorkerMixin
+
 NAMESPACE = "ray_graceful_bench"
 
 
@@ -165,3 +167,229 @@ def _drop_page_cache(path: str) -> None:
             os.close(fd)
     except (OSError, AttributeError):
         pass
+
+
+# --- the restart: memory tier against disk -----------------------------------------------------
+
+STATE_TENSORS = 16
+
+
+class RestartWorker(GracefulWorkerMixin):
+    """A hand-built rank whose whole state is ``mb`` MB of tensors."""
+
+    def __init__(self) -> None:
+        self.constructed_at = time.time()  # the process is up, torch imported
+        self.state: dict[str, Any] = {}
+
+    def fill(self, mb: int) -> int:
+        import torch
+
+        per = mb * (1 << 20) // 4 // STATE_TENSORS
+        self.state = {f"layer{i}": torch.randn(per) for i in range(STATE_TENSORS)}
+        return sum(t.numel() * 4 for t in self.state.values())
+
+    def start(
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        config: Any,
+        resume: str | None = None,
+    ) -> dict[str, Any]:
+        """Join the group, load (``resume``: "memory" - the one call a user makes, memory
+        first - or "disk", the committed checkpoint only), set up, take one training step."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from ..memory.handoff import load_shard
+        from ..protocol import shard_key
+        from ..worker.restore import load_latest
+
+        called_at = time.time()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
+        joined_at = time.time()
+        tier, step = "-", 0
+        if resume == "memory":
+            loaded = load_latest("bench", rank, config)
+        elif resume == "disk":
+            loaded = load_shard(
+                shard_key("bench", str(rank)), None, config.checkpoint_dir, NAMESPACE
+            )
+        else:
+            loaded = None
+        if loaded is not None:
+            self.state = {k: torch.as_tensor(v) for k, v in loaded.state.items()}
+            tier, step = loaded.tier, loaded.step
+        loaded_at = time.time()
+        if resume is None:  # the group that will be evicted; a restarted group is killed
+            self.graceful_setup(  # after its first step, which its coordinator would
+                "bench", shard=str(rank), config=config, state_dict=lambda: self.state
+            )  # take for a lost rank: registration (one actor call) is left out of both tiers
+        total = torch.stack([t.sum() for t in self.state.values()]).sum().reshape(1)
+        dist.all_reduce(total)  # the first training step: every rank's state in use
+        return {
+            "constructed_at": self.constructed_at,
+            "called_at": called_at,
+            "joined_at": joined_at,
+            "loaded_at": loaded_at,
+            "stepped_at": time.time(),
+            "tier": tier,
+            "step": step,
+        }
+
+    def train(self, steps: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        for step in range(1, steps + 1):
+            dist.all_reduce(torch.ones(1))
+            if self.should_stop(step):
+                return step
+            time.sleep(0.05)
+        return steps
+
+
+def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """A group's node is evicted; the new group restarts from the memory tier, then from disk.
+
+    Per repetition: a group of ``--ranks`` ranks on node B, each with a shard of ``mb`` MB,
+    training; node B gets an eviction notice; the savers hand their shards to keepers on the
+    surviving nodes, the checkpoint commits in memory and its durable copy lands on disk. Then
+    two new groups start on node A from that one checkpoint: one loading the way a user's code
+    does (``load_latest``: memory first), one from disk (the page cache dropped first, as on a
+    node that never read the file). Measured from the moment the driver creates the new actors
+    to every rank having taken its first step - and the part after the processes are up.
+    """
+    import ray
+
+    from ..config import GracefulConfig
+    from ..coordinator import Coordinator
+    from .bench import _table, local_cluster
+
+    largest = max(args.sizes) << 20
+    store = int(largest * args.ranks * 2.5) + (256 << 20)
+    rows, results = [], []
+    with local_cluster(extra_nodes=2, head_cpus=2, object_store_bytes=store) as (_cluster, nodes):
+        node_a, node_b = nodes
+        for mb in args.sizes:
+            cold: dict[str, list[float]] = {"memory": [], "disk": []}
+            warm: dict[str, list[float]] = {"memory": [], "disk": []}
+            tiers: dict[str, set[str]] = {"memory": set(), "disk": set()}
+            for rep in range(args.reps):
+                work = tempfile.mkdtemp(prefix="restart-")
+                config = GracefulConfig(
+                    checkpoint_dir=os.path.join(work, "ckpt"),
+                    report_dir=os.path.join(work, "reports"),
+                    coordinator_namespace=NAMESPACE,
+                    coordinator_name=f"bench-restart-{mb}-{rep}",
+                    memory_replicas=1,
+                    memory_budget_mb=(largest >> 20) * args.ranks * 2,
+                    expected_save_s=1.0,
+                )
+                coordinator = Coordinator.start(config)
+                try:
+                    group = _group(ray, RestartWorker, node_b, args.ranks)
+                    ray.get([r.fill.remote(mb) for r in group], timeout=300)
+                    _start(ray, group, config, None)
+                    running = [r.train.remote(10**6) for r in group]
+                    time.sleep(1.0)
+                    coordinator.notify(
+                        node_id=node_b.node_id,
+                        reason="bench: node B evicted",
+                        deadline=time.time() + 60,
+                    )
+                    ray.wait(running, num_returns=len(running), timeout=120)  # they exit 0
+                    outcome = coordinator.wait_outcome(timeout=120, cycle=0)
+                    if outcome is None or outcome.committed.get("tier") != "memory":
+                        raise RuntimeError(f"no memory commit: {outcome and outcome.summary()}")
+                    durable = coordinator.wait_durable(0, timeout=300)
+                    if not durable or "path" not in durable:
+                        raise RuntimeError(f"no durable copy: {durable}")
+                    for name in os.listdir(durable["path"]):
+                        _drop_page_cache(os.path.join(durable["path"], name))
+                    order = ("memory", "disk") if rep % 2 == 0 else ("disk", "memory")
+                    for how in order:
+                        created = time.time()
+                        group = _group(ray, RestartWorker, node_a, args.ranks)
+                        marks = _start(ray, group, config, how)
+                        done = max(m["stepped_at"] for m in marks)
+                        cold[how].append(done - created)
+                        warm[how].append(done - max(m["constructed_at"] for m in marks))
+                        tiers[how] |= {m["tier"] for m in marks}
+                        if {m["step"] for m in marks} != {outcome.committed["step"]}:
+                            raise RuntimeError(f"restart {how} loaded steps {marks}")
+                        for rank in group:
+                            ray.kill(rank)
+                finally:
+                    coordinator.shutdown()
+            med = {k: statistics.median(v) for k, v in cold.items()}
+            med_warm = {k: statistics.median(v) for k, v in warm.items()}
+            results.append(
+                {
+                    "mb": mb,
+                    "cold_seconds": cold,
+                    "warm_seconds": warm,
+                    "tiers": {k: sorted(v) for k, v in tiers.items()},
+                }
+            )
+            rows.append(
+                [
+                    mb,
+                    f"{med['memory']:.3f}",
+                    f"{med['disk']:.3f}",
+                    f"{med['disk'] / med['memory']:.1f}x",
+                    f"{med_warm['memory']:.3f}",
+                    f"{med_warm['disk']:.3f}",
+                    f"{med_warm['disk'] / med_warm['memory']:.1f}x",
+                    "/".join(sorted(tiers["memory"])),
+                ]
+            )
+    table = _table(
+        [
+            "MB per shard",
+            "restart: memory s",
+            "disk s",
+            "disk/memory",
+            "after processes up: memory s",
+            "disk s",
+            "disk/memory",
+            "memory loaded from",
+        ],
+        rows,
+    )
+    table += (
+        f"\nmedians of {args.reps}; {args.ranks} ranks, one shard each; restart = the driver "
+        "creates the new actors -> every rank joined the process group, loaded its shard and "
+        "took its first step; 'after processes up' leaves out the worker process start and "
+        "imports (what a group of pre-started spares skips); disk = the durable copy of the "
+        "same checkpoint, read after dropping it from the page cache"
+    )
+    return {"results": results, "table": table}
+
+
+def _group(ray: Any, RestartWorker: type, node: Any, ranks: int) -> list[Any]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(RestartWorker)
+    return [
+        actor.options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        ).remote()
+        for _ in range(ranks)
+    ]
+
+
+def _start(ray: Any, group: list[Any], config: Any, resume: str | None) -> list[dict[str, Any]]:
+    from ..worker.process_groups import free_port
+
+    port = free_port()
+    return ray.get(
+        [r.start.remote(i, len(group), port, config, resume) for i, r in enumerate(group)],
+        timeout=600,
+    )
