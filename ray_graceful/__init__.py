@@ -29,7 +29,7 @@ from .checkpoint import (
 from .config import ConfigError, GracefulConfig
 from .coordinator import Coordinator
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthReport, Reason
-from .memory.handoff import LoadedShard
+from .memory.handoff import LoadedShard, MemoryTierError
 from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
 from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
@@ -85,6 +85,7 @@ __all__ = [
     "HealthProbe",
     "HealthReport",
     "LoadedShard",
+    "MemoryTierError",
     "NoticeError",
     "RankInfo",
     "RankOrder",

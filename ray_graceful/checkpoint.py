@@ -377,6 +377,26 @@ def _path_size(path: str) -> int | None:
         return None
 
 
+def load_committed_shard(checkpoint: CommittedCheckpoint, shard: str) -> Any:
+    """Load one shard of a committed checkpoint, checking it against its committed checksum.
+
+    What a restarted rank does: it verifies the shard it loads, not every shard of the
+    checkpoint (``latest_committed(verify_checksums=True)`` reads them all - per rank, the whole
+    checkpoint). A torn shard raises ``CheckpointError``: falling back to an older step here
+    while the other ranks load this one would mix steps within the group.
+    """
+    path = checkpoint.shard_path(shard)
+    record = checkpoint.manifest["shards"][shard]
+    if _file_checksum(path) != (record["bytes"], record["crc32"]):
+        raise CheckpointError(
+            f"shard {shard!r} of the committed checkpoint at step {checkpoint.step} ({path}) "
+            "does not match its committed checksum (torn or modified). "
+            f"latest_committed({os.path.dirname(checkpoint.path)!r}) names the newest intact "
+            "step; move the damaged step directory aside to resume from it."
+        )
+    return load_state_dict(path)  # read again, from the page cache the checksum filled
+
+
 def latest_committed(root: str, verify_checksums: bool = True) -> CommittedCheckpoint | None:
     """The newest committed, intact checkpoint under ``root``, or None.
 

@@ -87,6 +87,12 @@ def nodes(ray_cluster):
         ray_cluster.remove_node(node)
 
 
+@pytest.fixture
+def memory_config(drain_config):
+    """``drain_config`` with the memory tier on: one surviving keeper per shard."""
+    return drain_config.replace(memory_replicas=1)
+
+
 @pytest.fixture(scope="session")
 def exit_recorder(session_dir):
     """A ``py_executable`` wrapper that records each worker's real exit status.

@@ -18,6 +18,7 @@ from ray_graceful.checkpoint import (
     CheckpointError,
     commit,
     latest_committed,
+    load_committed_shard,
     load_state_dict,
     save_state_dict,
     step_dir,
@@ -262,3 +263,21 @@ def test_load_state_dict_refuses_code(tmp_path):
         load_state_dict(path)
     save_state_dict({"step": 3, "state": {"w": torch.ones(2), "lr": 0.1, "n": [1, 2]}}, path)
     assert load_state_dict(path)["state"]["n"] == [1, 2]
+
+
+def test_a_restarted_rank_verifies_the_shard_it_loads_and_refuses_a_torn_one(tmp_path):
+    """Loading one shard checks that shard only; a torn one is refused with the way out,
+    never silently replaced by an older step (the group's other ranks load this one)."""
+    root = str(tmp_path)
+    _save_and_commit(root, 1)
+    _save_and_commit(root, 2)
+    latest = latest_committed(root, verify_checksums=False)
+    with open(latest.shard_path("b"), "r+b") as f:  # same size, one byte flipped
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert load_committed_shard(latest, "a")["w"].tolist() == [2.0] * 4
+    with pytest.raises(CheckpointError, match=r"shard 'b' .* step 2 .* does not match"):
+        load_committed_shard(latest, "b")
+    assert latest_committed(root, verify_checksums=True).step == 1

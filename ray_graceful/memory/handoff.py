@@ -17,7 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import ShardRecord, latest_committed, load_state_dict, shard_file_name
+from ..checkpoint import (
+    ShardRecord,
+    latest_committed,
+    load_committed_shard,
+    shard_file_name,
+)
 from .tree import from_tree, to_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
@@ -92,11 +97,15 @@ def load_shard(
     """The newest committed copy of ``shard_key``: memory (own node, then a peer), else disk.
 
     ``coordinator`` is the job's coordinator handle (None: disk only). A keeper that is gone or
-    answers nothing is skipped with a log line; the disk copy is the last resort.
+    answers nothing is skipped with a log line; the disk copy is the last resort - at the same
+    step. ``MemoryTierError`` if every holder failed and disk has only an older step: the rest
+    of the group would load the newer one.
     """
     import ray
 
-    on_disk = latest_committed(checkpoint_dir) if checkpoint_dir else None
+    # Manifests and sizes only: verifying every shard here would read the whole checkpoint
+    # in every rank; the shard loaded from disk is verified when it is loaded.
+    on_disk = latest_committed(checkpoint_dir, verify_checksums=False) if checkpoint_dir else None
     memory = None
     if coordinator is not None:
         try:
@@ -120,7 +129,16 @@ def load_shard(
                 continue
             tier = "memory-local" if node == here else "memory-peer"
             return LoadedShard(memory["step"], value, tier, f"keeper on node {node[:12]}")
+        if on_disk is None or on_disk.step < memory["step"]:
+            # The coordinator had just found every holder alive: loading an older step here
+            # while the group's other ranks load step memory["step"] would tear the restart.
+            raise MemoryTierError(
+                f"no keeper gave {shard_key} of step {memory['step']} (holders: "
+                f"{', '.join(n[:12] for n in memory['holders'])}) and the newest durable "
+                f"checkpoint is {'none' if on_disk is None else f'step {on_disk.step}'}; "
+                "restart the group: the coordinator then offers only what is still whole"
+            )
     if on_disk is not None and shard_key in on_disk.shards:
         path = on_disk.shard_path(shard_key)
-        return LoadedShard(on_disk.step, load_state_dict(path), "disk", path)
+        return LoadedShard(on_disk.step, load_committed_shard(on_disk, shard_key), "disk", path)
     return None

@@ -178,7 +178,11 @@ class RestartWorker(GracefulWorkerMixin):
     """A hand-built rank whose whole state is ``mb`` MB of tensors."""
 
     def __init__(self) -> None:
-        self.constructed_at = time.time()  # the process is up, torch imported
+        import torch.distributed  # noqa: F401 (what every rank imports before its work)
+
+        from ..worker import restore  # noqa: F401
+
+        self.constructed_at = time.time()  # the process is up, its imports done
         self.state: dict[str, Any] = {}
 
     def fill(self, mb: int) -> int:
@@ -255,15 +259,16 @@ class RestartWorker(GracefulWorkerMixin):
 
 
 def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
-    """A group's node is evicted; the new group restarts from the memory tier, then from disk.
+    """A group's node is evicted; new groups restart from the memory tier and from disk.
 
     Per repetition: a group of ``--ranks`` ranks on node B, each with a shard of ``mb`` MB,
-    training; node B gets an eviction notice; the savers hand their shards to keepers on the
-    surviving nodes, the checkpoint commits in memory and its durable copy lands on disk. Then
-    two new groups start on node A from that one checkpoint: one loading the way a user's code
-    does (``load_latest``: memory first), one from disk (the page cache dropped first, as on a
-    node that never read the file). Measured from the moment the driver creates the new actors
-    to every rank having taken its first step - and the part after the processes are up.
+    training; node B gets an eviction notice; the savers hand their shards to the keeper on the
+    head (the one surviving keeper), the checkpoint commits in memory and its durable copy
+    lands on disk. Then three new groups start from that one checkpoint: on the head, loading
+    the way a user's code does (``load_latest``: the keeper on its own node); on node A, the
+    same call (a peer keeper: one transfer per shard); on node A from disk (the page cache
+    dropped first, as on a node that never read the file). Measured from the moment the driver
+    creates the new actors to every rank having taken its first step, with its parts.
     """
     import ray
 
@@ -276,10 +281,15 @@ def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
     rows, results = [], []
     with local_cluster(extra_nodes=2, head_cpus=2, object_store_bytes=store) as (_cluster, nodes):
         node_a, node_b = nodes
+        head = ray.get_runtime_context().get_node_id()
+        here = next(n for n in ray.nodes() if n["NodeID"] == head)  # the keepers' node
+        ways = (
+            ("memory, holders' node", "memory", here["NodeID"]),
+            ("memory, another node", "memory", node_a.node_id),
+            ("disk", "disk", node_a.node_id),
+        )
         for mb in args.sizes:
-            cold: dict[str, list[float]] = {"memory": [], "disk": []}
-            warm: dict[str, list[float]] = {"memory": [], "disk": []}
-            tiers: dict[str, set[str]] = {"memory": set(), "disk": set()}
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _h, _n in ways}
             for rep in range(args.reps):
                 work = tempfile.mkdtemp(prefix="restart-")
                 config = GracefulConfig(
@@ -291,95 +301,110 @@ def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
                     memory_budget_mb=(largest >> 20) * args.ranks * 2,
                     expected_save_s=1.0,
                 )
-                coordinator = Coordinator.start(config)
+                # On the driver's node, as a job runs it: never on the node the bench evicts.
+                coordinator = Coordinator.start(config, node_id=head)
                 try:
-                    group = _group(ray, RestartWorker, node_b, args.ranks)
-                    ray.get([r.fill.remote(mb) for r in group], timeout=300)
-                    _start(ray, group, config, None)
-                    running = [r.train.remote(10**6) for r in group]
-                    time.sleep(1.0)
-                    coordinator.notify(
-                        node_id=node_b.node_id,
-                        reason="bench: node B evicted",
-                        deadline=time.time() + 60,
-                    )
-                    ray.wait(running, num_returns=len(running), timeout=120)  # they exit 0
-                    outcome = coordinator.wait_outcome(timeout=120, cycle=0)
-                    if outcome is None or outcome.committed.get("tier") != "memory":
-                        raise RuntimeError(f"no memory commit: {outcome and outcome.summary()}")
-                    durable = coordinator.wait_durable(0, timeout=300)
-                    if not durable or "path" not in durable:
-                        raise RuntimeError(f"no durable copy: {durable}")
-                    for name in os.listdir(durable["path"]):
-                        _drop_page_cache(os.path.join(durable["path"], name))
-                    order = ("memory", "disk") if rep % 2 == 0 else ("disk", "memory")
-                    for how in order:
+                    step = _evict(ray, coordinator, config, node_b.node_id, args.ranks, mb)
+                    order = ways if rep % 2 == 0 else ways[::-1]
+                    for label, how, node in order:
                         created = time.time()
-                        group = _group(ray, RestartWorker, node_a, args.ranks)
+                        group = _group(ray, node, args.ranks)
                         marks = _start(ray, group, config, how)
-                        done = max(m["stepped_at"] for m in marks)
-                        cold[how].append(done - created)
-                        warm[how].append(done - max(m["constructed_at"] for m in marks))
-                        tiers[how] |= {m["tier"] for m in marks}
-                        if {m["step"] for m in marks} != {outcome.committed["step"]}:
-                            raise RuntimeError(f"restart {how} loaded steps {marks}")
                         for rank in group:
                             ray.kill(rank)
+                        if {m["step"] for m in marks} != {step}:
+                            raise RuntimeError(f"restart {label} loaded {marks}, not step {step}")
+                        done = max(m["stepped_at"] for m in marks)
+                        runs[label].append(
+                            {
+                                "restart_s": done - created,
+                                "after_up_s": done - max(m["constructed_at"] for m in marks),
+                                "join_s": max(m["joined_at"] - m["called_at"] for m in marks),
+                                "load_s": max(m["loaded_at"] - m["joined_at"] for m in marks),
+                                "tiers": sorted({m["tier"] for m in marks}),
+                            }
+                        )
                 finally:
                     coordinator.shutdown()
-            med = {k: statistics.median(v) for k, v in cold.items()}
-            med_warm = {k: statistics.median(v) for k, v in warm.items()}
-            results.append(
-                {
-                    "mb": mb,
-                    "cold_seconds": cold,
-                    "warm_seconds": warm,
-                    "tiers": {k: sorted(v) for k, v in tiers.items()},
-                }
-            )
-            rows.append(
-                [
-                    mb,
-                    f"{med['memory']:.3f}",
-                    f"{med['disk']:.3f}",
-                    f"{med['disk'] / med['memory']:.1f}x",
-                    f"{med_warm['memory']:.3f}",
-                    f"{med_warm['disk']:.3f}",
-                    f"{med_warm['disk'] / med_warm['memory']:.1f}x",
-                    "/".join(sorted(tiers["memory"])),
-                ]
-            )
+            results.append({"mb": mb, "runs": runs})
+            disk = {
+                k: statistics.median(r[k] for r in runs["disk"])
+                for k in runs["disk"][0]
+                if k != "tiers"
+            }
+            for label, _how, _node in ways:
+                med = {k: statistics.median(r[k] for r in runs[label]) for k in disk}
+                rows.append(
+                    [
+                        mb,
+                        label,
+                        "/".join(sorted({t for r in runs[label] for t in r["tiers"]})),
+                        med["restart_s"],
+                        f"{disk['restart_s'] / med['restart_s']:.2f}x",
+                        med["after_up_s"],
+                        f"{disk['after_up_s'] / med['after_up_s']:.2f}x",
+                        med["join_s"],
+                        med["load_s"],
+                        f"{disk['load_s'] / med['load_s']:.1f}x",
+                    ]
+                )
     table = _table(
         [
             "MB per shard",
-            "restart: memory s",
-            "disk s",
-            "disk/memory",
-            "after processes up: memory s",
-            "disk s",
-            "disk/memory",
-            "memory loaded from",
+            "restart from",
+            "loaded as",
+            "restart s",
+            "vs disk",
+            "after processes up s",
+            "vs disk",
+            "join s",
+            "load s",
+            "vs disk",
         ],
         rows,
     )
     table += (
-        f"\nmedians of {args.reps}; {args.ranks} ranks, one shard each; restart = the driver "
-        "creates the new actors -> every rank joined the process group, loaded its shard and "
-        "took its first step; 'after processes up' leaves out the worker process start and "
-        "imports (what a group of pre-started spares skips); disk = the durable copy of the "
-        "same checkpoint, read after dropping it from the page cache"
+        f"\nmedians of {args.reps}; {args.ranks} ranks, one shard each, evicted from node B; "
+        "the keepers that hold the checkpoint run on the head. restart = the driver creates the "
+        "new actors -> every rank joined the process group, loaded its shard and took its first "
+        "step; 'after processes up' leaves out the worker process start and imports (what "
+        "pre-started spares skip); join = init_process_group; load = load_latest (memory) or "
+        "the committed checkpoint (disk), read after dropping it from the page cache"
     )
     return {"results": results, "table": table}
 
 
-def _group(ray: Any, RestartWorker: type, node: Any, ranks: int) -> list[Any]:
+def _evict(ray: Any, coordinator: Any, config: Any, node_id: str, ranks: int, mb: int) -> int:
+    """A group on ``node_id`` trains; the node gets a notice; the step committed in memory,
+    once its durable copy landed and left the page cache."""
+    group = _group(ray, node_id, ranks)
+    ray.get([r.fill.remote(mb) for r in group], timeout=300)
+    _start(ray, group, config, None)
+    running = [r.train.remote(10**6) for r in group]
+    time.sleep(1.0)
+    coordinator.notify(node_id=node_id, reason="bench: node evicted", deadline=time.time() + 60)
+    ray.wait(running, num_returns=len(running), timeout=120)  # they exit 0
+    outcome = coordinator.wait_outcome(timeout=120, cycle=0)
+    if outcome is None or outcome.committed.get("tier") != "memory":
+        saves = outcome and [
+            s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"
+        ]
+        raise RuntimeError(f"no memory commit: {outcome and outcome.summary()}; saves: {saves}")
+    durable = coordinator.wait_durable(0, timeout=300)
+    if not durable or "path" not in durable:
+        raise RuntimeError(f"no durable copy: {durable}")
+    for name in os.listdir(durable["path"]):
+        _drop_page_cache(os.path.join(durable["path"], name))
+    return int(outcome.committed["step"])
+
+
+def _group(ray: Any, node_id: str, ranks: int) -> list[Any]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(RestartWorker)
     return [
         actor.options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
         ).remote()
         for _ in range(ranks)
     ]

@@ -21,6 +21,8 @@ def load_latest(
 
     ``None`` when nothing was ever committed for it. ``.tier`` says where it came from
     ("memory-local", "memory-peer", "disk"), ``.state`` is what ``state_dict=`` returned.
+    Every rank of a restarted group gets the same step; ``MemoryTierError`` when this rank
+    could not get that step from any keeper and disk holds only an older one (restart again).
     """
     config = config or _process_runtime().config_or_default()
     return load_shard(

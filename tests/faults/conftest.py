@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
+from collections.abc import Iterable
 
 import pytest
 
@@ -18,11 +20,44 @@ _results: dict[str, list[dict]] = defaultdict(list)
 
 
 class FaultLog:
-    def record(self, scenario: str, ranks: int, released: int, hangs: int, checkpoint: str):
-        """``checkpoint``: "committed", "abandoned (correct)", or "n/a"."""
+    def record(
+        self,
+        scenario: str,
+        ranks: int,
+        released: int,
+        hangs: int,
+        checkpoint: str,
+        pids: Iterable[int] = (),
+        killed: Iterable[int] = (),
+    ):
+        """``checkpoint``: "committed", "abandoned (correct)", or "n/a".
+
+        ``pids``: the scenario's rank processes, whose end Ray recorded as a crash
+        (SYSTEM_ERROR) is counted - except those the scenario ``killed`` on purpose.
+        """
         _results[scenario].append(
-            {"ranks": ranks, "released": released, "hangs": hangs, "checkpoint": checkpoint}
+            {
+                "ranks": ranks,
+                "released": released,
+                "hangs": hangs,
+                "checkpoint": checkpoint,
+                "crashes": ray_crashes(set(pids) - set(killed)),
+            }
         )
+
+
+def ray_crashes(pids: set[int]) -> int:
+    """How many of ``pids`` Ray recorded as a worker crash (SYSTEM_ERROR)."""
+    if not pids:
+        return 0
+    from ray_graceful.ray_adapter import worker_exits
+
+    deadline = time.monotonic() + 5.0
+    recorded = worker_exits(pids)
+    while len(recorded) < len(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the GCS records a worker's end a moment after the process is gone
+        recorded = worker_exits(pids)
+    return sum(kind == "SYSTEM_ERROR" for kind in recorded.values())
 
 
 @pytest.fixture
@@ -40,8 +75,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not path or not _results:
         return
     rows = [
-        "| scenario | repetitions | ranks released | checkpoint | hangs |",
-        "|---|---|---|---|---|",
+        "| scenario | repetitions | ranks released | checkpoint | hangs | Ray: crashes |",
+        "|---|---|---|---|---|---|",
     ]
     for scenario, runs in _results.items():
         released = sum(r["released"] for r in runs)
@@ -49,7 +84,8 @@ def pytest_sessionfinish(session, exitstatus):
         outcomes = sorted({r["checkpoint"] for r in runs})
         rows.append(
             f"| {scenario} | {len(runs)} | {released}/{total} | "
-            f"{', '.join(outcomes)} | {sum(r['hangs'] for r in runs)} |"
+            f"{', '.join(outcomes)} | {sum(r['hangs'] for r in runs)} | "
+            f"{sum(r['crashes'] for r in runs)}/{released} |"
         )
     with open(path, "w") as f:
         json.dump(_results, f, indent=2)

@@ -114,12 +114,12 @@ def checkpoint_state(outcome, config) -> str:
     return "abandoned (correct)"
 
 
-def run_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ranks):
+def run_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ranks, killed=()):
     released, hangs = settle(exit_recorder, pids)
     outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
     assert outcome is not None, "the coordinator published no outcome"
     state = checkpoint_state(outcome, config)
-    fault_log.record(name, len(pids), released, hangs, state)
+    fault_log.record(name, len(pids), released, hangs, state, pids, killed)
     kill_actors(*ranks)
     assert hangs == 0
     return outcome
@@ -175,7 +175,9 @@ def test_sigterm_to_a_spare(rep, fault_log, config, coordinator, exit_recorder):
     os.kill(pid, signal.SIGTERM)
     assert ray.get(waiting, timeout=10)["action"] == "exit"
     code = exit_recorder.wait(pid, 10)
-    fault_log.record("SIGTERM to a spare", 1, int(code is not None), int(code is None), "n/a")
+    fault_log.record(
+        "SIGTERM to a spare", 1, int(code is not None), int(code is None), "n/a", [pid]
+    )
     assert code == 0
     assert coordinator.status()["spares"] == [], "an evicted spare is never handed a slot"
 
@@ -184,7 +186,14 @@ def test_worker_killed_with_sigkill(rep, fault_log, config, coordinator, exit_re
     ranks, pids = start(config, exit_recorder)
     os.kill(pids[2], signal.SIGKILL)  # no notice at all: the coordinator must notice the loss
     outcome = run_and_record(
-        "a worker killed with SIGKILL", fault_log, config, coordinator, exit_recorder, pids, ranks
+        "a worker killed with SIGKILL",
+        fault_log,
+        config,
+        coordinator,
+        exit_recorder,
+        pids,
+        ranks,
+        killed=[pids[2]],
     )
     assert outcome.notices[0]["source"] == "lost"
     assert outcome.result == "committed", "rank 2's shard has a replica on rank 0"
@@ -198,7 +207,7 @@ def test_coordinator_killed(rep, fault_log, config, coordinator, exit_recorder):
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     released, hangs = settle(exit_recorder, pids)
-    fault_log.record("coordinator actor killed", 4, released, hangs, "n/a (no coordinator)")
+    fault_log.record("coordinator actor killed", 4, released, hangs, "n/a (no coordinator)", pids)
     kill_actors(*ranks)
     assert hangs == 0
 
@@ -218,7 +227,7 @@ def test_coordinator_node_drained(rep, fault_log, ray_cluster, config, exit_reco
             os.kill(pid, signal.SIGTERM)
         released, hangs = settle(exit_recorder, pids)
         fault_log.record(
-            "drain of the coordinator's node", 4, released, hangs, "n/a (no coordinator)"
+            "drain of the coordinator's node", 4, released, hangs, "n/a (no coordinator)", pids
         )
         kill_actors(*ranks)
         assert hangs == 0
@@ -266,7 +275,14 @@ def test_a_save_killed_halfway(rep, fault_log, config, coordinator, exit_recorde
     time.sleep(1.0)  # rank 0 (saving shard 0) is half way through its save
     os.kill(pids[0], signal.SIGKILL)
     outcome = run_and_record(
-        "a save killed halfway", fault_log, config, coordinator, exit_recorder, pids, ranks
+        "a save killed halfway",
+        fault_log,
+        config,
+        coordinator,
+        exit_recorder,
+        pids,
+        ranks,
+        killed=[pids[0]],
     )
     # Rank 2, the other replica of shard 0, was parked as its backup: it saves it instead.
     assert outcome.result == "committed", outcome.summary()
