@@ -241,10 +241,10 @@ class GracefulConfig:
         "touched has one.",
     )
     drain_poll_interval_s: float = _setting(
-        1.0,
+        0.25,
         _between(0.05, 60.0, low_open=False),
         "How often the coordinator polls Ray's drain state (the notice that carries a node's "
-        "deadline).",
+        "deadline); one poll costs the GCS about 0.26 ms of CPU (docs/benchmarks.md).",
     )
     health_interval_s: float = _setting(
         5.0,
