@@ -188,7 +188,7 @@ class GracefulConfig:
         2.0,
         _between(0.0, 60.0),
         "How long Ray's intended-exit path may take (it waits for the actor's running task to "
-        "return) before the rank exits hard with os._exit.",
+        "return) before Ray is asked to kill the actor (still an intended exit, status 1).",
     )
     exit_code: int = _setting(
         0,

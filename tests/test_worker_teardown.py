@@ -170,7 +170,8 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     ray_cluster, exit_recorder, tmp_path
 ):
     """A collective the release cannot end (here: a group nobody registered) does not return,
-    so waiting ``exit_grace_s`` for Ray's exit is pointless: the rank leaves at once, says so."""
+    so waiting ``exit_grace_s`` for Ray's exit is pointless: the rank leaves at once, says so,
+    and Ray records the exit as intended (its own kill of the actor), not as a worker crash."""
     config = GracefulConfig(report_dir=str(tmp_path / "r"), exit_grace_s=8.0)
     Actor = ray.remote(actors.GracefulTrainer)
     ranks, pids, _ = start_group(Actor, exit_recorder, config)
@@ -183,12 +184,14 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     os.kill(pids[0], signal.SIGTERM)
     code = exit_recorder.wait(pids[0], timeout=15)
     elapsed = time.monotonic() - sent
-    assert code == 0
+    assert code == 1, "Ray's forced exit (QuickExit) ends the process with status 1"
     assert elapsed < config.exit_grace_s / 2, f"waited {elapsed:.2f}s for a task that cannot return"
     report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report")
     exit_step = next(s for s in report["steps"] if s["name"] == "exit")
-    assert report["exit_path"] == "hard", report
+    assert report["exit_path"] == "ray_kill", report
     assert "still alive" in exit_step["detail"] and "all_reduce" in exit_step["detail"], exit_step
+    exit_type, detail = wait_for(lambda: worker_exit(pids[0]), 10, "the GCS worker record")
+    assert exit_type == "INTENDED_SYSTEM_EXIT", (exit_type, detail)
     kill_actors(*ranks)
 
 

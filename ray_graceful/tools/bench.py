@@ -23,6 +23,7 @@ Every Ray benchmark starts its own local cluster in a private temp directory.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import json
@@ -183,15 +184,20 @@ class GracefulBenchRank(GracefulWorkerMixin, BenchRank):
     """The same rank with the plugin adopted."""
 
 
-def _hard_exits(report_dir: str) -> int:
-    """How many ranks' teardown reports say they had to os._exit (not Ray's intended exit)."""
-    count = 0
+def _exit_paths(report_dir: str) -> collections.Counter[str]:
+    """How the ranks left, by their reports' ``exit_path``: "ray_intended" is the healthy way,
+    "ray_kill" Ray's forced intended exit (a task that could not return), "hard" an os._exit."""
+    paths: collections.Counter[str] = collections.Counter()
     for base, _dirs, files in os.walk(report_dir):
         for name in files:
             if name.endswith(".json"):
                 with contextlib.suppress(OSError, ValueError), open(os.path.join(base, name)) as f:
-                    count += json.load(f).get("exit_path") == "hard"
-    return count
+                    paths[str(json.load(f).get("exit_path"))] += 1
+    return paths
+
+
+def _count(runs: list[dict[str, Any]], exit_path: str) -> int:
+    return sum(r["exit_paths"].get(exit_path, 0) for r in runs)
 
 
 def _release_once(
@@ -282,7 +288,7 @@ def _release_once(
             "after_teardown_s": linger,
             "ray_recorded": recorded,
             "crashes": sum(kind == "SYSTEM_ERROR" for kind in recorded.values()),
-            "hard_exits": _hard_exits(os.path.join(work, "reports")),
+            "exit_paths": dict(_exit_paths(os.path.join(work, "reports"))),
             "first_out_s": min(out.values()) - t0 if out else None,
             "all_out_s": max(out.values()) - t0 if len(out) == n else None,
             "stuck": n - len(out),
@@ -326,7 +332,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     results.append({**r, "rep": rep})
                     print(
                         f"  {how} N={n} rep {rep}: all out {r['all_out_s']}s, "
-                        f"{r['hard_exits']} hard exits, {r['crashes']} recorded as crashes",
+                        f"exits {r['exit_paths']}, {r['crashes']} recorded as crashes",
                         flush=True,
                     )
                 if args.baseline:
@@ -369,7 +375,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     _pct(outcomes, 0.5),
                     _pct(lingers, 0.5),
                     max(lingers) if lingers else float("nan"),
-                    f"{sum(r['hard_exits'] for r in runs)}/{n * len(runs)}",
+                    f"{_count(runs, 'ray_kill')} / {_count(runs, 'hard')} of {n * len(runs)}",
                     f"{sum(r['crashes'] for r in runs)}/{n * len(runs)}",
                     base_text,
                     speedup,
@@ -388,7 +394,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             "outcome p50 s",
             "gone after teardown p50 s",
             "max s",
-            "hard exits",
+            "Ray-killed / hard exits",
             "Ray: crashes",
             "baseline: all out s",
             "vs baseline",

@@ -24,8 +24,10 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 5. ``destroy_process_group`` - bounded, on a helper thread.
 6. ``exit``             - the report is written (JSON file + one log line), then Ray's
                           intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
-                          the process is a Ray worker; a hard ``os._exit`` if that does not end
-                          the process within ``exit_grace_s``.
+                          the process is a Ray worker. Where a task cannot return (a thread
+                          still inside a collective after the release), Ray kills the actor
+                          instead (recorded INTENDED_SYSTEM_EXIT too, status 1); a hard
+                          ``os._exit`` only if neither ends the process.
 
 Two watchdogs guard the deadline. A Python thread fires at ``deadline - watchdog_margin_s``,
 writes the report (``os.write`` only, never ``logging``, whose lock a wedged thread may hold)
@@ -95,6 +97,8 @@ class _Skip(Exception):
 
 
 STUCK_IN_COLLECTIVE_S = 0.3
+# How long Ray's forced intended exit may take before the rank exits hard after all.
+FORCED_EXIT_WAIT_S = 2.0
 IN_COLLECTIVE_S = 0.05  # found inside a collective this long at quiesce: abort first
 
 
@@ -461,11 +465,23 @@ class Teardown:
             except Exception as exc:
                 write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
             waited = self._wait_for_intended_exit()
-            self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
-            record.detail += (
-                f"; the process was still alive after {waited:.2f}s "
-                f"(a task had not returned: {busy_threads()}), so os._exit"
+            stuck = f"the process was still alive after {waited:.2f}s " + (
+                f"(a task had not returned: {busy_threads()})"
             )
+            force = ray_adapter.forced_intended_exit()
+            if force is not None:
+                # Ray kills the actor from its IO thread: recorded INTENDED_SYSTEM_EXIT (status
+                # 1, Ray's QuickExit) instead of the crash an os._exit is recorded as.
+                self.report.exit_path, self.report.exit_code = "ray_kill", 1
+                record.detail += f"; {stuck}, so Ray killed the actor"
+                write_report_file(self.report, self.config.report_dir)
+                try:
+                    force()
+                    time.sleep(FORCED_EXIT_WAIT_S)
+                except Exception as exc:
+                    write_stderr(f"ray_graceful: Ray could not kill the actor: {exc!r}\n")
+            self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
+            record.detail += f"; {stuck}, so os._exit"
             write_report_file(self.report, self.config.report_dir)
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
