@@ -190,7 +190,7 @@ def _exit_paths(report_dir: str) -> collections.Counter[str]:
     paths: collections.Counter[str] = collections.Counter()
     for base, _dirs, files in os.walk(report_dir):
         for name in files:
-            if name.endswith(".json"):
+            if name.startswith("teardown-") and name.endswith(".json"):
                 with contextlib.suppress(OSError, ValueError), open(os.path.join(base, name)) as f:
                     paths[str(json.load(f).get("exit_path"))] += 1
     return paths
