@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 LOG_PREFIX = "ray_graceful teardown "
+
+# How a process left: Ray's intended exit (status 0); Ray's kill of the actor, for a task that
+# could not return (still recorded INTENDED_SYSTEM_EXIT, status 1); os._exit (outside Ray, or
+# both of those failed); the deadline's watchdog; a second SIGTERM.
+ExitPath = Literal["ray_intended", "ray_kill", "hard", "watchdog", "second-signal"]
 
 
 @dataclass
@@ -44,7 +49,7 @@ class TeardownReport:
     steps: list[StepRecord] = field(default_factory=list)
     saved: list[dict[str, Any]] = field(default_factory=list)
     last_step: int | None = None  # the last step boundary the training loop reported
-    exit_path: str | None = None
+    exit_path: ExitPath | None = None
     exit_code: int | None = None
     finished_s: float | None = None
 
