@@ -181,9 +181,15 @@ def test_a_saver_killed_during_its_save_is_replaced_by_its_backup_in_memory(
         holders = outcome.committed["holders"]
         assert holders["trainer/1"] == [nodes["a"]], holders
         assert len(holders["trainer/0"]) == 1 and nodes["b"] not in holders["trainer/0"], holders
-        stats = coordinator.keeper_stats().values()
-        assert sorted(s["shard"] for k in stats for s in k["shards"]) == ["trainer/0", "trainer/1"]
-        assert all(k["reserved_bytes"] == 0 for k in stats), stats
+        stats = coordinator.keeper_stats()
+        # Node b is draining: its keeper may already be gone. The holders' keepers must answer.
+        held = {node: k for node, k in stats.items() if "shards" in k}
+        assert {n for hs in holders.values() for n in hs} <= set(held), stats
+        assert sorted(s["shard"] for k in held.values() for s in k["shards"]) == [
+            "trainer/0",
+            "trainer/1",
+        ]
+        assert all(k["reserved_bytes"] == 0 for k in held.values()), stats
         fault_log.record(
             "memory tier: a saver killed during its save",
             4,
