@@ -100,9 +100,8 @@ STUCK_IN_COLLECTIVE_S = 0.3
 # How long Ray's forced intended exit may take before the rank exits hard after all.
 FORCED_EXIT_WAIT_S = 2.0
 # Found inside a collective this long at quiesce: release first. A healthy step's collective
-# that ends within it still parks at the boundary, where the rank can save. 20 ms cut an N=8
-# release's p50 by 10 ms, but under CI load a saver was then released mid-step and could not
-# save (a test caught it): 50 ms it stays.
+# that ends within it still parks at the boundary, where the rank can save (20 ms was tried:
+# 10 ms off an N=8 release's p50, and a saver released mid-step lost its save under load).
 IN_COLLECTIVE_S = 0.05
 
 
@@ -469,7 +468,8 @@ class Teardown:
             except Exception as exc:
                 write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
             waited = self._wait_for_intended_exit()
-            stuck = f"the process was still alive after {waited:.2f}s " + (
+            why = (
+                f"; the process was still alive after {waited:.2f}s "
                 f"(a task had not returned: {busy_threads()})"
             )
             force = ray_adapter.forced_intended_exit()
@@ -477,15 +477,16 @@ class Teardown:
                 # Ray kills the actor from its IO thread: recorded INTENDED_SYSTEM_EXIT (status
                 # 1, Ray's QuickExit) instead of the crash an os._exit is recorded as.
                 self.report.exit_path, self.report.exit_code = "ray_kill", 1
-                record.detail += f"; {stuck}, so Ray killed the actor"
+                record.detail += f"{why}, so Ray killed the actor"
                 write_report_file(self.report, self.config.report_dir)
                 try:
                     force()
                     time.sleep(FORCED_EXIT_WAIT_S)
                 except Exception as exc:
                     write_stderr(f"ray_graceful: Ray could not kill the actor: {exc!r}\n")
+                why = f"; Ray's kill had not ended it after {FORCED_EXIT_WAIT_S:.0f}s"
             self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
-            record.detail += f"; {stuck}, so os._exit"
+            record.detail += f"{why}, so os._exit"
             write_report_file(self.report, self.config.report_dir)
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
