@@ -136,21 +136,26 @@ def worker_exits(pids: set[int]) -> dict[int, str]:
 # --- leaving a worker ------------------------------------------------------------------------
 
 
-def intended_exit() -> Callable[[str], None] | None:
-    """Ray's way to end this worker as an intended exit, or None outside a Ray worker.
-
-    Calling it makes Ray end the process with status 0, recorded INTENDED_SYSTEM_EXIT, once the
-    running task returned. Nothing may use Ray after calling it.
-    """
+def _worker_core() -> Any | None:
+    """This process's Ray core worker where it is a Ray worker process, else None."""
     try:
         import ray
 
         worker = ray._private.worker.global_worker
         if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
             return None
-        drain = getattr(worker.core_worker, "drain_and_exit_worker", None)
+        return worker.core_worker
     except Exception:
         return None
+
+
+def intended_exit() -> Callable[[str], None] | None:
+    """Ray's way to end this worker as an intended exit, or None outside a Ray worker.
+
+    Calling it makes Ray end the process with status 0, recorded INTENDED_SYSTEM_EXIT, once the
+    running task returned. Nothing may use Ray after calling it.
+    """
+    drain = getattr(_worker_core(), "drain_and_exit_worker", None)
     if drain is None:
         return None
     return lambda detail: drain("intentional_system_exit", detail.encode())
@@ -164,19 +169,14 @@ def forced_intended_exit() -> Callable[[], None] | None:
     to disconnect as INTENDED_SYSTEM_EXIT and quit (status 1: Ray's ``QuickExit``). No restart.
     Only an actor has it (a task worker has no actor id to kill).
     """
+    core = _worker_core()
     try:
-        import ray
-
-        worker = ray._private.worker.global_worker
-        if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
-            return None
-        actor_id = worker.core_worker.get_actor_id()
-        kill = worker.core_worker.kill_actor
+        actor_id = core.get_actor_id() if core is not None else None
     except Exception:
         return None
     if actor_id is None or actor_id.is_nil():
         return None
-    return lambda: kill(actor_id, True)
+    return lambda: core.kill_actor(actor_id, True)
 
 
 def is_ray_worker_sigterm_handler(handler: Any) -> bool:
