@@ -14,7 +14,12 @@ Rules (DESIGN.md §6):
   release, refused as not quiescent, failed, died) - asked at the latest moment its own save
   still fits before its deadline (``start_by``), so a shard is not lost to one bad rank;
 - if some shard has no viable saver, nobody saves (a partial checkpoint is never written as if
-  complete) and the plan says why.
+  complete) and the plan says why;
+- only *complete* groups are planned for: a group whose registered ranks are not exactly
+  ``0 .. world_size-1`` (a rank never registered, ranks that disagree on the world size) has
+  no saver, its ranks just leave, and the plan names it in ``incomplete``. Its shards could not
+  make a checkpoint a restart can load, so they are never part of one. With no complete group
+  left, the checkpoint is abandoned.
 
 Everything is one pass over the ranks and one over the shards: linear in the number of ranks
 (``ray-graceful bench plan`` measures it).
@@ -51,6 +56,7 @@ class RankInfo(NamedTuple):
     node_id: str
     shard: str
     can_save: bool = True
+    world_size: int = 0  # as the rank registered it; 0: not known (a dry-run topology)
 
     @property
     def key(self) -> Key:
@@ -78,6 +84,7 @@ class TerminationPlan(NamedTuple):
     abandoned: str | None
     created_at: float
     backups: dict[tuple[str, str], Key]  # shard -> the replica that saves if its saver cannot
+    incomplete: dict[str, str]  # group -> why it is not planned for (see incomplete_groups)
 
     def order_for(self, key: Key) -> RankOrder:
         for order in self.orders:
@@ -95,6 +102,7 @@ class TerminationPlan(NamedTuple):
             "backups": [
                 {"group": g, "shard": s, "rank": k[1]} for (g, s), k in sorted(self.backups.items())
             ],
+            "incomplete": dict(self.incomplete),
             "orders": [o._asdict() for o in self.orders],
         }
 
@@ -120,6 +128,8 @@ class TerminationPlan(NamedTuple):
             cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
             lines.append("  ".join([*cells, str(row[-1])]).rstrip())
         lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 6)
+        for group, why in sorted(self.incomplete.items()):
+            lines.append(f"group {group} not saved: {why}")
         if self.abandoned:
             lines.append(f"checkpoint abandoned: {self.abandoned}")
         else:
@@ -198,8 +208,10 @@ def _plan(
         rank_deadline.get,
         expected.get,
     )
+    topology = list(topology)
+    incomplete = incomplete_groups(topology)
     for info in topology:
-        group, rank, node, shard, can_save = info
+        group, rank, node, shard, can_save, _world = info
         key = (group, rank)
         verdict = health_get(key, UNKNOWN)
         # An evicted rank has its notice's deadline (the earliest, if several); everyone else
@@ -214,6 +226,8 @@ def _plan(
             )
             evicted = True
         ranks.append((info, key, verdict, deadline, evicted))
+        if incomplete and group in incomplete:
+            continue  # never planned for: its shards cannot make a loadable checkpoint
         shard_key = (group, shard)
         shards.add(shard_key)
         if can_save and verdict != FAULTY:
@@ -234,6 +248,10 @@ def _plan(
     abandoned = None
     if destination is None:
         abandoned = "nowhere to save: no checkpoint_dir is configured"
+    elif incomplete and not shards:
+        abandoned = "no complete group: " + "; ".join(
+            f"group {g}: {why}" for g, why in sorted(incomplete.items())[:5]
+        )
     elif missing:
         shown = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
         abandoned = (
@@ -250,7 +268,7 @@ def _plan(
     orders = []
     append = orders.append
     for info, key, verdict, deadline, evicted in ranks:
-        group, rank, node, shard, can_save = info
+        group, rank, node, shard, can_save, _world = info
         start_by = 0.0
         if key in saver_keys:
             who = "evicted replica" if evicted else "survivor"
@@ -266,6 +284,8 @@ def _plan(
                 "leave",
                 "FAULTY hardware: never saves" + (f" ({note})" if note else ""),
             )
+        elif group in incomplete:
+            action, reason = "leave", f"group {group} is incomplete: {incomplete[group]}"
         elif abandoned:
             action, reason = "leave", "checkpoint abandoned"
         elif not can_save:
@@ -277,7 +297,45 @@ def _plan(
                 group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by
             )
         )
-    return TerminationPlan(tuple(orders), savers, abandoned, now, backups)
+    return TerminationPlan(tuple(orders), savers, abandoned, now, backups, incomplete)
+
+
+def incomplete_groups(topology: Iterable[RankInfo]) -> dict[str, str]:
+    """The groups whose ranks are not exactly ``0 .. world_size-1``, each with why.
+
+    A checkpoint of such a group cannot be loaded by all of its ranks at one step (a rank
+    that never registered has nothing saved for it), so it is never planned for. Groups whose
+    ranks did not say their world size (``world_size`` 0, a dry-run topology) are taken as
+    they are.
+    """
+    present: dict[str, set[int]] = {}
+    sizes: dict[str, set[int]] = {}
+    for info in topology:
+        present.setdefault(info.group, set()).add(info.rank)
+        if info.world_size > 0:
+            sizes.setdefault(info.group, set()).add(info.world_size)
+    out = {}
+    for group, declared in sizes.items():
+        if len(declared) > 1:
+            out[group] = f"its ranks disagree on the world size ({sorted(declared)[:4]})"
+            continue
+        world = next(iter(declared))
+        ranks = present[group]
+        missing = sorted(set(range(world)) - ranks)
+        beyond = sorted(r for r in ranks if r >= world)
+        if missing or beyond:
+            why = f"{len(ranks & set(range(world)))} of {world} ranks registered"
+            if missing:
+                why += f" (missing: {_few(missing)})"
+            if beyond:
+                why += f" (ranks beyond the world size: {_few(beyond)})"
+            out[group] = why
+    return out
+
+
+def _few(numbers: list[int]) -> str:
+    more = f" and {len(numbers) - 8} more" if len(numbers) > 8 else ""
+    return ", ".join(map(str, numbers[:8])) + more
 
 
 def parse_topology(data: Any) -> list[RankInfo]:
@@ -292,7 +350,7 @@ def parse_topology(data: Any) -> list[RankInfo]:
         where = f"ranks[{i}]"
         if not isinstance(entry, Mapping):
             raise TopologyError(f"{where} is not a mapping")
-        allowed = {"group", "rank", "node", "shard", "can_save"}
+        allowed = {"group", "rank", "node", "shard", "can_save", "world_size"}
         unknown = sorted(str(k)[:40] for k in set(entry) - allowed)
         if unknown:
             raise TopologyError(f"{where}: unknown fields {unknown}; allowed: {sorted(allowed)}")
@@ -311,8 +369,15 @@ def parse_topology(data: Any) -> list[RankInfo]:
         can_save = entry.get("can_save", True)
         if not isinstance(can_save, bool):
             raise TopologyError(f"{where}.can_save must be true or false")
+        world_size = entry.get("world_size", 0)
+        if "world_size" in entry and (
+            not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
+        ):
+            raise TopologyError(
+                f"{where}.world_size = {short(world_size)}: must be an integer >= 1 (or left out)"
+            )
         if (group, rank) in seen:
             raise TopologyError(f"{where}: {group}/{rank} appears twice")
         seen.add((group, rank))
-        out.append(RankInfo(group, rank, node, str(shard), can_save))
+        out.append(RankInfo(group, rank, node, str(shard), can_save, world_size))
     return out

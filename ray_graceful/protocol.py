@@ -84,6 +84,11 @@ class RankSpec:
             raise ProtocolError("group must not be empty")
         _non_negative_int(self.rank, "rank")
         _non_negative_int(self.world_size, "world_size")
+        if self.world_size and self.rank >= self.world_size:
+            raise ProtocolError(
+                f"rank {self.rank} is not below world_size {self.world_size}: ranks run from 0 "
+                "to world_size-1"
+            )
         _text(self.shard, "shard")
 
 

@@ -26,6 +26,9 @@ from ray_graceful.protocol import (
 )
 
 RANK = RankSpec("g", 0, 1, "0", True)
+# A group of two replicas of shard "0" (world size 2): rank 0 on n0, rank 1 on n1.
+PRIMARY = RankSpec("g", 0, 2, "0", True)
+REPLICA = RankSpec("g", 1, 2, "0", True)
 
 
 class Drains:
@@ -168,8 +171,8 @@ def test_the_drain_watcher_survives_bad_answers_and_errors(config):
 def test_a_rank_lost_mid_teardown_ends_the_wait(config):
     async def scenario():
         coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
-        await register(coord, pid="p0", actor_id="a0")
-        await register(coord, pid="p1", actor_id="a1", ranks=(RankSpec("g", 1, 2, "0", True),))
+        await register(coord, pid="p0", actor_id="a0", ranks=(PRIMARY,))
+        await register(coord, pid="p1", actor_id="a1", ranks=(REPLICA,))
         polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n0", "reason": "test"})
@@ -304,7 +307,6 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     assert sorted(coord.outcomes) == [0, 1, 2]
 
 
-REPLICA = RankSpec("g", 1, 2, "0", True)  # a second replica of shard "0", on node n1
 
 
 @pytest.mark.parametrize("saver_fate", ["failed", "saved", "died", "silent"])
@@ -314,7 +316,7 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
 
     async def scenario():
         coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
-        await register(coord, pid="p0", actor_id="a0")
+        await register(coord, pid="p0", actor_id="a0", ranks=(PRIMARY,))
         await register(coord, pid="p1", node="n1", actor_id="a1", ranks=(REPLICA,))
         polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
         await asyncio.sleep(0)
@@ -362,7 +364,7 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
 def test_only_a_named_backup_may_ask_for_a_turn(config):
     async def scenario():
         coord, *_ = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
-        await register(coord, pid="p0")
+        await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p1", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
         await asyncio.sleep(0.05)  # the plan is made and the orders are out
@@ -385,9 +387,10 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
 
     async def scenario():
         coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
-        await register(coord, pid="p0")
-        await register(coord, pid="p1", ranks=(REPLICA,))
-        await register(coord, pid="p2", node="n1", ranks=(RankSpec("g", 2, 3, "0", True),))
+        three = [RankSpec("g", i, 3, "0", True) for i in range(3)]
+        await register(coord, pid="p0", ranks=three[:1])
+        await register(coord, pid="p1", ranks=three[1:2])
+        await register(coord, pid="p2", node="n1", ranks=three[2:])
         started = time.monotonic()
         await coord.report_sigterm(SigtermSeen("p0", 0, time.time()))
         await asyncio.sleep(0.3)
@@ -403,10 +406,65 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
 
     async def drained():
         coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
-        await register(coord, pid="p0")
+        await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
         await asyncio.sleep(0.05)
         return coord.cycle.phase
 
     assert run(drained()).value == "gathering", "a drain keeps the window open"
+
+
+def test_a_group_with_a_rank_never_registered_commits_nothing(config):
+    """The review's defect: world size 2, only rank 0 registered; an eviction committed step
+    28 with one shard, and the restarted rank 1 found nothing to load."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        assert (await register(coord, ranks=(RankSpec("g", 0, 2, "0", True),))).accepted
+        status = await coord.status()
+        assert status["incomplete_groups"] == {"g": "1 of 2 ranks registered (missing: 1)"}
+        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
+        await asyncio.sleep(0)
+        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
+        answer = await poll
+        assert answer.order.saves == ()  # nobody is told to save
+        await coord.report_teardown("p0", saved_report(config.checkpoint_dir, 0, 28))
+        return await coord.wait_outcome(None, 10)
+
+    outcome = run(scenario())
+    assert outcome.result == "abandoned"
+    assert "group g: 1 of 2 ranks registered (missing: 1)" in outcome.reason
+    assert outcome.plan["incomplete"] == {"g": "1 of 2 ranks registered (missing: 1)"}
+    assert latest_committed(config.checkpoint_dir) is None
+
+
+def test_a_second_group_under_another_name_is_left_out_and_said(config):
+    """graceful_setup called again under another name on one rank only: that group is not in
+    the checkpoint; the complete one is, and the outcome says which was left out."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        ranks = (RankSpec("g", 0, 1, "0", True), RankSpec("h", 0, 2, "0", True))
+        assert (await register(coord, ranks=ranks)).accepted
+        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
+        await asyncio.sleep(0)
+        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
+        answer = await poll
+        assert [s.shard_key for s in answer.order.saves] == ["g/0"]
+        await coord.report_teardown("p0", saved_report(config.checkpoint_dir, 0, 28))
+        return await coord.wait_outcome(None, 10)
+
+    outcome = run(scenario())
+    assert outcome.result == "committed"
+    assert "group h not in the checkpoint: 1 of 2 ranks registered" in outcome.reason
+    assert sorted(latest_committed(config.checkpoint_dir).shards) == ["g/0"]
+
+
+def test_a_rank_beyond_its_world_size_is_refused_at_registration(config):
+    async def scenario():
+        coord, *_ = make(config)
+        return await register(coord, ranks=(RankSpec("g", 2, 2, "0", True),))
+
+    answer = run(scenario())
+    assert not answer.accepted and "rank 2 is not below world_size 2" in answer.reason

@@ -303,3 +303,37 @@ def test_messages_about_huge_values_stay_small():
     with pytest.raises(NoticeError) as info:
         EvictionNotice.parse({"source": "cli", "reason": "x", "cycle": 0, "rank": bomb})
     assert len(str(info.value)) < 400
+
+
+def test_a_group_missing_ranks_is_never_planned_for():
+    """The review's case: world size 2, only rank 0 registered - nobody saves, and why."""
+    plan = plan_termination([RankInfo("p", 0, "A", "0", True, 2)], [drain("B")], {}, CONFIG, NOW)
+    assert plan.savers == {} and actions(plan) == {0: "leave"}
+    assert plan.incomplete == {"p": "1 of 2 ranks registered (missing: 1)"}
+    assert plan.abandoned == "no complete group: group p: 1 of 2 ranks registered (missing: 1)"
+    assert "group p is incomplete" in plan.order_for(("p", 0)).reason
+
+
+def test_only_complete_groups_are_saved_the_incomplete_one_is_named():
+    ranks = [RankInfo("p", r, n, str(r), True, 2) for r, n in ((0, "A"), (1, "B"))]
+    ranks.append(RankInfo("q", 0, "A", "0", True, 2))  # a second group under another name
+    plan = plan_termination(ranks, [drain("B")], {}, CONFIG, NOW)
+    assert plan.abandoned is None
+    assert set(plan.savers) == {("p", "0"), ("p", "1")}
+    assert plan.incomplete == {"q": "1 of 2 ranks registered (missing: 1)"}
+    assert plan.order_for(("q", 0)).action == "leave"
+    assert "group q not saved" in plan.table(NOW)
+
+
+def test_ranks_that_disagree_on_the_world_size_make_a_group_incomplete():
+    ranks = [RankInfo("p", 0, "A", "0", True, 2), RankInfo("p", 1, "B", "1", True, 3)]
+    plan = plan_termination(ranks, [], {}, CONFIG, NOW)
+    assert "disagree on the world size ([2, 3])" in plan.incomplete["p"]
+    assert plan.savers == {}
+
+
+def test_a_topology_may_give_world_sizes():
+    ranks = parse_topology([{"rank": 0, "node": "a", "world_size": 2}])
+    assert ranks[0].world_size == 2
+    with pytest.raises(TopologyError, match=r"ranks\[0\].world_size = 0"):
+        parse_topology([{"rank": 0, "node": "a", "world_size": 0}])

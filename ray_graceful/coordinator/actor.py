@@ -31,7 +31,7 @@ from ..health import FAULTY, UNKNOWN, HealthReport
 from ..memory.commit import MemoryCheckpoint
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import OutcomeMetrics, TerminationOutcome
-from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
+from ..plan import RankInfo, RankOrder, TerminationPlan, incomplete_groups, plan_termination
 from ..protocol import (
     Ack,
     Order,
@@ -333,7 +333,14 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         topology, health, notes = [], {}, {}
         for spec, process in self.registry.ranks_of(cycle.number):
             topology.append(
-                RankInfo(spec.group, spec.rank, process.node_id, spec.shard, spec.can_save)
+                RankInfo(
+                    spec.group,
+                    spec.rank,
+                    process.node_id,
+                    spec.shard,
+                    spec.can_save,
+                    spec.world_size,
+                )
             )
             if process.health is not None:
                 health[spec.key] = process.health.verdict
@@ -495,7 +502,12 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 }
             )
         last = self.outcomes.get(self.cycle.number - 1)
+        topology = [
+            RankInfo(s.group, s.rank, "", s.shard, s.can_save, s.world_size)
+            for s, _ in self.registry.ranks_of(self.cycle.number)
+        ]
         return {
+            "incomplete_groups": incomplete_groups(topology),
             "cycle": self.cycle.number,
             "phase": self.cycle.phase.value,
             "job_id": self.job_id,

@@ -133,6 +133,10 @@ def conclude(
             result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
         except CheckpointError as exc:
             result, reason = "abandoned", str(exc)
+    if plan.incomplete and result == "committed":
+        reason = "; ".join(
+            f"group {group} not in the checkpoint: {why}" for group, why in plan.incomplete.items()
+        )
     latest = latest_committed(root) if root else None
     resume_from = {"step": latest.step, "path": latest.path} if latest else None
     if cycle.memory_checkpoint is not None:

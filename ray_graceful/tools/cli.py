@@ -221,6 +221,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     for spare in status["spares"]:
         print(f"{spare['role']} {spare['id']} on {spare['node_id'][:12]} (pid {spare['pid']})")
+    for group, why in sorted(status.get("incomplete_groups", {}).items()):
+        print(f"group {group} is incomplete, so never saved: {why}")
     if status["plan_table"]:
         print("\ncurrent plan:\n" + status["plan_table"])
     if status["last_outcome"]:
