@@ -241,14 +241,15 @@ class Reply:
     reason: str = ""
     cycle: int | None = None
     details: dict = field(default_factory=dict)
+    retry: bool = False  # refused for now only: the same message is accepted later
 
     @classmethod
     def ok(cls, cycle: int | None = None, **details: object) -> Reply:
         return cls(True, "", cycle, dict(details))
 
     @classmethod
-    def refused(cls, reason: str, cycle: int | None = None) -> Reply:
-        return cls(False, reason, cycle)
+    def refused(cls, reason: str, cycle: int | None = None, retry: bool = False) -> Reply:
+        return cls(False, reason, cycle, retry=retry)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ def start_group(
     actor = ray.remote(actors.GracefulTrainer)
     ranks = [
         actor.options(
-            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+            num_cpus=0,
+            resources={"head" if n == "head" else f"node_{n}": 1},
+            runtime_env=exit_recorder.runtime_env(),
         ).remote()
         for n in placement
     ]
@@ -327,3 +329,42 @@ def test_thousands_of_pending_polls_answered_at_once(ray_cluster, config, coordi
     assert sum(not s.is_backup for s in saves) == 8, "one saver per shard"
     assert sum(s.is_backup for s in saves) == 8, "and one backup"
     print(f"2000 polls answered {answered:.2f}s after the notice")
+
+
+def test_a_group_started_while_the_last_one_tears_down_is_covered_once_that_ended(
+    ray_cluster, config, exit_recorder
+):
+    """Review defect 2: a group whose registration came while the previous cycle was still
+    tearing down was refused and never registered again, so a SIGTERM to it gave no plan, no
+    save and no outcome. Now its control thread registers again until the next cycle takes it.
+    """
+    config = config.replace(teardown_timeout_s=5.0, save_budget_s=2.0, expected_save_s=0.5)
+    coordinator = Coordinator.start(config)
+    try:
+        # The old group: a stand-in rank that never reports, so cycle 0 tears down until its
+        # deadline (5 s) and the report grace (2 s) have passed.
+        node, job = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_job_id()
+        old = Register("old", node, 1, "h", job, (RankSpec("old", 0, 1, "0", True),))
+        assert ray.get(coordinator.handle.register.remote(old), timeout=30).accepted
+        assert coordinator.notify(node_id=node, reason="the old group's node").accepted
+        assert coordinator.status()["tearing_down"]
+
+        ranks, pids, statuses = start_group(config, exit_recorder, placement=["head"])
+        assert "registration is retried in the background" in statuses[0], statuses[0]
+        assert coordinator.status()["tearing_down"], "cycle 0 must still be tearing down"
+
+        def registered_in_cycle_1():
+            status = coordinator.status()
+            return status["cycle"] == 1 and [(r["group"], r["rank"]) for r in status["ranks"]]
+
+        assert wait_for(registered_in_cycle_1, 30, "the new group in cycle 1") == [("trainer", 0)]
+        assert ray.get(ranks[0].train.remote(4), timeout=30) == 4
+        os.kill(pids[0], signal.SIGTERM)
+        assert exit_recorder.wait(pids[0], 20) == 0
+        outcome = coordinator.wait_outcome(timeout=30, cycle=1)
+        assert outcome is not None and outcome.result == "committed", outcome
+        assert outcome.notices[0]["source"] == "sigterm"
+        assert outcome.committed["step"] == 4
+        assert sorted(latest_committed(config.checkpoint_dir).shards) == ["trainer/0"]
+    finally:
+        coordinator.shutdown()

@@ -120,9 +120,12 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 "coordinator_name in every job that should share one)",
             )
         if self.cycle.tearing_down:
+            # The previous group is still leaving: its ranks are what this cycle plans for.
+            # The worker's control thread registers again until the next cycle accepts it.
             return Reply.refused(
-                f"cycle {self.cycle.number} is being torn down; register again once it ended",
+                f"cycle {self.cycle.number} is being torn down; registering again once it ended",
                 self.cycle.number,
+                retry=True,
             )
         if self.job_state != "running":
             return Reply.refused(f"the job is {self.job_state}", self.cycle.number)

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ from .report import TeardownReport
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 15.0
+REREGISTER_EVERY_S = 0.25  # while the coordinator says "later" (a cycle still tearing down)
 REPORT_TIMEOUT_S = 2.0
 SIGTERM_REPORT_TIMEOUT_S = 1.0
 
@@ -118,29 +120,28 @@ class ControlChannel:
     # --- calls -----------------------------------------------------------------------------
 
     def register(self) -> str:
-        """(Re-)register every rank of this process; returns a line for the setup status."""
-        import ray
+        """(Re-)register every rank of this process; returns a line for the setup status.
 
-        # No health here: NVML may be slow to start (or wedged); the first poll, on the
-        # control thread, carries the first verdict.
-        message = Register(
-            process_id=self.process_id,
-            node_id=self.node_id,
-            pid=os.getpid(),
-            hostname=socket.gethostname(),
-            job_id=self.job_id,
-            ranks=self.ranks(),
-            actor_id=self.actor_id,
-        )
+        A coordinator still tearing down the previous group refuses for now (``retry``): the
+        control thread then registers again until it is accepted, and polls from there - a
+        group restarted while the last one is still leaving is covered once that ended. Until
+        then ``cycle`` is None, and a SIGTERM tears this rank down on its own.
+        """
         try:
-            answer: Reply = ray.get(
-                self.handle.register.remote(message), timeout=REGISTER_TIMEOUT_S
-            )
+            answer = self._send_registration()
         except Exception as exc:
             self.alive, self.state = False, f"registration failed: {exc!r}"
             return (
                 f"coordinator {self.coordinator_name!r} unreachable ({exc!r}): on SIGTERM this "
                 "rank tears itself down on its own"
+            )
+        if not answer.accepted and answer.retry:
+            self.state = f"registering again: {answer.reason}"
+            self.start()
+            return (
+                f"coordinator {self.coordinator_name!r} is busy ({answer.reason}): the "
+                "registration is retried in the background; until it is accepted, SIGTERM "
+                "tears this rank down on its own"
             )
         if not answer.accepted:
             self.alive, self.state = False, f"registration refused: {answer.reason}"
@@ -156,6 +157,39 @@ class ControlChannel:
             "through a long poll"
         )
 
+    def _send_registration(self) -> Reply:
+        import ray
+
+        # No health here: NVML may be slow to start (or wedged); the first poll, on the
+        # control thread, carries the first verdict.
+        message = Register(
+            process_id=self.process_id,
+            node_id=self.node_id,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            job_id=self.job_id,
+            ranks=self.ranks(),
+            actor_id=self.actor_id,
+        )
+        return ray.get(self.handle.register.remote(message), timeout=REGISTER_TIMEOUT_S)
+
+    def _register_until_accepted(self) -> bool:
+        """On the control thread: register again while the coordinator says "later"."""
+        while self.alive and not self.done() and self.cycle is None:
+            time.sleep(REREGISTER_EVERY_S)
+            try:
+                answer = self._send_registration()
+            except Exception as exc:
+                self._lost(f"registering again: {type(exc).__name__}: {exc}")
+                return False
+            if answer.accepted:
+                self.cycle, self.state = answer.cycle, "polling"
+                logger.info("ray_graceful: registered in cycle %s", self.cycle)
+            elif not answer.retry:
+                self._lost(f"registration refused: {answer.reason}")
+                return False
+        return self.cycle is not None
+
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
@@ -166,6 +200,8 @@ class ControlChannel:
     def _run(self) -> None:
         import ray
 
+        if not self._register_until_accepted():
+            return
         wait_s = self.config.health_interval_s
         while self.alive and not self.done():
             state = PollState(self.last_step(), self.probe.check())
