@@ -307,8 +307,6 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     assert sorted(coord.outcomes) == [0, 1, 2]
 
 
-
-
 @pytest.mark.parametrize("saver_fate", ["failed", "saved", "died", "silent"])
 def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
     """Drain n1: rank 0 (survivor) saves shard g/0, rank 1 (drained) is its backup. The backup
