@@ -21,8 +21,10 @@ stand-in server on 127.0.0.1. One poller runs per node (``node_poller.py``), not
 from __future__ import annotations
 
 import email.utils
+import http.client
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -45,6 +47,9 @@ AZURE_API = "2020-07-01"
 # What each cloud gives when it announces no explicit time (its documented lead times).
 GCE_MAINTENANCE_LEAD_S = 60.0
 GCE_PREEMPTION_LEAD_S = 30.0
+
+
+_TOKEN = re.compile(r"[\x21-\x7e]{1,1024}")  # what may go into a header: no CR/LF, no spaces
 
 
 class CloudResponseError(ValueError):
@@ -162,9 +167,10 @@ def parse_azure_events(body: bytes, vm_name: str) -> list[CloudEvent]:
         not_before = event.get("NotBefore")
         if not not_before:
             raise CloudResponseError(f"Events[{i}] ({kind}) has no NotBefore time")
-        parsed = (
-            email.utils.parsedate_to_datetime(not_before) if isinstance(not_before, str) else None
-        )
+        try:
+            parsed = email.utils.parsedate_to_datetime(not_before)
+        except (TypeError, ValueError, IndexError):
+            parsed = None  # "soon", a number, a list: not the HTTP date Azure documents
         if parsed is None:
             raise CloudResponseError(
                 f"Events[{i}].NotBefore = {short(not_before)}: not an HTTP date"
@@ -210,7 +216,12 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 def _request(
     url: str, headers: dict[str, str], timeout: float, method: str = "GET"
 ) -> tuple[int, dict, bytes]:
-    """(status, headers, body) - body bounded; 404 is an answer, not an error."""
+    """(status, headers, body) - body bounded; 404 is an answer, not an error.
+
+    Whatever the other end sends - no HTTP at all, a broken status line, a header line over
+    http.client's 64 kB limit, broken chunked encoding - is a ``CloudResponseError`` (or an
+    ``OSError`` for the network), never another exception.
+    """
     request = urllib.request.Request(url, headers=headers, method=method)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
@@ -218,6 +229,13 @@ def _request(
             status, got = response.status, dict(response.headers)
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers or {}), b""
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, OSError):
+            raise exc.reason from None
+        raise CloudResponseError(f"{url}: {str(exc.reason)[:200]}") from None
+    except (http.client.HTTPException, ValueError) as exc:
+        what = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise CloudResponseError(f"{url}: not a valid HTTP answer ({what})") from None
     if len(body) > MAX_BODY:
         raise CloudResponseError(f"{url}: answer larger than {MAX_BODY} bytes")
     return status, got, body
@@ -248,7 +266,13 @@ class CloudPoller:
             )
             if status != 200 or not body:
                 raise CloudResponseError(f"IMDSv2 token: status {status}")
-            self._token = (_text(body, "token"), time.monotonic() + AWS_TOKEN_TTL_S / 2)
+            token = _text(body, "token")
+            if not _TOKEN.fullmatch(token):
+                raise CloudResponseError(
+                    f"IMDSv2 token {short(token, 60)} has characters a token cannot have "
+                    "(printable ASCII without spaces, at most 1024)"
+                )
+            self._token = (token, time.monotonic() + AWS_TOKEN_TTL_S / 2)
         return {"X-aws-ec2-metadata-token": self._token[0]}
 
     def _aws(self, now: float) -> list[CloudEvent]:
@@ -313,7 +337,17 @@ class CloudPoller:
         try:
             events = {"aws": self._aws, "gce": self._gce, "azure": self._azure}[self.cloud](now)
         except (CloudResponseError, OSError) as exc:
-            logger.warning("ray_graceful: %s metadata gave no usable answer: %s", self.cloud, exc)
+            logger.warning(
+                "ray_graceful: %s metadata gave no usable answer: %s", self.cloud, str(exc)[:500]
+            )
+            return []
+        except Exception as exc:  # a case the parsers missed: still a log line, never a crash
+            logger.warning(
+                "ray_graceful: %s metadata gave no usable answer (unexpected %s: %s)",
+                self.cloud,
+                type(exc).__name__,
+                str(exc)[:500],
+            )
             return []
         fresh = [e for e in events if e.key not in self.seen]
         self.seen.update(e.key for e in fresh)

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -290,3 +291,137 @@ def test_a_spot_notice_from_the_cloud_tears_the_group_down(ray_cluster, server, 
         if poller is not None:
             ray.kill(poller)
         coordinator.shutdown()
+
+
+class RawServer:
+    """Answers every connection with the bytes it is given, whatever HTTP says: the hostile
+    answers a metadata service (or something squatting on its address) can send."""
+
+    def __init__(self) -> None:
+        self.answer = b""
+        self.by_path: dict[bytes, bytes] = {}  # a path's own answer, over ``answer``
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    request = conn.recv(65536)
+                    path = request.split(b" ")[1] if request.count(b" ") > 1 else b""
+                    conn.sendall(self.by_path.get(path, self.answer))
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def http_answer(body: bytes, head: bytes = b"HTTP/1.1 200 OK\r\n") -> bytes:
+    return head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+
+
+TERMINATE = http_answer(b'{"action": "terminate", "time": "2030-01-01T00:00:00Z"}')
+
+
+@pytest.mark.parametrize(
+    "answer,why",
+    [
+        (b"HTTP/1.1 abc OK\r\n\r\n", "BadStatusLine"),
+        (b"\x00\x01\x02 this is not HTTP at all \xff\r\n\r\n", "not a valid HTTP answer"),
+        (
+            b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n{}",
+            "LineTooLong",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nbroken\r\n",
+            "not a valid HTTP answer",
+        ),
+    ],
+    ids=["bad-status-line", "not-http", "100kB-header", "broken-chunked"],
+)
+def test_hostile_bytes_are_a_log_line_and_the_next_notice_still_comes(caplog, answer, why):
+    """Review defect 3: each of these escaped the poller and ended the node's cloud notices;
+    the real TERMINATE that followed was never reported."""
+    server = RawServer()
+    try:
+        server.answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\ntoken"
+        poller = CloudPoller("aws", server.url, timeout_s=1.0)
+        poller._aws_headers()  # the token first, then every GET gets the hostile answer
+        server.answer = answer
+        assert poller.poll_once() == []
+        assert "aws metadata gave no usable answer" in caplog.text and why in caplog.text
+        server.answer = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        server.by_path[b"/latest/meta-data/spot/instance-action"] = TERMINATE
+        (event,) = poller.poll_once()
+        assert event.kind == "spot-interruption"
+    finally:
+        server.close()
+
+
+def test_a_token_with_cr_lf_is_refused_and_a_good_one_later_works(server, caplog):
+    server.route("PUT", "/latest/api/token", body=b"abc\r\nX-Injected: 1")
+    poller = CloudPoller("aws", server.url, timeout_s=1.0)
+    assert poller.poll_once() == []
+    assert "has characters a token cannot have" in caplog.text
+    aws(server)
+    server.route(
+        "GET",
+        "/latest/meta-data/spot/instance-action",
+        body={"action": "terminate", "time": "2030-01-01T00:00:00Z"},
+    )
+    (event,) = poller.poll_once()
+    assert event.kind == "spot-interruption"
+
+
+def test_an_azure_not_before_of_soon_is_a_log_line(server, caplog):
+    server.route(
+        "GET", "/metadata/instance/compute/name?api-version=2021-02-01&format=text", body="vm-a"
+    )
+    events = {"Events": [{"EventType": "Preempt", "Resources": ["vm-a"], "NotBefore": "soon"}]}
+    path = "/metadata/scheduledevents?api-version=2020-07-01"
+    server.route("GET", path, body=events)
+    poller = CloudPoller("azure", server.url, timeout_s=1.0)
+    assert poller.poll_once() == []
+    assert "NotBefore = 'soon': not an HTTP date" in caplog.text
+    events["Events"][0]["NotBefore"] = "Mon, 23 Nov 2026 06:40:00 GMT"
+    server.route("GET", path, body=events)
+    (event,) = poller.poll_once()
+    assert event.detail.startswith("Preempt")
+
+
+def test_a_poller_that_raises_anyway_is_started_again():
+    """The second fence: whatever escapes a step, the node's poller lives on."""
+    from ray_graceful.cloud import CloudEvent
+    from ray_graceful.worker.cloud_poller import poll_forever
+
+    told, made, stop = [], [], threading.Event()
+    event = CloudEvent("aws", "spot-interruption", "x", 1.0, "k")
+
+    class Flaky:
+        seen: ClassVar[set] = set()
+
+        def __init__(self) -> None:
+            made.append(self)
+
+        def poll_once(self):
+            if len(made) == 1:
+                raise RuntimeError("a bug of ours")
+            return [event]
+
+    def tell(e):
+        told.append(e)
+        stop.set()
+
+    thread = threading.Thread(target=poll_forever, args=(Flaky, tell, 0.01, stop), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert told == [event] and len(made) == 2 and not thread.is_alive()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 from ..config import GracefulConfig
@@ -39,11 +39,11 @@ class CloudNoticeActor:
                 logger.info("ray_graceful: no cloud metadata service answers on this node")
                 return
         self.cloud = cloud
-        poller = clouds.CloudPoller(cloud, urls.get(cloud))
-        while True:
-            for event in poller.poll_once():
-                self._tell(event)
-            time.sleep(config.cloud_poll_interval_s)
+        poll_forever(
+            lambda: clouds.CloudPoller(cloud, urls.get(cloud)),
+            self._tell,
+            config.cloud_poll_interval_s,
+        )
 
     def _tell(self, event: Any) -> None:
         import ray
@@ -76,6 +76,39 @@ class CloudNoticeActor:
 
     def seen(self) -> dict:
         return {"cloud": self.cloud, "events": list(self.events)}
+
+
+def poll_forever(
+    make_poller: Callable[[], Any],
+    tell: Callable[[Any], None],
+    interval_s: float,
+    stop: threading.Event | None = None,
+) -> None:
+    """Poll until ``stop``; a step that raises anyway is logged and the poller is made anew.
+
+    ``CloudPoller.poll_once`` already turns every bad answer into a log line; this is the
+    second fence, so that no answer - nor a bug of ours - ends a node's cloud notices for the
+    rest of the job (the TERMINATE that follows must still be reported).
+    """
+    stop = stop or threading.Event()
+    poller = make_poller()
+    while not stop.is_set():
+        try:
+            for event in poller.poll_once():
+                tell(event)
+        except Exception as exc:
+            logger.warning(
+                "ray_graceful: the cloud poller failed (%s: %s); starting it again",
+                type(exc).__name__,
+                str(exc)[:300],
+            )
+            try:
+                seen = getattr(poller, "seen", set())
+                poller = make_poller()
+                poller.seen = seen  # an event already told is not told again
+            except Exception as again:
+                logger.warning("ray_graceful: could not start it again: %r", again)
+        stop.wait(interval_s)
 
 
 def ensure_node_poller(config: GracefulConfig, coordinator: Any) -> Any | None:
