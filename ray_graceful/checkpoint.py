@@ -207,6 +207,11 @@ def write_shard(
     otherwise the result is read back once to compute them. If ``abandoned`` is set by the time
     the saver returns (the teardown gave up on it), the temp result is removed, never renamed.
     """
+    if not root:
+        raise CheckpointError(
+            f"shard {shard!r}: no checkpoint directory given (an empty root would write into the "
+            "working directory)"
+        )
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     name = shard_file_name(shard)

@@ -55,6 +55,9 @@ class Trainer:
     def pid(self) -> int:
         return os.getpid()
 
+    def cwd(self) -> str:
+        return os.getcwd()
+
     def where(self) -> dict:
         return thread_info()
 

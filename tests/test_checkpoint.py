@@ -281,3 +281,11 @@ def test_a_restarted_rank_verifies_the_shard_it_loads_and_refuses_a_torn_one(tmp
     with pytest.raises(CheckpointError, match=r"shard 'b' .* step 2 .* does not match"):
         load_committed_shard(latest, "b")
     assert latest_committed(root, verify_checksums=True).step == 1
+
+
+def test_a_shard_is_never_written_without_a_directory(tmp_path, monkeypatch):
+    """An empty root would be the working directory: refused, nothing written (defect 4)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint directory given"):
+        write_shard("", 3, "g/0", lambda p, s: save_state_dict({"s": s}, p))
+    assert os.listdir(tmp_path) == []

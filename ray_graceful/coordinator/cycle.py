@@ -121,7 +121,15 @@ def conclude(
             cycle.memory_checkpoint = memory
             result, committed = "committed", memory.describe()
         except CheckpointError as exc:
-            result, reason = "abandoned", str(exc)
+            result, reason = "abandoned", "; ".join([str(exc), *failed_saves(reports)[:3]])
+    elif root is None and config.memory_replicas > 0:
+        result, reason = (
+            "abandoned",
+            (
+                "no shard is held in memory and no checkpoint_dir is configured (memory-only): "
+                + ("; ".join(failed_saves(reports)[:3]) or "no saver reported a save")
+            ),
+        )
     elif root is None:
         result, reason = "no-checkpoint", "no checkpoint_dir is configured"
     else:
@@ -163,6 +171,16 @@ def conclude(
         timings=timings,
         fallbacks=list(cycle.fallbacks),
     )
+
+
+def failed_saves(reports: list[Any]) -> list[str]:
+    """Each failed save step of these reports: who, and its own words for why."""
+    return [
+        f"{r.hostname}:{r.pid}: {step.detail}"[:300]
+        for r in reports
+        for step in r.steps
+        if step.name == "save" and step.status == "failed"
+    ]
 
 
 def evicted_nodes(cycle: Cycle, involved: list[Process]) -> frozenset[str]:

@@ -366,6 +366,13 @@ class Teardown:
             return
         if order.keepers and order.state is None:
             done.append("memory tier: this rank registered a saver=, not state=; saving to disk")
+        if not order.root:
+            # Memory-only mode (no checkpoint_dir): "saving to disk" would mean the process's
+            # working directory. Nothing is written; the shard is missing and the cycle says so.
+            raise RuntimeError(
+                f"shard {order.shard!r} is not held in memory and no checkpoint_dir is "
+                f"configured: nowhere to save it, nothing written ({'; '.join(done)})"
+            )
         budget = self._budget(order, done)
 
         def save() -> ShardRecord:

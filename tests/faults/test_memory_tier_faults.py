@@ -8,6 +8,7 @@ committed, in either tier; a restart never mixes steps.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -315,3 +316,37 @@ def _keeper_names() -> list[str]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith("ray_graceful_keeper")
     ]
+
+
+def test_memory_only_a_shard_over_budget_is_never_written_to_the_working_directory(
+    rep, fault_log, nodes, memory_config, exit_recorder
+):
+    """Review defect 4: with checkpoint_dir=None a shard no keeper could hold "fell back
+    to disk" with an empty root: it landed in ./step-*/ of the worker's working directory, and
+    the outcome said no-checkpoint. Now nothing is written anywhere, and the outcome says why."""
+    config = memory_config.replace(memory_budget_mb=1, checkpoint_dir=None)  # 2 MiB shards
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(
+            config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2, ballast_mb=2
+        )
+        cwds = set(ray.get([r.cwd.remote() for r in ranks], timeout=30))
+        train_then_block(ranks)
+        drain_node(nodes["b"], time.time() + 12)
+        codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
+        assert set(codes.values()) == {0}, codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "abandoned", outcome.summary()
+        assert "not held in memory and no checkpoint_dir is configured" in outcome.reason
+        for cwd in cwds:
+            assert not glob.glob(os.path.join(cwd, "step-*")), f"a shard was written in {cwd}"
+        fault_log.record(
+            "memory tier only: a shard over budget, no checkpoint_dir",
+            4,
+            4,
+            0,
+            "abandoned (correct)",
+            pids,
+        )
+    finally:
+        coordinator.shutdown()
