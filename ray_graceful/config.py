@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .notices import short
+
 ENV_PREFIX = "RAY_GRACEFUL_"
 
 # Ray's own variables that share our prefix (Ray 2.48-2.60, ray_constants.py). They are Ray's to
@@ -344,8 +346,6 @@ class GracefulConfig:
             value = getattr(self, f.name)
             allowed = f.metadata["check"](value)
             if allowed is not None:
-                from .notices import short
-
                 shown = short(value)
                 raise ConfigError(
                     f"GracefulConfig.{f.name} = {shown} is not allowed: must be {allowed}."
@@ -444,7 +444,7 @@ def _parse_env(name: str, raw: str, f: dataclasses.Field) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
     def bad(allowed: str) -> ConfigError:
-        return ConfigError(f"{name}={raw!r} is not allowed: must be {allowed}.")
+        return ConfigError(f"{name}={short(raw)} is not allowed: must be {allowed}.")
 
     if kind == "float":
         try:

@@ -101,9 +101,11 @@ class EvictionNotice:
                 f"deadline {short(deadline)} is not allowed: Unix seconds, or 0 for none"
             )
         if deadline > self.received_at + MAX_DEADLINE_AHEAD_S:
+            looks_like_ms = deadline > self.received_at * 100  # Unix ms are 1000x Unix seconds
             raise NoticeError(
-                f"deadline {deadline} is more than 7 days ahead: it looks like milliseconds; "
-                "give Unix seconds"
+                f"deadline {deadline} is more than 7 days ahead"
+                + (": it looks like milliseconds; give Unix seconds" if looks_like_ms else "")
+                + f" (at most {MAX_DEADLINE_AHEAD_S} s from now)"
             )
 
     @property

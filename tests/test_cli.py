@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -322,6 +324,15 @@ def test_plan_takes_real_unix_times_and_says_which_now(tmp_path, capsys):
         (["bench", "plan", "--sizes", "abc"], "give integers >= 1 separated by commas"),
         (["bench", "plan", "--reps", "0"], "give an integer >= 1"),
         (["bench", "release", "--timeout", "-1"], "seconds must be > 0"),
+        # The review's defects 8 and 9: each was a traceback or a misleading answer.
+        (["status", "--timeout", "1e300"], "at most 86400 seconds"),
+        (["notify", "--this-node", "--reason", "x", "--deadline-in", "700000"], "at most 7 days"),
+        (["notify", "--this-node", "--reason", "bad \udcff"], "is not valid UTF-8 text"),
+        (["bench", "release", "--how", "foo"], "'foo' is not one of them"),
+        (["bench", "recovery", "--peers", "--ways", "ray"], "give one or more of none"),
+        (["bench", "save", "--dir", "/dev/null"], "'/dev/null' is not a directory"),
+        (["bench", "plan", "--json", "/tmp"], "'/tmp' is a directory: give a file path"),
+        (["demo", "--output", "/dev/null/x"], "cannot be made: /dev/null is not one"),
     ],
 )
 def test_argument_mistakes_are_explained(args, message, capsys):
@@ -455,3 +466,68 @@ def test_any_scenario_file_plans_or_is_explained(tmp_path_factory, scenario):
         status = main(["plan", str(path)])
     assert status in (0, 2), err.getvalue()
     assert (status == 0) == (err.getvalue() == ""), err.getvalue()
+
+
+def test_status_at_localhost_with_nobody_listening_exits_at_once():
+    """Review defect 5: a host name starting with "local" skipped the reachability check, and
+    `status --address localhost:PORT --timeout 1` hung for minutes, ignoring SIGTERM."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens once closed
+    started = time.monotonic()
+    result = cli("status", "--address", f"localhost:{port}", "--timeout", "1", timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert "no Ray cluster reachable at" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_an_address_that_is_not_host_port_is_explained(capsys):
+    assert main(["status", "--address", "localhost"]) == 2
+    assert "give HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (
+            {**SCENARIO, "health": [{"rank": ["p", [0]], "verdict": "FAULTY"}]},
+            "must be [group, rank] of a rank in 'ranks'",
+        ),
+        ('{"ranks": [{"rank": ' + "9" * 5000 + ', "node": "a"}]}', "out of range"),
+    ],
+    ids=["rank-with-a-list", "5000-digit-integer"],
+)
+def test_plan_scenarios_that_were_tracebacks(tmp_path, capsys, content, message):
+    path = tmp_path / "s.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_anyscale_set_of_rays_own_variable_is_refused_not_dropped(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\nentrypoint: python train.py\n")
+    assert main(["anyscale", str(job), "--set", "shutdown_drain_timeout_s=5"]) == 2
+    err = capsys.readouterr().err
+    assert "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S is Ray's own variable" in err
+    assert main(["anyscale", str(job), "--set", "save_budget_z=5"]) == 2
+    assert "Did you mean save_budget_s?" in capsys.readouterr().err
+
+
+def test_anyscale_output_into_a_missing_directory_names_the_output(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\nentrypoint: python train.py\n")
+    out = tmp_path / "missing" / "out.yaml"
+    assert main(["anyscale", str(job), "-o", str(out), "--checkpoint-dir", "/ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ray-graceful anyscale: {out}:"), err
+    assert "No such file or directory" in err
+
+
+def test_a_huge_environment_value_is_cut_short_in_the_error():
+    from ray_graceful.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        GracefulConfig.from_env({"RAY_GRACEFUL_SAVE_BUDGET_S": "9" * 100_000 + "x"})
+    assert "RAY_GRACEFUL_SAVE_BUDGET_S=" in str(info.value) and len(str(info.value)) < 400

@@ -839,7 +839,14 @@ def bench_recovery(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_bench_parser(sub: Any) -> None:
-    from .cli import positive_int, positive_ints, positive_seconds
+    from .cli import (
+        comma_choices,
+        positive_int,
+        positive_ints,
+        positive_seconds,
+        writable_dir,
+        writable_file,
+    )
 
     bench = sub.add_parser(
         "bench",
@@ -857,7 +864,10 @@ def add_bench_parser(sub: Any) -> None:
         "--reps", type=positive_int, default=5, help="repetitions per size (default 5)"
     )
     release.add_argument(
-        "--how", default="sigterm,drain", help="sigterm, drain or sigterm,drain (default)"
+        "--how",
+        type=comma_choices("sigterm", "drain"),
+        default="sigterm,drain",
+        help="sigterm, drain or sigterm,drain (default)",
     )
     release.add_argument(
         "--timeout",
@@ -905,7 +915,9 @@ def add_bench_parser(sub: Any) -> None:
         "--sizes", type=positive_ints, default="64,256,1024", help="state dict sizes in MB"
     )
     save.add_argument("--reps", type=positive_int, default=3)
-    save.add_argument("--dir", help="directory to write to (default: a temp directory)")
+    save.add_argument(
+        "--dir", type=writable_dir, help="directory to write to (default: a temp directory)"
+    )
     save.add_argument(
         "--tier",
         choices=("disk", "memory"),
@@ -963,11 +975,13 @@ def add_bench_parser(sub: Any) -> None:
     )
     recovery.add_argument(
         "--scenarios",
+        type=comma_choices("drain", "sigterm", "stuck", "faulty"),
         default="drain,sigterm,stuck,faulty",
         help="with --peers: drain, sigterm, stuck, faulty (default: all)",
     )
     recovery.add_argument(
         "--ways",
+        type=comma_choices("none", "ray-documented", "ray-best", "graceful"),
         default="none,ray-documented,ray-best,graceful",
         help="with --peers: none, ray-documented, ray-best, graceful (default: all)",
     )
@@ -989,7 +1003,9 @@ def add_bench_parser(sub: Any) -> None:
 
     for p in (release, plan, overhead, save, recovery, fanout):
         p.add_argument(
-            "--json", help="where to write the results (default bench-output/<name>.json)"
+            "--json",
+            type=writable_file,
+            help="where to write the results (default bench-output/<name>.json)",
         )
     bench.set_defaults(func=run_benchmark)
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ..config import ConfigError, GracefulConfig, config_reference_markdown
+from ..config import ConfigError, GracefulConfig, config_reference_markdown, is_rays_own
 
 EXIT_USAGE, EXIT_NO_CLUSTER, EXIT_NO_COORDINATOR, EXIT_REJECTED = 2, 3, 4, 5
 
@@ -72,12 +73,22 @@ def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
 
 
 def _check_reachable(address: str, timeout: float) -> None:
-    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for a minute)."""
+    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for a minute).
+
+    Only "auto", "local" and ``ray://`` addresses skip it; ``localhost:6379`` is a HOST:PORT
+    like any other (it once skipped the check and hung).
+    """
     import socket
 
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or address.startswith(("auto", "ray://", "local")):
+    if address in ("auto", "local") or address.startswith("ray://"):
         return
+    if not sep or not host or not port.isdigit():
+        raise CliError(
+            f"--address {address!r}: give HOST:PORT (the GCS address), auto, local or "
+            "ray://HOST:PORT",
+            EXIT_USAGE,
+        )
     try:
         with socket.create_connection((host, int(port)), timeout=max(timeout, 0.5)):
             pass
@@ -92,17 +103,23 @@ def _parse_rank(text: str) -> tuple[str, int]:
     return group, int(rank)
 
 
-def _seconds(text: str, minimum: float, allow_equal: bool) -> float:
+MAX_TIMEOUT_S = 86_400.0  # --timeout: a day; more overflows the clients' timers
+MAX_SECONDS = 1e10  # any number of seconds or Unix time (the year 2286)
+
+
+def _seconds(text: str, minimum: float, allow_equal: bool, maximum: float = MAX_SECONDS) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is not a number of seconds") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds")
+        raise argparse.ArgumentTypeError(f"{_cut(text)}: give a finite number of seconds")
     if value < minimum or (value == minimum and not allow_equal):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: seconds must be {'>=' if allow_equal else '>'} {minimum:g}"
+            f"{_cut(text)}: seconds must be {'>=' if allow_equal else '>'} {minimum:g}"
         )
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"{_cut(text)}: at most {maximum:g} seconds")
     return value
 
 
@@ -110,9 +127,91 @@ def _non_negative(text: str) -> float:
     return _seconds(text, 0.0, allow_equal=True)
 
 
+def _timeout(text: str) -> float:
+    return _seconds(text, 0.0, allow_equal=True, maximum=MAX_TIMEOUT_S)
+
+
+def _deadline_in(text: str) -> float:
+    from ..notices import MAX_DEADLINE_AHEAD_S
+
+    try:
+        return _seconds(text, 0.0, allow_equal=True, maximum=MAX_DEADLINE_AHEAD_S)
+    except argparse.ArgumentTypeError as exc:
+        if "at most" in str(exc):
+            raise argparse.ArgumentTypeError(
+                f"{_cut(text)}: a deadline at most 7 days ({MAX_DEADLINE_AHEAD_S:.0f} s) ahead"
+            ) from None
+        raise
+
+
 def positive_seconds(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
-    return _seconds(text, 0.0, allow_equal=False)
+    return _seconds(text, 0.0, allow_equal=False, maximum=1e6)
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    """An argument as an error shows it: quoted, and cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def utf8_text(text: str) -> str:
+    """argparse type: text that is valid UTF-8 (argv bytes that are not decode to surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"{_cut(text.encode('utf-8', 'backslashreplace').decode())} is not valid UTF-8 text"
+        ) from None
+    return text
+
+
+def comma_choices(*allowed: str) -> Any:
+    """argparse type: a comma-separated subset of ``allowed``, e.g. 'sigterm,drain'."""
+
+    def parse(text: str) -> str:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        wrong = [p for p in parts if p not in allowed]
+        if not parts or wrong:
+            shown = f"{_cut(wrong[0])} is not one of them; " if wrong else ""
+            raise argparse.ArgumentTypeError(
+                f"{shown}give one or more of {', '.join(allowed)}, separated by commas"
+            )
+        return ",".join(parts)
+
+    return parse
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def writable_dir(text: str) -> str:
+    """argparse type: a directory that exists and is writable, or can be made."""
+    path = os.path.abspath(utf8_text(text))
+    base = _nearest_existing(path)
+    if not os.path.isdir(base):
+        what = "is not a directory" if base == path else f"cannot be made: {base} is not one"
+        raise argparse.ArgumentTypeError(f"{_cut(text)} {what}")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{_cut(text)}: {base} is not writable")
+    return text
+
+
+def writable_file(text: str) -> str:
+    """argparse type: a file path whose directory is (or can be made) writable."""
+    path = os.path.abspath(utf8_text(text))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is a directory: give a file path")
+    try:
+        writable_dir(os.path.dirname(path))
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{_cut(text)}: its directory {exc}") from None
+    return text
 
 
 def positive_int(text: str) -> int:
@@ -140,7 +239,7 @@ def positive_ints(text: str) -> list[int]:
 
 
 def _non_empty(text: str) -> str:
-    if not text.strip():
+    if not utf8_text(text).strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
 
@@ -257,11 +356,26 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
     from ..anyscale import DEFAULT_PACKAGE, AnyscaleConfigError, enable_yaml
 
     overrides = {}
+    fields = GracefulConfig.field_names()
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            raise CliError(f"--set {item!r}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
-        overrides[f"RAY_GRACEFUL_{name.upper()}"] = value
+            raise CliError(f"--set {_cut(item)}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
+        if name.strip().lower() not in fields:
+            import difflib
+
+            close = difflib.get_close_matches(name.strip().lower(), fields, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            if is_rays_own(f"RAY_GRACEFUL_{name.strip().upper()}"):
+                hint = (
+                    f" RAY_GRACEFUL_{name.strip().upper()} is Ray's own variable: set it in the "
+                    "job's env_vars yourself."
+                )
+            raise CliError(
+                f"--set {_cut(name)}: not a ray_graceful setting.{hint} Allowed: "
+                f"{', '.join(fields)}."
+            )
+        overrides[f"RAY_GRACEFUL_{name.strip().upper()}"] = value
     if args.checkpoint_dir:
         overrides["RAY_GRACEFUL_CHECKPOINT_DIR"] = args.checkpoint_dir
     config = GracefulConfig.from_env(overrides)
@@ -277,8 +391,8 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
         )
     except AnyscaleConfigError as exc:
         raise CliError(f"{args.job}: {exc}") from exc
-    except OSError as exc:
-        raise CliError(f"{args.job}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # the file it names: the job read, or the output written
+        raise CliError(f"{exc.filename or args.job}: {exc.strerror or exc}") from exc
     print(f"ray-graceful anyscale: wrote {target}")
     return 0
 
@@ -309,6 +423,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
+        type=utf8_text,
         default="auto",
         help="Ray cluster address (default: auto, the cluster on this node)",
     )
@@ -318,7 +433,9 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
         help="coordinator name, where the jobs set RAY_GRACEFUL_COORDINATOR_NAME (default: the "
         "job's own coordinator)",
     )
-    p.add_argument("--namespace", help="coordinator namespace (default: ray_graceful)")
+    p.add_argument(
+        "--namespace", type=_non_empty, help="coordinator namespace (default: ray_graceful)"
+    )
     p.add_argument(
         "--job",
         type=_non_empty,
@@ -326,7 +443,7 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=_non_negative,
+        type=_timeout,
         default=10.0,
         help="seconds to wait for the coordinator (default 10)",
     )
@@ -352,11 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--this-node", action="store_true", help="the Ray node this runs on")
     target.add_argument("--node-id", type=_non_empty, help="a Ray node id (hex)")
     target.add_argument("--rank", type=_parse_rank, help="one rank, as GROUP/RANK")
-    notify.add_argument("--reason", required=True, help="why (shown in the plan and outcome)")
+    notify.add_argument(
+        "--reason", required=True, type=utf8_text, help="why (shown in the plan and outcome)"
+    )
     when = notify.add_mutually_exclusive_group()
     when.add_argument(
         "--deadline-in",
-        type=_non_negative,
+        type=_deadline_in,
         metavar="SECONDS",
         help="the node or rank is gone this many seconds from now",
     )
@@ -405,6 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--output",
+        type=writable_dir,
         default="demo-output",
         help="directory for the outcome JSON and the timeline PNG",
     )
@@ -425,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
         "job's own env_vars are kept; a conflicting one is an error.",
     )
     anyscale.add_argument("job", metavar="JOB_YAML")
-    anyscale.add_argument("-o", "--output", help="where to write (default: in place)")
+    anyscale.add_argument(
+        "-o", "--output", type=writable_file, help="where to write (default: in place)"
+    )
     anyscale.add_argument("--checkpoint-dir", help="emergency checkpoint directory")
     anyscale.add_argument(
         "--set",

@@ -63,6 +63,8 @@ def load(path: str) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ScenarioError(f"not valid JSON ({exc}); YAML files end in .yaml") from None
+    except ValueError as exc:  # an integer of over 4,300 digits (Python's limit), in either
+        raise ScenarioError(f"a number in it is out of range ({str(exc)[:120]})") from None
     except RecursionError:
         raise ScenarioError("nested too deeply to be a scenario") from None
 
@@ -161,7 +163,13 @@ def _parse(
             keys = [r.key for r in by_node[raw["node"]]]
         else:
             rank = raw["rank"]
-            if not isinstance(rank, list) or len(rank) != 2 or tuple(rank) not in known:
+            if (
+                not isinstance(rank, list)
+                or len(rank) != 2
+                or not isinstance(rank[0], str)
+                or not isinstance(rank[1], int)
+                or tuple(rank) not in known
+            ):
                 raise ScenarioError(
                     f"health[{i}].rank {short(rank)} must be [group, rank] of a rank in 'ranks'"
                 )
