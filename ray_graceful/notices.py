@@ -24,6 +24,8 @@ from typing import Any
 
 SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api", "cloud")
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
+MAX_NAME = 200  # a node id or group name: Ray's node ids are 56 hex digits
+MAX_RANK = 1 << 24  # 16,777,216 ranks in one group
 
 
 def short(value: Any, limit: int = 120) -> str:
@@ -78,22 +80,28 @@ class EvictionNotice:
         if (self.node_id is None) == (self.rank is None):
             raise NoticeError("a notice targets exactly one of node_id or rank")
         if self.node_id is not None and (
-            not isinstance(self.node_id, str) or not self.node_id.strip()
+            not isinstance(self.node_id, str)
+            or not self.node_id.strip()
+            or len(self.node_id) > MAX_NAME
         ):
-            raise NoticeError(f"node_id {short(self.node_id)} is not allowed: a Ray node id (hex)")
+            raise NoticeError(
+                f"node_id {short(self.node_id)} is not allowed: a Ray node id (hex, at most "
+                f"{MAX_NAME} characters)"
+            )
         if self.rank is not None:
             ok = (
                 isinstance(self.rank, tuple)
                 and len(self.rank) == 2
                 and isinstance(self.rank[0], str)
-                and bool(self.rank[0])
+                and 0 < len(self.rank[0]) <= MAX_NAME
                 and isinstance(self.rank[1], int)
                 and not isinstance(self.rank[1], bool)
-                and self.rank[1] >= 0
+                and 0 <= self.rank[1] < MAX_RANK
             )
             if not ok:
                 raise NoticeError(
-                    f"rank {short(self.rank)} is not allowed: a (group, rank >= 0) pair"
+                    f"rank {short(self.rank)} is not allowed: a (group, rank) pair, the group "
+                    f"a name of 1 to {MAX_NAME} characters, the rank from 0 to {MAX_RANK - 1}"
                 )
         deadline = self.deadline
         if not _finite_seconds(deadline) or deadline < 0:
@@ -130,7 +138,7 @@ class EvictionNotice:
         if not isinstance(data, Mapping):
             raise NoticeError(f"a notice is a mapping, got {type(data).__name__}")
         allowed = {"source", "reason", "cycle", "deadline", "node_id", "rank", "received_at"}
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted(short(k, 40) for k in set(data) - allowed)[:10]
         if unknown:
             raise NoticeError(f"unknown notice fields {unknown}; allowed: {sorted(allowed)}")
         missing = [k for k in ("source", "reason", "cycle") if k not in data]

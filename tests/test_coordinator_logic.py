@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 
 import pytest
@@ -466,3 +467,27 @@ def test_a_rank_beyond_its_world_size_is_refused_at_registration(config):
 
     answer = run(scenario())
     assert not answer.accepted and "rank 2 is not below world_size 2" in answer.reason
+
+
+def test_rejected_notices_are_kept_small_whatever_they_were(config):
+    """Review defect 6: ten rejected 20 MB notices took the coordinator from 127 to 968 MB,
+    made status() a 400 MB answer and echoed each 20 MB value back in the reason."""
+    huge = "n" * 20_000_000
+
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        replies = [await coord.notify({"node_id": huge, "reason": "x"}) for _ in range(5)]
+        replies += [await coord.notify({"rank": [huge, 0], "reason": "x"}) for _ in range(3)]
+        replies.append(await coord.notify({"rank": ["g", 1 << 40], "reason": "x"}))
+        replies.append(await coord.notify({huge: 1, "reason": "x", "node_id": "n0"}))
+        return coord, replies, await coord.status()
+
+    coord, replies, status = run(scenario())
+    assert not any(r.accepted for r in replies)
+    assert all(len(r.reason) <= 500 for r in replies), [len(r.reason) for r in replies]
+    assert "node_id 'nnnnn" in replies[0].reason and "at most 200 characters" in replies[0].reason
+    assert "the rank from 0 to 16777215" in replies[8].reason
+    assert len(pickle.dumps(coord.cycle.rejected)) < 50_000
+    assert len(pickle.dumps(status)) < 50_000
+    assert coord.cycle.notices == []

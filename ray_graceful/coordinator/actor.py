@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 KEEP_OUTCOMES = 16  # concluded cycles whose outcome wait_outcome() can still return
+KEEP_REJECTED = 200  # rejected messages remembered per cycle (status shows the last 20)
+MAX_REASON = 500  # characters of a rejection's reason kept and echoed back
 
 DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
 LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
@@ -196,9 +198,13 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         return f"stale: cycle {short(cycle)} is not the current cycle {self.cycle.number}"
 
     def _reject(self, what: dict[str, Any], reason: str) -> Reply:
-        self.cycle.rejected.append({"at": time.time(), "reason": reason, "what": what})
-        del self.cycle.rejected[:-200]
-        logger.warning("ray_graceful coordinator: rejected %s: %s", short(what, 300), reason)
+        # Kept as a bounded summary, never the message itself: a rejected message may be
+        # anything a caller sent (ten 20 MB notices once grew the coordinator by 840 MB).
+        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
+        summary = short(what, 300)
+        self.cycle.rejected.append({"at": time.time(), "reason": reason, "what": summary})
+        del self.cycle.rejected[:-KEEP_REJECTED]
+        logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
         if self.metrics is not None:
             self.metrics.rejected.inc()
         return Reply.refused(reason, self.cycle.number)
