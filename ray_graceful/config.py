@@ -355,6 +355,13 @@ class GracefulConfig:
                 f"GracefulConfig.watchdog_margin_s = {self.watchdog_margin_s} must be smaller "
                 f"than teardown_timeout_s = {self.teardown_timeout_s}."
             )
+        if self.order_wait_s + self.watchdog_margin_s > self.teardown_timeout_s:
+            raise ConfigError(
+                f"GracefulConfig.order_wait_s = {self.order_wait_s} does not fit: a SIGTERMed "
+                "rank waits that long for its order inside its own teardown time, so "
+                f"order_wait_s + watchdog_margin_s ({self.watchdog_margin_s}) must be at most "
+                f"teardown_timeout_s = {self.teardown_timeout_s}."
+            )
         if self.save_budget_s + self.watchdog_margin_s > self.teardown_timeout_s:
             raise ConfigError(
                 f"GracefulConfig.save_budget_s = {self.save_budget_s} does not fit: "

@@ -141,3 +141,39 @@ def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monke
     fresh = TrainingLoop()  # no step seen yet: the patience alone counts
     assert not fresh.stuck_since(clock["now"] - 1.0, patience_s=2.0)
     assert fresh.stuck_since(clock["now"] - 2.5, patience_s=2.0)
+
+
+def test_the_wait_for_an_order_leaves_the_teardown_its_time():
+    """Review defect 7: a 45 s order wait with a 10 s teardown was accepted, and a SIGTERMed
+    rank whose coordinator was lost left after 45.1 s, past its deadline (a recorded crash).
+    The config refuses it now, and a wait that fits still ends early enough for the release
+    and the exit (here: 4 s teardown - 1 s margin - 2 s destroy = 1 s, not 3 s)."""
+    import threading
+    import time
+
+    import pytest
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.config import ConfigError
+    from ray_graceful.worker.mixin import _ProcessRuntime
+
+    with pytest.raises(ConfigError, match=r"order_wait_s = 45\.0 does not fit"):
+        GracefulConfig(teardown_timeout_s=10.0, order_wait_s=45.0, save_budget_s=5.0)
+
+    class SilentControl:
+        alive = True
+        order_received = threading.Event()
+
+        def report_sigterm(self, received_at: float) -> bool:
+            return True
+
+    config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=3.0)
+    runtime = _ProcessRuntime(config=config)
+    started: dict = {}
+    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
+        at=time.time(), deadline=deadline
+    )
+    signalled = time.time()
+    runtime._await_order(15, SilentControl(), signalled)
+    assert started["deadline"] == signalled + 4.0
+    assert started["at"] - signalled < 1.5, f"waited {started['at'] - signalled:.2f}s"

@@ -27,6 +27,7 @@ from ..protocol import Order, RankSpec
 from .cloud_poller import ensure_node_poller
 from .control import ControlChannel, find_coordinator, gpu_indices
 from .exit_path import hard_exit
+from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .report import write_report_file
 from .signals import current_listener, install_listener, set_claim_check
@@ -167,6 +168,11 @@ class _ProcessRuntime:
         if control is None or not control.alive or self.teardown is not None:
             self.begin_teardown(trigger=f"signal {signum}")
             return
+        # The wait for an order counts against this rank's deadline: the kernel timer is armed
+        # now, so that whatever the wait runs into, the process is gone by then.
+        config = self.config_or_default()
+        at = time.monotonic() + config.teardown_timeout_s - config.watchdog_margin_s / 2
+        hard_deadline().arm(at, config.exit_code)
         threading.Thread(
             target=self._await_order,
             args=(signum, control, time.time()),
@@ -181,8 +187,11 @@ class _ProcessRuntime:
         order that never came is not given back.
         """
         config = self.config_or_default()
+        deadline = received_at + config.teardown_timeout_s
         if control.report_sigterm(received_at):
-            control.order_received.wait(config.order_wait_s)
+            # Never longer than leaves the teardown its release and exit before the deadline.
+            latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
+            control.order_received.wait(max(0.0, min(config.order_wait_s, latest - time.time())))
         # An order handled cooperatively (Ray Train: the training function saves) starts no
         # teardown here: having the order is what counts.
         if self.teardown is None and self.order is None:
@@ -191,10 +200,7 @@ class _ProcessRuntime:
                 if not control.alive
                 else (f"no order from the coordinator within {config.order_wait_s}s")
             )
-            self.begin_teardown(
-                trigger=f"signal {signum} ({why})",
-                deadline=received_at + config.teardown_timeout_s,
-            )
+            self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
 
     def obey(self, order: Order) -> None:
         """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
