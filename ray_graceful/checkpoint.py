@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import zlib
@@ -248,7 +249,7 @@ def _committed_record(directory: str, step: int, shard: str) -> ShardRecord | No
     A committed step that lacks the shard is an error: it is never modified.
     """
     manifest_path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(manifest_path):
+    if not os.path.lexists(manifest_path):
         return None
     manifest, reason = _read_manifest(directory, step)
     if manifest is None:
@@ -352,6 +353,9 @@ def commit(
                 f"{shard_file_name(record.shard)!r}; not committed"
             )
         path = os.path.join(directory, record.file)
+        problem = not_plain(path)
+        if problem:
+            raise CheckpointError(f"shard {record.shard!r} refused: {problem}")
         size = _path_size(path)
         if size != record.bytes:
             raise CheckpointError(
@@ -392,6 +396,9 @@ def load_committed_shard(checkpoint: CommittedCheckpoint, shard: str) -> Any:
     """
     path = checkpoint.shard_path(shard)
     record = checkpoint.manifest["shards"][shard]
+    problem = not_plain(path)
+    if problem:
+        raise CheckpointError(f"shard {shard!r} at step {checkpoint.step} refused: {problem}")
     if _file_checksum(path) != (record["bytes"], record["crc32"]):
         raise CheckpointError(
             f"shard {shard!r} of the committed checkpoint at step {checkpoint.step} ({path}) "
@@ -433,15 +440,56 @@ def scan_checkpoints(
         if match:
             steps.append((int(match.group(1)), os.path.join(root, name)))
     for step, directory in sorted(steps, reverse=True):
+        if os.path.islink(directory) or not os.path.isdir(directory):
+            yield step, directory, None, "the step directory is not a plain directory (a link?)"
+            continue
         checkpoint, reason = _read_committed(step, directory, verify_checksums)
         yield step, directory, checkpoint, reason
+
+
+def not_plain(path: str) -> str | None:
+    """Why ``path`` is not a plain file or a tree of plain files and directories, or None.
+
+    A checkpoint is read only from what its own directory holds: a symbolic link (it may point
+    anywhere, outside the root included), a FIFO (reading it blocks forever), a socket or a
+    device is refused, at any depth, without being opened or followed.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        return f"{os.path.basename(path)}: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    if not stat.S_ISDIR(mode):
+        return f"{os.path.basename(path)} is {_kind(mode)}, not a plain file or directory"
+    for base, dirs, files in os.walk(path):  # never follows links
+        for name in dirs + files:
+            inner = os.path.join(base, name)
+            inner_mode = os.lstat(inner).st_mode
+            if not (stat.S_ISREG(inner_mode) or stat.S_ISDIR(inner_mode)):
+                where = os.path.relpath(inner, os.path.dirname(path))
+                return f"{where} is {_kind(inner_mode)}, not a plain file or directory"
+    return None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device or special file"
 
 
 def _read_manifest(directory: str, step: int) -> tuple[dict[str, Any] | None, str]:
     """The manifest of a step directory if it is well formed, else (None, why)."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None, "no manifest (not committed)"
+    problem = not_plain(path) or (f"{MANIFEST} is a directory" if os.path.isdir(path) else None)
+    if problem:
+        return None, f"manifest refused: {problem}"
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read(16 << 20))
@@ -477,6 +525,9 @@ def _read_committed(
                 f"shard {str(key)[:80]!r}: its record says {record.shard!r} step {record.step}",
             )
         path = os.path.join(directory, record.file)
+        problem = not_plain(path)
+        if problem:
+            return None, f"shard {key!r} refused: {problem}"
         try:
             size = _path_size(path)
             if size != record.bytes:

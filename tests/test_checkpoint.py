@@ -16,6 +16,7 @@ import torch
 from ray_graceful.checkpoint import (
     MANIFEST,
     CheckpointError,
+    ShardRecord,
     commit,
     latest_committed,
     load_committed_shard,
@@ -289,3 +290,77 @@ def test_a_shard_is_never_written_without_a_directory(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="no checkpoint directory given"):
         write_shard("", 3, "g/0", lambda p, s: save_state_dict({"s": s}, p))
     assert os.listdir(tmp_path) == []
+
+
+def _forge_step(root: str, step: int, make_shard) -> None:
+    """A step directory with a well-formed manifest whose shard ``make_shard(path)`` creates,
+    as a hostile or broken writer could leave one (commit() itself refuses such shards)."""
+    good = latest_committed(root)
+    directory = step_dir(root, step)
+    os.makedirs(directory)
+    with open(os.path.join(good.path, MANIFEST)) as f:
+        manifest = json.load(f)
+    record = dict(manifest["shards"]["a"], step=step)
+    size = make_shard(os.path.join(directory, record["file"]))
+    if size is not None:
+        record["bytes"], record["crc32"] = size
+    manifest.update(step=step, shards={"a": record})
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+def _latest_within(root: str, seconds: float = 10.0):
+    box: dict = {}
+    reader = threading.Thread(target=lambda: box.setdefault("c", latest_committed(root)))
+    reader.daemon = True
+    reader.start()
+    reader.join(seconds)
+    assert not reader.is_alive(), "latest_committed hangs"
+    return box["c"]
+
+
+@pytest.mark.parametrize("where", ["shard", "inside-a-directory-shard"])
+def test_a_fifo_shard_is_refused_not_read(tmp_path, caplog, where):
+    """Review defect 10: a shard that is a FIFO (or a directory holding one), with a manifest
+    saying 0 bytes, made latest_committed hang forever."""
+    root = str(tmp_path / "ckpt")
+    _save_and_commit(root, 10, shards=("a",))
+
+    def fifo(path):
+        if where == "shard":
+            os.mkfifo(path)
+        else:
+            os.makedirs(path)
+            os.mkfifo(os.path.join(path, "data"))
+        return (0, 0)
+
+    _forge_step(root, 20, fifo)
+    assert _latest_within(root).step == 10
+    assert "is a FIFO, not a plain file or directory" in caplog.text
+
+
+def test_shards_and_steps_behind_symbolic_links_are_not_followed(tmp_path, caplog):
+    """Review defect 10: a shard file or a step directory symlinked outside the root was
+    followed and loaded."""
+    root, outside = str(tmp_path / "ckpt"), str(tmp_path / "outside")
+    _save_and_commit(root, 10, shards=("a",))
+    _save_and_commit(outside, 30, shards=("a",))  # a valid checkpoint, elsewhere
+    elsewhere = latest_committed(outside).shard_path("a")
+
+    def link(path):
+        os.symlink(elsewhere, path)
+        return None  # the manifest keeps the real bytes and checksum of what it points to
+
+    _forge_step(root, 20, link)
+    os.symlink(step_dir(outside, 30), step_dir(root, 40))
+    latest = _latest_within(root)
+    assert latest.step == 10, latest
+    assert "is a symbolic link" in caplog.text
+    assert "step directory is not a plain directory" in caplog.text
+    # commit() itself refuses such a shard (a report naming a link is never committed).
+    record = ShardRecord.from_dict(latest_committed(outside).manifest["shards"]["a"])
+    os.makedirs(step_dir(root, 30))
+    os.symlink(elsewhere, os.path.join(step_dir(root, 30), record.file))
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        commit(root, 30, ["a"], [record], cycle=2)
+    assert not os.path.exists(os.path.join(step_dir(root, 30), MANIFEST))
