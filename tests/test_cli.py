@@ -531,3 +531,60 @@ def test_a_huge_environment_value_is_cut_short_in_the_error():
     with pytest.raises(ConfigError) as info:
         GracefulConfig.from_env({"RAY_GRACEFUL_SAVE_BUDGET_S": "9" * 100_000 + "x"})
     assert "RAY_GRACEFUL_SAVE_BUDGET_S=" in str(info.value) and len(str(info.value)) < 400
+
+
+@pytest.mark.timeout(240)
+def test_the_documented_prestop_line_reaches_every_job_on_the_node(ray_cluster, tmp_path):
+    """Review defect 11: with two jobs on one cluster, `notify --this-node` exactly as
+    docs/kubernetes.md writes it exited 4 ("pick one with --job") and reached neither. A node's
+    eviction concerns every job on it: both coordinators get the notice, both commit."""
+    import ray
+
+    from tests import actors
+    from tests.helpers import free_port
+
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "scripts", "other_job.py"),
+            ray_cluster.address,
+            str(tmp_path / "other"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        teardown_timeout_s=10.0,
+        save_budget_s=5.0,
+        expected_save_s=1.0,
+    )
+    coordinator = Coordinator.start(config)
+    rank = ray.remote(actors.GracefulTrainer).options(num_cpus=0, resources={"head": 1}).remote()
+    try:
+        ray.get(rank.setup.remote(0, 1, "127.0.0.1", free_port(), config), timeout=120)
+        ray.get(rank.train.remote(3), timeout=60)
+        assert other.stdout.readline().strip() == "ready"
+        # docs/kubernetes.md's preStop command, plus the test cluster's address
+        hook = cli(
+            "notify",
+            "--this-node",
+            "--deadline-in",
+            "45",
+            "--reason",
+            "pod terminating (preStop)",
+            "--address",
+            ray_cluster.address,
+        )
+        assert hook.returncode == 0, hook.stderr
+        assert hook.stdout.count("(cycle 0)") == 2, hook.stdout
+        ours = coordinator.wait_outcome(timeout=60, cycle=0)
+        assert ours is not None and ours.result == "committed", ours
+        theirs = json.loads(other.stdout.readline())["outcome"]
+        assert theirs is not None and theirs["result"] == "committed", theirs
+        assert theirs["notices"][0]["reason"] == "pod terminating (preStop)"
+    finally:
+        other.kill()
+        other.wait(30)
+        coordinator.shutdown()

@@ -46,9 +46,10 @@ def running_coordinators(config: GracefulConfig) -> list[str]:
 class Coordinator:
     """The driver's handle on the coordinator actor."""
 
-    def __init__(self, handle: Any, config: GracefulConfig) -> None:
+    def __init__(self, handle: Any, config: GracefulConfig, name: str = "") -> None:
         self.handle = handle
         self.config = config
+        self.name = name  # the actor's name: the job's coordinator, ray_graceful_coordinator-<job>
 
     @classmethod
     def start(cls, config: GracefulConfig | None = None, node_id: str | None = None) -> Coordinator:
@@ -88,7 +89,7 @@ class Coordinator:
         )
         handle = actor.remote(config, ctx.get_job_id())
         ray.get(handle.ping.remote(), timeout=60)
-        return cls(handle, config)
+        return cls(handle, config, name)
 
     @classmethod
     def connect(
@@ -118,7 +119,28 @@ class Coordinator:
             )
         handle = ray.get_actor(wanted, namespace=config.coordinator_namespace)
         ray.get(handle.ping.remote(), timeout=timeout)
-        return cls(handle, config)
+        return cls(handle, config, wanted)
+
+    @classmethod
+    def connect_all(cls, config: GracefulConfig | None = None) -> list[Coordinator]:
+        """Every coordinator running in the namespace (one per job that uses ray_graceful).
+
+        A node's eviction concerns every job with ranks on it: ``notify --this-node`` without
+        ``--job`` tells them all, and each one that has no rank there refuses it.
+        """
+        import ray
+
+        config = config or GracefulConfig.from_env()
+        if config.coordinator_name:
+            return [cls.connect(config)]
+        out = []
+        for name in running_coordinators(config):
+            try:
+                handle = ray.get_actor(name, namespace=config.coordinator_namespace)
+                out.append(cls(handle, config, name))
+            except ValueError:
+                continue  # it ended between the listing and now
+        return out
 
     def notify(
         self,

@@ -48,10 +48,8 @@ def _config(args: argparse.Namespace) -> GracefulConfig:
     return GracefulConfig.from_env(**overrides)
 
 
-def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
+def _init(args: argparse.Namespace) -> None:
     import ray
-
-    from ..coordinator import Coordinator
 
     _check_reachable(args.address, args.timeout)
     try:
@@ -60,6 +58,12 @@ def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
         raise CliError(
             f"no Ray cluster reachable at {args.address!r}: {exc}", EXIT_NO_CLUSTER
         ) from exc
+
+
+def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
+    from ..coordinator import Coordinator
+
+    _init(args)
     try:
         return Coordinator.connect(config, timeout=args.timeout, job_id=args.job)
     except ValueError as exc:
@@ -261,8 +265,9 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     import ray
 
     config = _config(args)
-    coordinator = _connect(args, config)
     node_id = args.node_id
+    every_job = args.rank is None and args.job is None and not config.coordinator_name
+    coordinators = _connect_all(args, config) if every_job else [_connect(args, config)]
     if args.this_node:
         node_id = ray.get_runtime_context().get_node_id()
     deadline = 0.0
@@ -270,23 +275,51 @@ def _cmd_notify(args: argparse.Namespace) -> int:
         deadline = time.time() + args.deadline_in
     elif args.deadline is not None:
         deadline = args.deadline
-    try:
-        answer = coordinator.notify(
-            node_id=node_id,
-            rank=args.rank,
-            reason=args.reason,
-            deadline=deadline,
-            source="cli",
-            timeout=args.timeout,
-        )
-    except Exception as exc:
-        raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
     target = f"node {node_id}" if node_id else f"rank {args.rank[0]}/{args.rank[1]}"
-    if not answer.accepted:
-        print(f"ray-graceful notify: rejected ({target}): {answer.reason}", file=sys.stderr)
+    accepted, refused = [], []
+    for coordinator in coordinators:
+        try:
+            answer = coordinator.notify(
+                node_id=node_id,
+                rank=args.rank,
+                reason=args.reason,
+                deadline=deadline,
+                source="cli",
+                timeout=args.timeout,
+            )
+        except Exception as exc:
+            refused.append(f"{coordinator.name}: did not answer ({exc})")
+            continue
+        if answer.accepted:
+            accepted.append(f"{coordinator.name} (cycle {answer.cycle})")
+        else:
+            refused.append(f"{coordinator.name}: {answer.reason}")
+    if not accepted:
+        if all(": did not answer (" in line for line in refused):
+            raise CliError(
+                f"the coordinator did not answer: {'; '.join(refused)}", EXIT_NO_COORDINATOR
+            )
+        print(f"ray-graceful notify: rejected ({target}): {'; '.join(refused)}", file=sys.stderr)
         return EXIT_REJECTED
-    print(f"ray-graceful notify: accepted ({target}, cycle {answer.cycle})")
+    for line in refused:
+        print(f"ray-graceful notify: not for {line}", file=sys.stderr)
+    print(f"ray-graceful notify: accepted ({target}) by {', '.join(accepted)}")
     return 0
+
+
+def _connect_all(args: argparse.Namespace, config: GracefulConfig) -> list[Any]:
+    """Every job's coordinator in the namespace (a node notice concerns them all)."""
+    from ..coordinator import Coordinator
+
+    _init(args)
+    coordinators = Coordinator.connect_all(config)
+    if not coordinators:
+        raise CliError(
+            f"no coordinator to talk to in namespace {config.coordinator_namespace!r}. Is a "
+            "job with ray_graceful running? (--job, --coordinator, --namespace pick one)",
+            EXIT_NO_COORDINATOR,
+        )
+    return coordinators
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
