@@ -21,3 +21,31 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] == "save"}
     assert savers.isdisjoint({0, 1}), "ranks on the FAULTY node A never save"
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_every_step_the_timeline_draws_has_its_own_legend_entry():
+    """Review defect 12: quiesce had no legend entry (each rank's longest bar took a stray
+    colour) and a parked backup's skipped save was drawn as a green save."""
+    from ray_graceful.tools.demo import STEP_ORDER, legend_kinds
+
+    def step(name, status="ran"):
+        return {"name": name, "status": status}
+
+    reports = [
+        {"steps": [step("stop"), step("quiesce"), step("save"), step("exit")]},
+        {"steps": [step("quiesce"), step("save", "skipped"), step("drain_device", "skipped")]},
+        {"steps": [step("save", "failed"), step("future_step")]},
+    ]
+    kinds = legend_kinds(reports)
+    assert list(kinds) == [
+        "stop",
+        "quiesce",
+        "drain_device skipped",
+        "save",
+        "save failed",
+        "save skipped",
+        "exit",
+        "future_step",
+    ]
+    assert kinds["save skipped"] == ("save", "skipped")
+    assert "quiesce" in STEP_ORDER

@@ -343,6 +343,36 @@ def _show_teardown(outcome: Any, clock: _Clock) -> None:
         )
 
 
+STEP_ORDER = (
+    "stop",
+    "quiesce",
+    "release_peers",
+    "drain_device",
+    "save",
+    "destroy_process_group",
+    "exit",
+)
+
+
+def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """Every (step, status) the timeline draws, by its legend label, in teardown order.
+
+    A step that ran is labelled by its name; one that did not do its work is labelled with its
+    status too ("save skipped": a parked backup), so no bar takes a colour the legend lacks.
+    """
+    found: dict[str, tuple[str, str]] = {}
+    for report in reports:
+        for step in report["steps"]:
+            name, status = step["name"], step["status"]
+            found.setdefault(name if status == "ran" else f"{name} {status}", (name, status))
+
+    def place(label: str) -> tuple[int, str]:
+        name = found[label][0]
+        return (STEP_ORDER.index(name) if name in STEP_ORDER else len(STEP_ORDER), label)
+
+    return {label: found[label] for label in sorted(found, key=place)}
+
+
 def _timeline_png(outcome: Any, path: str) -> str | None:
     """One bar per rank, one segment per teardown step, from the first notice."""
     try:
@@ -356,8 +386,9 @@ def _timeline_png(outcome: Any, path: str) -> str | None:
             file=sys.stderr,
         )
         return None
-    colors = {
+    colors = {  # every teardown step has its own colour, and each is in the legend
         "stop": "#999999",
+        "quiesce": "#bcbd22",
         "release_peers": "#d62728",
         "drain_device": "#9467bd",
         "save": "#2ca02c",
@@ -366,17 +397,25 @@ def _timeline_png(outcome: Any, path: str) -> str | None:
     }
     t0 = min(n["received_at"] for n in outcome.notices)
     reports = sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"])
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(reports) + 2.0))
+    notices = sorted(outcome.notices, key=lambda n: n["received_at"])
+    head = 0.6 + 0.35 * len(notices)  # room above the first bar for the notice labels
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(reports) + 2.2 + 0.25 * len(notices)))
+    drawn = legend_kinds(reports)
     for row, report in enumerate(reports):
         base = report["started_at"] - t0
         for step in report["steps"]:
-            width = max(step["duration_s"], 0.004)
+            name, status = step["name"], step["status"]
+            # A step that did not run its work (a parked backup's save, a skipped drain) is
+            # drawn hatched and pale, a failed one with a black edge: only a real save is green.
             ax.barh(
                 row,
-                width,
+                max(step["duration_s"], 0.004),
                 left=base + step["started_s"],
-                color=colors.get(step["name"]),
-                edgecolor="none",
+                color=colors.get(name, "#cccccc"),
+                alpha=1.0 if status == "ran" else 0.35,
+                hatch=None if status == "ran" else ("xx" if status == "failed" else "///"),
+                edgecolor="black" if status == "failed" else "none",
+                linewidth=0.8,
             )
         ax.text(
             base + (report["finished_s"] or 0) + 0.01,
@@ -385,31 +424,44 @@ def _timeline_png(outcome: Any, path: str) -> str | None:
             va="center",
             fontsize=8,
         )
-    for notice in outcome.notices:
+    for i, notice in enumerate(notices):
         at = notice["received_at"] - t0
         ax.axvline(at, color="#444444", linestyle="--", linewidth=0.8)
-        ax.text(at, -0.75, f" {notice['source']}", fontsize=7, va="bottom")
-    ax.axvline(outcome.timings.get("plan", 0), color="black", linestyle=":", linewidth=1)
-    ax.text(outcome.timings.get("plan", 0), -0.75, " plan", fontsize=7, va="bottom")
+        ax.text(at, -0.6 - 0.35 * i, f" {notice['source']}", fontsize=7, va="center")
+    plan_at = outcome.timings.get("plan", 0)
+    ax.axvline(plan_at, color="black", linestyle=":", linewidth=1)
+    ax.text(plan_at, -0.6 - 0.35 * len(notices), " plan", fontsize=7, va="center")
     ax.set_xlim(left=-0.02)
+    ax.set_ylim(len(reports) - 0.5, -0.6 - head)  # inverted: rank 0 on top, labels above it
     ax.set_yticks(range(len(reports)))
     ax.set_yticklabels(
         [f"rank {r['ranks'][0]['rank']} ({PLACEMENT[r['ranks'][0]['rank']]})" for r in reports]
     )
-    ax.invert_yaxis()
     ax.set_xlabel(
         "seconds since the first eviction notice (dashed: notices; dotted: the plan, "
         "after the gathering window)"
     )
-    ax.set_title("ray_graceful teardown timeline")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.set_title("ray_graceful teardown timeline", pad=10)
+    kinds = list(drawn)
+    handles = [
+        plt.Rectangle(
+            (0, 0),
+            1,
+            1,
+            facecolor=colors.get(drawn[k][0], "#cccccc"),
+            alpha=1.0 if drawn[k][1] == "ran" else 0.35,
+            hatch=None if drawn[k][1] == "ran" else ("xx" if drawn[k][1] == "failed" else "///"),
+            edgecolor="black" if drawn[k][1] == "failed" else "none",
+        )
+        for k in kinds
+    ]
     ax.legend(
         handles,
-        list(colors),
+        kinds,
         loc="upper left",
         bbox_to_anchor=(0, -0.18),
         fontsize=7,
-        ncol=6,
+        ncol=5,
         frameon=False,
     )
     fig.tight_layout()
