@@ -30,7 +30,7 @@ from ..notices import EvictionNotice
 from ..outcome import TerminationOutcome
 from ..plan import TerminationPlan
 from ..protocol import shard_key
-from .registry import Process
+from .registry import Process, Registry
 
 
 class Phase(str, enum.Enum):
@@ -73,6 +73,36 @@ class Cycle:
 
     def all_notices(self) -> list[dict[str, Any]]:
         return [n.to_dict() for n in self.notices + self.late_notices]
+
+    def cover(self, notice: EvictionNotice, registry: Registry) -> None:
+        """Count what ``notice`` tells about its node; all touched nodes covered: plan now.
+
+        The gathering window is for notices that belong together (a SIGTERM to every rank of a
+        pod, a drain and a fault). When every notice so far is a SIGTERM - the shortest grace
+        there is - and every process on each node they touched has one, waiting longer learns
+        nothing more about those nodes, and each millisecond is one the ranks do not have. A
+        drain or a fault keeps the whole window: a drain brings its own deadline, and a fault
+        elsewhere arriving with it must change who saves.
+        """
+        if notice.node_id is not None:
+            node = notice.node_id
+            self.uncovered[node] = set()
+        else:
+            if notice.rank is None:
+                return
+            self.noticed_ranks.add(notice.rank)
+            process = registry.process_of(notice.rank)
+            if process is None:
+                return
+            node = process.node_id
+            if node not in self.uncovered:
+                self.uncovered[node] = {
+                    p.process_id for p in registry.active(self.number) if p.node_id == node
+                }
+            if all(key in self.noticed_ranks for key in process.keys):
+                self.uncovered[node].discard(process.process_id)
+        if not any(self.uncovered.values()) and all(n.source == "sigterm" for n in self.notices):
+            self.gathered.set()
 
 
 def conclude(
