@@ -279,46 +279,16 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             if cycle.phase is Phase.IDLE:
                 cycle.phase, cycle.first_notice_at = Phase.GATHERING, time.time()
                 cycle.notices.append(notice)
-                self._cover(cycle, notice)
+                cycle.cover(notice, self.registry)
                 cycle.task = asyncio.get_running_loop().create_task(self._run_cycle(cycle))
             elif cycle.phase is Phase.GATHERING:
                 cycle.notices.append(notice)  # still gathering: it goes into the plan
-                self._cover(cycle, notice)
+                cycle.cover(notice, self.registry)
             else:
                 cycle.late_notices.append(notice)
         if not accepted:
             return Reply.refused("; ".join(reasons), cycle.number)
         return Reply.ok(cycle.number, teardown=True)
-
-    def _cover(self, cycle: Cycle, notice: EvictionNotice) -> None:
-        """Count what ``notice`` tells about its node; all touched nodes covered: plan now.
-
-        The gathering window is for notices that belong together (a SIGTERM to every rank of a
-        pod, a drain and a fault). When every notice so far is a SIGTERM - the shortest grace
-        there is - and every process on each node they touched has one, waiting longer learns
-        nothing more about those nodes, and each millisecond is one the ranks do not have. A
-        drain or a fault keeps the whole window: a drain brings its own deadline, and a fault
-        elsewhere arriving with it must change who saves.
-        """
-        if notice.node_id is not None:
-            node = notice.node_id
-            cycle.uncovered[node] = set()
-        else:
-            if notice.rank is None:
-                return
-            cycle.noticed_ranks.add(notice.rank)
-            process = self.registry.process_of(notice.rank)
-            if process is None:
-                return
-            node = process.node_id
-            if node not in cycle.uncovered:
-                cycle.uncovered[node] = {
-                    p.process_id for p in self.registry.active(cycle.number) if p.node_id == node
-                }
-            if all(key in cycle.noticed_ranks for key in process.keys):
-                cycle.uncovered[node].discard(process.process_id)
-        if not any(cycle.uncovered.values()) and all(n.source == "sigterm" for n in cycle.notices):
-            cycle.gathered.set()
 
     async def _run_cycle(self, cycle: Cycle) -> None:
         """GATHERING -> TEARING_DOWN -> CONCLUDED -> the next cycle, whatever fails."""
@@ -568,6 +538,10 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             ),
             "polls_served": self.polls_served,
         }
+
+    async def checkpoint_dir(self) -> str | None:
+        """Where this job's checkpoints are committed (a restart reads them there)."""
+        return self.config.checkpoint_dir
 
     async def ping(self) -> str:
         self._ensure_background()

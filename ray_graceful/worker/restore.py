@@ -7,11 +7,16 @@ or the newest committed checkpoint in ``checkpoint_dir`` (``memory/handoff.py`` 
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from ..config import GracefulConfig
 from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import shard_key
 from .control import find_coordinator
 from .mixin import _process_runtime
+
+logger = logging.getLogger(__name__)
 
 
 def load_latest(
@@ -25,9 +30,23 @@ def load_latest(
     could not get that step from any keeper and disk holds only an older one (restart again).
     """
     config = config or _process_runtime().config_or_default()
+    coordinator = find_coordinator(config)
+    checkpoint_dir = config.checkpoint_dir
+    if checkpoint_dir is None and coordinator is not None:
+        # The README's setup gives checkpoint_dir to the coordinator alone (its orders tell
+        # savers where to write): the restart reads where the coordinator commits.
+        checkpoint_dir = coordinator_checkpoint_dir(coordinator)
     return load_shard(
-        shard_key(group, str(shard)),
-        find_coordinator(config),
-        config.checkpoint_dir,
-        config.coordinator_namespace,
+        shard_key(group, str(shard)), coordinator, checkpoint_dir, config.coordinator_namespace
     )
+
+
+def coordinator_checkpoint_dir(coordinator: Any, timeout_s: float = 30.0) -> str | None:
+    """The coordinator's ``checkpoint_dir``; None (with a log line) if it does not answer."""
+    import ray
+
+    try:
+        return ray.get(coordinator.checkpoint_dir.remote(), timeout=timeout_s)
+    except Exception as exc:
+        logger.warning("ray_graceful: could not ask the coordinator for checkpoint_dir: %r", exc)
+        return None
