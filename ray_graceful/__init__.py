@@ -28,6 +28,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, GracefulConfig
 from .coordinator import Coordinator
+from .dcp import dcp_saver
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthReport, Reason
 from .memory.handoff import LoadedShard, MemoryTierError
 from .notices import EvictionNotice, NoticeError
@@ -102,6 +103,7 @@ __all__ = [
     "__version__",
     "add_process_group",
     "after_init_process_group",
+    "dcp_saver",
     "install_signal_handling",
     "latest_committed",
     "load_latest",

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .dcp import DcpError, assemble, dcp_directory, is_dcp_shard
 from .protocol import shard_key
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,18 @@ class CommittedCheckpoint:
     path: str
     shards: dict[str, str]  # shard key -> absolute file path
     manifest: dict[str, Any]
+
+    def dcp_path(self, group: str) -> str:
+        """The ``checkpoint_id`` to give ``dcp.load`` for ``group`` (savers from ``dcp_saver``)."""
+        assembled = self.manifest.get("dcp") or {}
+        if not isinstance(assembled, dict) or group not in assembled:
+            raise CheckpointError(
+                f"group {group!r} has no DCP checkpoint at step {self.step} ({self.path}); "
+                f"DCP groups here: {sorted(assembled) if isinstance(assembled, dict) else 'none'}"
+            )
+        if assembled[group] != dcp_directory(group):  # a manifest names only its own directory
+            raise CheckpointError(f"the manifest's DCP directory for {group!r} is not its own")
+        return os.path.join(self.path, assembled[group])
 
     def shard_path(self, shard: str | int) -> str:
         key = str(shard)
@@ -370,6 +383,15 @@ def commit(
         "shards": {k: by_shard[k].to_dict() for k in sorted(by_shard)},
         **(dict(extra) if extra else {}),
     }
+    dcp_groups: dict[str, list[str]] = {}
+    for record in records:
+        if is_dcp_shard(os.path.join(directory, record.file)):
+            dcp_groups.setdefault(record.shard.partition("/")[0], []).append(record.file)
+    if dcp_groups:  # the savers wrote DCP: one global .metadata per group, before the manifest
+        try:
+            manifest["dcp"] = assemble(directory, dcp_groups)
+        except DcpError as exc:
+            raise CheckpointError(str(exc)) from None
     path = os.path.join(directory, MANIFEST)
     _write_json_atomic(path, manifest)
     return path

@@ -631,15 +631,20 @@ class GracefulWorkerMixin:
         world_size: int | None = None,
         shard: str | int | None = None,
         state_dict: Callable[[], Any] | None = None,
+        saver: Saver | None = None,
         config: GracefulConfig | None = None,
     ) -> SetupStatus:
-        """Register this rank (see ``after_init_process_group``); returns what was installed."""
+        """Register this rank (see ``after_init_process_group``); returns what was installed.
+
+        How this rank saves: ``state_dict=`` (the default saver), ``saver=`` (e.g.
+        ``ray_graceful.dcp_saver(...)``), or an override of ``emergency_checkpoint``.
+        """
         _check_actor_shape(self)
         overridden = not _defined_by_mixin(type(self), "emergency_checkpoint")
-        if overridden and state_dict is not None:
+        if overridden and (state_dict is not None or saver is not None):
             raise SetupError(
                 f"{type(self).__name__} overrides emergency_checkpoint and also passed "
-                "state_dict=: use one of them."
+                f"{'state_dict' if state_dict is not None else 'saver'}=: use one of them."
             )
         return after_init_process_group(
             name,
@@ -647,7 +652,7 @@ class GracefulWorkerMixin:
             rank=rank,
             world_size=world_size,
             shard=shard,
-            saver=self.emergency_checkpoint if overridden else None,
+            saver=self.emergency_checkpoint if overridden else saver,
             state_dict=state_dict,
             config=config,
         )

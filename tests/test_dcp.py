@@ -1,0 +1,142 @@
+"""Emergency checkpoints in DCP's format: saved with no collective, loaded by ``dcp.load``.
+
+Real gloo process groups and FSDP2 (``fully_shard`` on a CPU mesh), in plain processes. Each
+saver goes through ``write_shard`` (what a rank's teardown calls) and the checkpoint through
+``commit`` (what the coordinator calls); the restart loads with PyTorch's own loader, at the
+same world size and at another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ray_graceful import dcp_saver, latest_committed
+from ray_graceful.checkpoint import CheckpointError, ShardRecord, commit, write_shard
+from tests.helpers import free_port
+
+STEP = 7
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
+
+
+def _as_arrays(model: torch.nn.Module) -> dict:
+    """Every parameter whole, as numpy copies: they cross the process boundary by value
+    (a tensor would travel as a shared-memory handle that dies with its process)."""
+    return {k: v.full_tensor().detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def _save(rank, world, port, root, mesh_shape, savers, label, queue):
+    """Train-shaped: an FSDP2 (or HSDP) model; the ranks in ``savers`` save their shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, port)
+    model = _model(seed=0)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None  # 2-D: HSDP
+    fully_shard(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
+    full = _as_arrays(model)  # (a collective)
+    record = None
+    if rank in savers:
+        saver = dcp_saver(lambda: {"model": model.state_dict(), "step": STEP})
+        shard = f"policy/{label(rank)}"
+        record = write_shard(root, STEP, shard, saver, group="policy", rank=rank).to_dict()
+    queue.put((rank, record, full if rank == 0 else None))
+    dist.destroy_process_group()
+
+
+def _load(rank, world, port, path, queue):
+    """A fresh model, sharded over another world size, loaded with PyTorch's loader."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, port)
+    model = _model(seed=123)  # other weights: the load must replace every element
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    state = {"model": model.state_dict(), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    full = _as_arrays(model)
+    queue.put((rank, state["step"], full if rank == 0 else None))
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world, *args):
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(fn, args=(world, free_port(), *args, queue), nprocs=world)
+    return sorted((queue.get() for _ in range(world)), key=lambda item: item[0])
+
+
+def _save_group(root, world, mesh_shape, savers, label):
+    results = _spawn(_save, world, root, mesh_shape, savers, label)
+    records = [ShardRecord.from_dict(r) for _rank, r, _f in results if r is not None]
+    return records, results[0][2]
+
+
+def _shard_label_fsdp(rank: int) -> int:
+    return rank
+
+
+def _shard_label_mislabelled(rank: int) -> int:
+    return 0  # both ranks claim to be replicas of shard 0: they hold different halves
+
+
+def _shard_label_hsdp(rank: int) -> int:
+    return rank % 2  # mesh (replicate=2, shard=2): ranks 0 and 2 hold shard 0
+
+
+@pytest.mark.timeout(240)
+def test_an_fsdp2_emergency_save_loads_with_dcp_at_the_same_and_another_world_size(tmp_path):
+    root = str(tmp_path / "ckpt")
+    records, saved = _save_group(root, 2, (2,), {0, 1}, _shard_label_fsdp)
+    commit(root, STEP, ["policy/0", "policy/1"], records, cycle=0)
+    ckpt = latest_committed(root)
+    assert ckpt.step == STEP and ckpt.manifest["dcp"] == {"policy": "dcp-policy"}
+    for world in (2, 3):  # 3: uneven shards of 6 and 5 rows - DCP reshards
+        loaded = _spawn(_load, world, ckpt.dcp_path("policy"))
+        assert [step for _r, step, _f in loaded] == [STEP] * world
+        full = loaded[0][2]
+        assert full.keys() == saved.keys()
+        for name, array in saved.items():
+            assert (full[name] == array).all(), f"{name} at world size {world}"
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_one_saver_per_shard_is_enough(tmp_path):
+    """Mesh (2 replicas x 2 shards): ranks 0 and 1 save shards 0 and 1, their replicas 2 and 3
+    do not; the checkpoint is whole, and loads into plain FSDP2 at world size 2."""
+    root = str(tmp_path / "ckpt")
+    records, saved = _save_group(root, 4, (2, 2), {0, 1}, _shard_label_hsdp)
+    commit(root, STEP, ["policy/0", "policy/1"], records, cycle=0)
+    loaded = _spawn(_load, 2, latest_committed(root).dcp_path("policy"))
+    for name, array in saved.items():
+        assert (loaded[0][2][name] == array).all(), name
+
+
+@pytest.mark.timeout(240)
+def test_a_tensor_the_chunks_do_not_cover_is_never_committed(tmp_path):
+    """Ranks labelled as replicas of one shard that hold different halves: one saves, half of
+    each tensor is missing - the commit refuses, naming the tensor, and writes no manifest."""
+    root = str(tmp_path / "ckpt")
+    records, _saved = _save_group(root, 2, (2,), {0}, _shard_label_mislabelled)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.0\.weight': the saved chunks "):
+        commit(root, STEP, ["policy/0"], records, cycle=0)
+    assert latest_committed(root) is None
+    assert not os.path.exists(os.path.join(root, f"step-{STEP:08d}", "manifest.json"))
