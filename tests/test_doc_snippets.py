@@ -48,7 +48,8 @@ ADOPTION = [  # (file, a line of the snippet that names it)
     ("README.md", "class DistributedTorchRayActor(GracefulWorkerMixin)"),
     ("docs/worker.md", "class MyBaseWorker(GracefulWorkerMixin)"),
     ("docs/memory-tier.md", "loaded = ray_graceful.load_latest("),
-    ("docs/checkpoints.md", "ckpt = ray_graceful.latest_committed("),
+    ("docs/checkpoints.md", "ray_graceful.load_state_dict(ckpt.shard_path("),
+    ("docs/checkpoints.md", "saver=ray_graceful.dcp_saver("),
 ]
 
 
@@ -120,7 +121,7 @@ def readme_worker_class(checkpoint_dir: str) -> tuple[type, str]:
     "restore",
     [
         ("docs/memory-tier.md", "loaded = ray_graceful.load_latest("),
-        ("docs/checkpoints.md", 'ckpt = ray_graceful.latest_committed("/shared/ckpt")'),
+        ("docs/checkpoints.md", "ray_graceful.load_state_dict(ckpt.shard_path("),
     ],
     ids=["memory-tier.md", "checkpoints.md"],
 )
@@ -174,5 +175,5 @@ def test_the_snippets_register_and_restore_the_same_state():
     assert "state_dict=self.model.state_dict" in readme
     memory = snippet("docs/memory-tier.md", "loaded = ray_graceful.load_latest(")
     assert "model.load_state_dict(loaded.state)" in memory
-    disk = snippet("docs/checkpoints.md", "ckpt = ray_graceful.latest_committed(")
+    disk = snippet("docs/checkpoints.md", "ray_graceful.load_state_dict(ckpt.shard_path(")
     assert 'model.load_state_dict(state["state"])' in disk
