@@ -27,6 +27,20 @@ def train(steps, seen):
 
 
 @pytest.mark.parametrize("module_name", ["user_code.trainer", "ray_graceful.demo_like"])
+class SilentControl:
+    """A control channel whose coordinator takes the SIGTERM report and never orders."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        import threading
+
+        self.order_received = threading.Event()  # never set
+
+    def report_sigterm(self, received_at: float) -> bool:
+        return True
+
+
 def test_training_loop_is_busy_inside_and_quiescent_after(module_name):
     module = types.ModuleType(module_name)
     exec(compile(LOOP_SOURCE, f"<{module_name}>", "exec"), module.__dict__)
@@ -93,18 +107,10 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
 def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     """No order after reporting the SIGTERM: the rank goes alone, its deadline still counted
     from the signal (it was counted from the moment it gave up: 7 s after the signal for 4 s)."""
-    import threading
     import time
 
     from ray_graceful import GracefulConfig
     from ray_graceful.worker.mixin import _ProcessRuntime
-
-    class SilentControl:
-        alive = True
-        order_received = threading.Event()  # never set: the coordinator does not answer
-
-        def report_sigterm(self, received_at: float) -> bool:
-            return True
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=0.3)
     runtime = _ProcessRuntime(config=config)
@@ -148,7 +154,6 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
     rank whose coordinator was lost left after 45.1 s, past its deadline (a recorded crash).
     The config refuses it now, and a wait that fits still ends early enough for the release
     and the exit (here: 4 s teardown - 1 s margin - 2 s destroy = 1 s, not 3 s)."""
-    import threading
     import time
 
     import pytest
@@ -159,13 +164,6 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
 
     with pytest.raises(ConfigError, match=r"order_wait_s = 45\.0 does not fit"):
         GracefulConfig(teardown_timeout_s=10.0, order_wait_s=45.0, save_budget_s=5.0)
-
-    class SilentControl:
-        alive = True
-        order_received = threading.Event()
-
-        def report_sigterm(self, received_at: float) -> bool:
-            return True
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=3.0)
     runtime = _ProcessRuntime(config=config)
