@@ -276,8 +276,9 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     elif args.deadline is not None:
         deadline = args.deadline
     target = f"node {node_id}" if node_id else f"rank {args.rank[0]}/{args.rank[1]}"
-    accepted, refused = [], []
+    accepted, refused, silent = [], [], []
     for coordinator in coordinators:
+        who = coordinator.name if len(coordinators) > 1 else ""
         try:
             answer = coordinator.notify(
                 node_id=node_id,
@@ -288,20 +289,21 @@ def _cmd_notify(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
             )
         except Exception as exc:
-            refused.append(f"{coordinator.name}: did not answer ({exc})")
+            silent.append(f"{who or 'the coordinator'} did not answer: {exc}")
             continue
         if answer.accepted:
             accepted.append(f"{coordinator.name} (cycle {answer.cycle})")
         else:
-            refused.append(f"{coordinator.name}: {answer.reason}")
+            refused.append(f"{who}: {answer.reason}" if who else answer.reason)
     if not accepted:
-        if all(": did not answer (" in line for line in refused):
-            raise CliError(
-                f"the coordinator did not answer: {'; '.join(refused)}", EXIT_NO_COORDINATOR
-            )
-        print(f"ray-graceful notify: rejected ({target}): {'; '.join(refused)}", file=sys.stderr)
+        if silent and not refused:
+            raise CliError("; ".join(silent), EXIT_NO_COORDINATOR)
+        print(
+            f"ray-graceful notify: rejected ({target}): {'; '.join(refused + silent)}",
+            file=sys.stderr,
+        )
         return EXIT_REJECTED
-    for line in refused:
+    for line in refused + silent:  # other jobs: the node holds none of their ranks
         print(f"ray-graceful notify: not for {line}", file=sys.stderr)
     print(f"ray-graceful notify: accepted ({target}) by {', '.join(accepted)}")
     return 0
