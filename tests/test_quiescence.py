@@ -26,7 +26,6 @@ def train(steps, seen):
 """
 
 
-@pytest.mark.parametrize("module_name", ["user_code.trainer", "ray_graceful.demo_like"])
 class SilentControl:
     """A control channel whose coordinator takes the SIGTERM report and never orders."""
 
@@ -41,6 +40,7 @@ class SilentControl:
         return True
 
 
+@pytest.mark.parametrize("module_name", ["user_code.trainer", "ray_graceful.demo_like"])
 def test_training_loop_is_busy_inside_and_quiescent_after(module_name):
     module = types.ModuleType(module_name)
     exec(compile(LOOP_SOURCE, f"<{module_name}>", "exec"), module.__dict__)
