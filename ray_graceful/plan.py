@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
 from .notices import EvictionNotice, short
-from .protocol import RankKey
+from .protocol import RankKey, RankSpec
 
 Key = RankKey  # one rank-key type, the protocol's
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
@@ -57,6 +57,11 @@ class RankInfo(NamedTuple):
     shard: str
     can_save: bool = True
     world_size: int = 0  # as the rank registered it; 0: not known (a dry-run topology)
+
+    @classmethod
+    def of(cls, spec: RankSpec, node_id: str) -> RankInfo:
+        """What the planner needs of a registered rank (``RankSpec``) on ``node_id``."""
+        return cls(spec.group, spec.rank, node_id, spec.shard, spec.can_save, spec.world_size)
 
     @property
     def key(self) -> Key:

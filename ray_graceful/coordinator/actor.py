@@ -311,16 +311,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         """GATHERING -> TEARING_DOWN: plan, then answer every process's poll with its order."""
         topology, health, notes = [], {}, {}
         for spec, process in self.registry.ranks_of(cycle.number):
-            topology.append(
-                RankInfo(
-                    spec.group,
-                    spec.rank,
-                    process.node_id,
-                    spec.shard,
-                    spec.can_save,
-                    spec.world_size,
-                )
-            )
+            topology.append(RankInfo.of(spec, process.node_id))
             if process.health is not None:
                 health[spec.key] = process.health.verdict
                 notes[spec.key] = process.health.summary()
@@ -481,10 +472,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 }
             )
         last = self.outcomes.get(self.cycle.number - 1)
-        topology = [
-            RankInfo(s.group, s.rank, "", s.shard, s.can_save, s.world_size)
-            for s, _ in self.registry.ranks_of(self.cycle.number)
-        ]
+        topology = [RankInfo.of(s, p.node_id) for s, p in self.registry.ranks_of(self.cycle.number)]
         return {
             "incomplete_groups": incomplete_groups(topology),
             "cycle": self.cycle.number,
