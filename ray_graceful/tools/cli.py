@@ -138,14 +138,12 @@ def _timeout(text: str) -> float:
 def _deadline_in(text: str) -> float:
     from ..notices import MAX_DEADLINE_AHEAD_S
 
-    try:
-        return _seconds(text, 0.0, allow_equal=True, maximum=MAX_DEADLINE_AHEAD_S)
-    except argparse.ArgumentTypeError as exc:
-        if "at most" in str(exc):
-            raise argparse.ArgumentTypeError(
-                f"{_cut(text)}: a deadline at most 7 days ({MAX_DEADLINE_AHEAD_S:.0f} s) ahead"
-            ) from None
-        raise
+    value = _non_negative(text)
+    if value > MAX_DEADLINE_AHEAD_S:
+        raise argparse.ArgumentTypeError(
+            f"{_cut(text)}: a deadline at most 7 days ({MAX_DEADLINE_AHEAD_S:.0f} s) ahead"
+        )
+    return value
 
 
 def positive_seconds(text: str) -> float:
@@ -396,21 +394,19 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
         name, sep, value = item.partition("=")
         if not sep:
             raise CliError(f"--set {_cut(item)}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
-        if name.strip().lower() not in fields:
+        field, variable = name.strip().lower(), f"RAY_GRACEFUL_{name.strip().upper()}"
+        if field not in fields:
             import difflib
 
-            close = difflib.get_close_matches(name.strip().lower(), fields, n=1)
+            close = difflib.get_close_matches(field, fields, n=1)
             hint = f" Did you mean {close[0]}?" if close else ""
-            if is_rays_own(f"RAY_GRACEFUL_{name.strip().upper()}"):
-                hint = (
-                    f" RAY_GRACEFUL_{name.strip().upper()} is Ray's own variable: set it in the "
-                    "job's env_vars yourself."
-                )
+            if is_rays_own(variable):
+                hint = f" {variable} is Ray's own variable: set it in the job's env_vars yourself."
             raise CliError(
                 f"--set {_cut(name)}: not a ray_graceful setting.{hint} Allowed: "
                 f"{', '.join(fields)}."
             )
-        overrides[f"RAY_GRACEFUL_{name.strip().upper()}"] = value
+        overrides[variable] = value
     if args.checkpoint_dir:
         overrides["RAY_GRACEFUL_CHECKPOINT_DIR"] = args.checkpoint_dir
     config = GracefulConfig.from_env(overrides)

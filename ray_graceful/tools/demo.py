@@ -373,6 +373,15 @@ def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     return {label: found[label] for label in sorted(found, key=place)}
 
 
+def _bar_style(status: str) -> dict[str, Any]:
+    """How a step of this status is drawn, in its bar and its legend entry alike."""
+    return {
+        "alpha": 1.0 if status == "ran" else 0.35,
+        "hatch": None if status == "ran" else ("xx" if status == "failed" else "///"),
+        "edgecolor": "black" if status == "failed" else "none",
+    }
+
+
 def _timeline_png(outcome: Any, path: str) -> str | None:
     """One bar per rank, one segment per teardown step, from the first notice."""
     try:
@@ -412,10 +421,8 @@ def _timeline_png(outcome: Any, path: str) -> str | None:
                 max(step["duration_s"], 0.004),
                 left=base + step["started_s"],
                 color=colors.get(name, "#cccccc"),
-                alpha=1.0 if status == "ran" else 0.35,
-                hatch=None if status == "ran" else ("xx" if status == "failed" else "///"),
-                edgecolor="black" if status == "failed" else "none",
                 linewidth=0.8,
+                **_bar_style(status),
             )
         ax.text(
             base + (report["finished_s"] or 0) + 0.01,
@@ -449,9 +456,7 @@ def _timeline_png(outcome: Any, path: str) -> str | None:
             1,
             1,
             facecolor=colors.get(drawn[k][0], "#cccccc"),
-            alpha=1.0 if drawn[k][1] == "ran" else 0.35,
-            hatch=None if drawn[k][1] == "ran" else ("xx" if drawn[k][1] == "failed" else "///"),
-            edgecolor="black" if drawn[k][1] == "failed" else "none",
+            **_bar_style(drawn[k][1]),
         )
         for k in kinds
     ]
