@@ -34,9 +34,15 @@ from .memory.handoff import LoadedShard, MemoryTierError
 from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
 from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
-from .worker.mixin import (
+from .protocol import Rejoined
+from .warm_group import WarmGroup, WarmRestart, WarmRestartFailed
+from .worker.mixin import GracefulWorkerMixin
+from .worker.process_groups import SetupError
+from .worker.rejoin import rejoin
+from .worker.report import StepRecord, TeardownReport, read_reports
+from .worker.restore import load_latest
+from .worker.runtime import (
     GracefulSetupWarning,
-    GracefulWorkerMixin,
     SetupStatus,
     add_process_group,
     after_init_process_group,
@@ -44,9 +50,6 @@ from .worker.mixin import (
     should_stop,
     teardown_now,
 )
-from .worker.process_groups import SetupError
-from .worker.report import StepRecord, TeardownReport, read_reports
-from .worker.restore import load_latest
 from .worker.spares import SpareResult, wait_as_spare
 
 __version__ = "0.1.0"
@@ -91,6 +94,7 @@ __all__ = [
     "RankInfo",
     "RankOrder",
     "Reason",
+    "Rejoined",
     "SetupError",
     "SetupStatus",
     "ShardRecord",
@@ -100,6 +104,9 @@ __all__ = [
     "TerminationOutcome",
     "TerminationPlan",
     "TopologyError",
+    "WarmGroup",
+    "WarmRestart",
+    "WarmRestartFailed",
     "__version__",
     "add_process_group",
     "after_init_process_group",
@@ -110,6 +117,7 @@ __all__ = [
     "load_state_dict",
     "plan_termination",
     "read_reports",
+    "rejoin",
     "save_state_dict",
     "should_stop",
     "teardown_now",

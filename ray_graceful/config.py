@@ -341,6 +341,27 @@ class GracefulConfig:
         "checkpoint_dir instead, and the outcome says so.",
     )
 
+    warm_restart: bool = _setting(
+        False,
+        _boolean,
+        "Hand-built groups: at an eviction the surviving ranks keep their processes (and "
+        "model, optimizer, CUDA context), spares take the evicted slots, and the group is "
+        "re-formed in place (docs/worker.md, 'Warm restart'). Off: every rank leaves.",
+    )
+    min_world_size: int = _setting(
+        0,
+        _count(0, 1 << 24, "a number of ranks"),
+        "Warm restart: the fewest ranks a group may continue with when no spare is free for an "
+        "evicted slot (only where every shard keeps a holder). 0: the group keeps its size, or "
+        "every rank leaves.",
+    )
+    rejoin_timeout_s: float = _setting(
+        30.0,
+        _seconds,
+        "Warm restart: how long a member waits for the next cycle's group to form (and for "
+        "the driver to call it back) before it leaves cleanly instead.",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

@@ -20,7 +20,7 @@ import logging
 
 from . import ray_adapter
 from .config import ConfigError, GracefulConfig
-from .worker.mixin import _process_runtime
+from .worker.runtime import _process_runtime
 from .worker.signals import current_listener, install_listener, set_claim_check
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api", "cloud")
+SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api", "cloud", "rejoin")
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
 MAX_NAME = 200  # a node id or group name: Ray's node ids are 56 hex digits
 MAX_RANK = 1 << 24  # 16,777,216 ranks in one group

@@ -35,6 +35,9 @@ class TerminationOutcome:
     # Memory tier: when the background copy to checkpoint_dir landed ({"path", "at"}), or why
     # it did not ({"error"}); None until then (Coordinator.wait_durable waits for it).
     durable: dict[str, Any] | None = None
+    # Warm restart: who rejoins as which rank, which spare took which slot, the resume step -
+    # or why every survivor was told to leave (coordinator/warm.py). None without one.
+    warm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,7 +59,13 @@ class TerminationOutcome:
         head = f"cycle {self.cycle}: {self.result}"
         if self.reason:
             head += f" ({self.reason})"
-        return f"{head}; {len(self.reports)} report(s), {len(self.missing)} missing; {resume}"
+        tail = f"{head}; {len(self.reports)} report(s), {len(self.missing)} missing; {resume}"
+        if self.warm:
+            members = len(self.warm.get("members", []))
+            tail += f"; warm restart: {self.warm['result']}" + (
+                f" ({members} member(s))" if members else f" ({self.warm.get('reason')})"
+            )
+        return tail
 
     def publish(self, report_dir: str) -> str | None:
         """Write the JSON file and the log line; return the file's path."""

@@ -167,6 +167,9 @@ class Order:
     saves: tuple[SaveAssignment, ...] = ()
     skip_reason: str = ""
     save_budget_s: float = 0.0
+    # Warm restart: this process survives. Its teardown ends without an exit, and it waits for
+    # the next cycle's ``Rendezvous`` (``worker/rejoin.py``) instead.
+    rejoin: bool = False
     version: int = PROTOCOL_VERSION
 
 
@@ -261,3 +264,58 @@ class SpareOrder:
     group: str | None = None
     rank: int | None = None
     cycle: int | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """A warm restart's answer to one member: join the next cycle's group, or leave.
+
+    ``action`` is "join" or "leave" (with ``reason``: the warm restart fell back to a clean
+    exit). A member joins group ``group`` as ``rank`` of ``world_size`` through the store at
+    ``store_host:store_port`` under ``prefix`` (one per cycle and group, so a stale rank
+    cannot join), then holds shard ``shard`` of step ``step``: its own state if it can prove it
+    is that step, else loaded from the memory tier or disk.
+    """
+
+    action: str  # "join" | "leave"
+    reason: str = ""
+    cycle: int = 0
+    group: str = ""
+    rank: int = 0
+    world_size: int = 0
+    shard: str = ""
+    step: int = -1
+    store_host: str = ""
+    store_port: int = 0
+    prefix: str = ""
+    timeout_s: float = 30.0
+    was: str = ""  # "survivor of rank N" | "spare for rank N"
+
+
+@dataclass(frozen=True)
+class Rejoined:
+    """What one member of a warm restart did: the driver's answer, and the coordinator's record.
+
+    ``action`` is "joined" or "left"; ``loaded_from`` is "own state" (it already held the
+    step), "memory-local", "memory-peer" or "disk"; ``seconds`` splits the time into
+    ``rendezvous`` (the new process group formed) and ``load``.
+    """
+
+    action: str  # "joined" | "left"
+    member: str = ""
+    group: str = ""
+    rank: int = -1
+    world_size: int = 0
+    step: int = -1
+    cycle: int = 0
+    was: str = ""
+    loaded_from: str = ""
+    reason: str = ""
+    pid: int = 0
+    node_id: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def joined(self) -> bool:
+        return self.action == "joined"

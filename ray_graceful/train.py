@@ -44,8 +44,8 @@ from typing import Any
 from . import ray_adapter
 from .config import GracefulConfig
 from .protocol import shard_key
-from .worker.mixin import _process_runtime, _register, _should_stop, install_signal_handling
 from .worker.process_groups import SetupError
+from .worker.runtime import _process_runtime, _register, _should_stop, install_signal_handling
 
 MARKER = "ray_graceful.json"
 GROUP = "train"

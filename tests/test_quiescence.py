@@ -110,7 +110,7 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker.mixin import _ProcessRuntime
+    from ray_graceful.worker.runtime import _ProcessRuntime
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=0.3)
     runtime = _ProcessRuntime(config=config)
@@ -160,7 +160,7 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
 
     from ray_graceful import GracefulConfig
     from ray_graceful.config import ConfigError
-    from ray_graceful.worker.mixin import _ProcessRuntime
+    from ray_graceful.worker.runtime import _ProcessRuntime
 
     with pytest.raises(ConfigError, match=r"order_wait_s = 45\.0 does not fit"):
         GracefulConfig(teardown_timeout_s=10.0, order_wait_s=45.0, save_budget_s=5.0)

@@ -39,18 +39,22 @@ from ..protocol import (
     PollState,
     ProtocolError,
     Register,
+    Rejoined,
+    Rendezvous,
     Reply,
     SaveAssignment,
     SigtermSeen,
     check_version,
     shard_key,
 )
+from ..rendezvous import host_store
 from ..worker.report import TeardownReport
 from .cycle import Cycle, Phase, conclude, failed
 from .fallback import FallbackMixin
 from .memory import MemoryTierMixin
 from .registry import Process, Registry, poll_timeout
 from .spares import SparesMixin
+from .warm import StoreFactory, WarmRestarts
 from .watch import WatcherMixin
 
 logger = logging.getLogger(__name__)
@@ -79,12 +83,14 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         job_id: str = "",
         drain_source: DrainSource | None = None,
         lost_source: LostSource | None = None,
+        store_factory: StoreFactory | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
         self.drain_source = drain_source or ray_adapter.draining_nodes
         self.lost_source = lost_source or ray_adapter.dead_actors
         self.registry = Registry()
+        self.warm = WarmRestarts(config, store_factory or host_store)
         self.cycle = Cycle(0)
         self.job_state = "running"
         self.outcomes: dict[int, TerminationOutcome] = {}
@@ -338,6 +344,9 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                     notice.node_id, notice.effective_deadline(self.config.teardown_timeout_s)
                 )
         survivors = self._surviving_keepers(plan)
+        rejoiners = self.warm.choose_survivors(
+            plan, self.registry.active(cycle.number), cycle.cooperative
+        )
         trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
         for process_id, orders in by_process.items():
             process = self.registry.processes[process_id]
@@ -352,6 +361,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 ),
                 skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
                 save_budget_s=self.config.save_budget_s,
+                rejoin=process_id in rejoiners,
             )
             process.wake(PollAnswer("order", process.order))
         cycle.orders_at = time.time()
@@ -403,6 +413,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
     def _open_next_cycle(self, outcome: TerminationOutcome) -> None:
         """Publish the outcome; the next cycle opens (a restarted group registers into it)."""
         self.cycle.phase = Phase.CONCLUDED
+        self.warm.after_cycle(self.cycle, outcome, self.registry)
         try:
             outcome.publish(self.config.report_dir)
         except Exception:
@@ -421,6 +432,41 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             self.outcome_events.pop(old, None)
         self.cycle = Cycle(outcome.cycle + 1)
         self.registry.forget_before(self.cycle.number)
+
+    # --- warm restart (coordinator/warm.py) --------------------------------------------------
+
+    async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
+        """A warm restart's member asks where and as what it joins (None: ask again)."""
+        return await self.warm.rendezvous(member, wait_s)
+
+    async def rejoined(self, result: Rejoined) -> Reply:
+        """A member says what it did; one that could not join ends the others cleanly."""
+        if not isinstance(result, Rejoined):
+            return self._reject({"rejoined": short(result)}, "a result is a Rejoined")
+        failed_record = self.warm.joined(result)
+        if failed_record is not None:
+            keys = [
+                key
+                for p in self.registry.active(self.cycle.number)
+                if p.process_id in failed_record.members
+                for key in p.keys
+            ]
+            reason = f"warm restart failed: {failed_record.reason}"[:500]
+            await self._on_notices(
+                [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
+            )
+        return Reply.ok(self.cycle.number)
+
+    async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
+        record = self.warm.records.get(cycle)
+        if record is None:
+            return None
+        try:
+            await asyncio.wait_for(record.done.wait(), timeout=timeout)
+        except asyncio.TimeoutError:
+            pass
+        return record.to_dict()
 
     # --- reports -----------------------------------------------------------------------------
 
@@ -452,25 +498,6 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
 
     async def status(self) -> dict[str, Any]:
         self._ensure_background()
-        now = time.time()
-        ranks = []
-        for spec, process in sorted(
-            self.registry.ranks_of(self.cycle.number), key=lambda sp: sp[0].key
-        ):
-            ranks.append(
-                {
-                    "group": spec.group,
-                    "rank": spec.rank,
-                    "world_size": spec.world_size,
-                    "shard": spec.shard,
-                    "can_save": spec.can_save,
-                    "node_id": process.node_id,
-                    "pid": process.registration.pid,
-                    "health": process.health.summary() if process.health else UNKNOWN,
-                    "last_step": process.last_step,
-                    "seen_s_ago": round(now - process.last_seen, 1),
-                }
-            )
         last = self.outcomes.get(self.cycle.number - 1)
         topology = [RankInfo.of(s, p.node_id) for s, p in self.registry.ranks_of(self.cycle.number)]
         return {
@@ -481,11 +508,8 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             "job_state": self.job_state,
             "tearing_down": self.cycle.tearing_down,
             "failures": list(self.failures),
-            "ranks": ranks,
-            "spares": [
-                {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
-                for s in self.registry.spares.values()
-            ],
+            "ranks": self.registry.describe_ranks(self.cycle.number),
+            "spares": self.registry.describe_spares(),
             "notices": [n.to_dict() for n in self.cycle.notices],
             "rejected": self.cycle.rejected[-20:],
             "last_outcome": last.to_dict() if last else None,

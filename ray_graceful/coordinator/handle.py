@@ -196,6 +196,19 @@ class Coordinator:
         )
         return durable
 
+    def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """Warm restart into ``cycle``: who joined as what, loaded from where, how long.
+
+        Waits until every member said what it did (or ``timeout``); None if no warm restart led
+        into that cycle.
+        """
+        import ray
+
+        record: dict[str, Any] | None = ray.get(
+            self.handle.wait_rejoined.remote(cycle, timeout), timeout=timeout + 10
+        )
+        return record
+
     def keeper_stats(self) -> dict[str, Any]:
         """Memory tier: every node's keeper - its budget, what it holds."""
         import ray

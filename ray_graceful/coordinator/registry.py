@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from ..health import HealthReport
+from ..health import UNKNOWN, HealthReport
 from ..protocol import Order, RankKey, RankSpec, Register, SpareOrder
 
 MAX_POLL_S = 60.0
@@ -128,7 +128,32 @@ class Registry:
             k: (spec, pid) for k, (spec, pid) in self.ranks.items() if pid in self.processes
         }
 
+    def describe_ranks(self, cycle: int) -> list[dict[str, object]]:
+        """Every rank of ``cycle`` as ``ray-graceful status`` shows it."""
+        now = time.time()
+        return [
+            {
+                "group": spec.group,
+                "rank": spec.rank,
+                "world_size": spec.world_size,
+                "shard": spec.shard,
+                "can_save": spec.can_save,
+                "node_id": process.node_id,
+                "pid": process.registration.pid,
+                "health": process.health.summary() if process.health else UNKNOWN,
+                "last_step": process.last_step,
+                "seen_s_ago": round(now - process.last_seen, 1),
+            }
+            for spec, process in sorted(self.ranks_of(cycle), key=lambda sp: sp[0].key)
+        ]
+
     # --- spares ------------------------------------------------------------------------------
+
+    def describe_spares(self) -> list[dict[str, object]]:
+        return [
+            {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
+            for s in self.spares.values()
+        ]
 
     def waiting_spare(self) -> Spare | None:
         for spare in self.spares.values():

@@ -1,7 +1,10 @@
 """The worker side: what runs inside each rank's process.
 
-- ``mixin.py``         the adoption point: ``GracefulWorkerMixin``, ``after_init_process_group``,
-                       ``should_stop``; the per-process runtime that turns an order into a teardown
+- ``mixin.py``         the adoption point: ``GracefulWorkerMixin``
+- ``runtime.py``       ``after_init_process_group``, ``should_stop``; the per-process runtime that
+                       turns an order into a teardown
+- ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step;
+                       ``leaving.py`` how a survivor leaves after all
 - ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
 - ``control.py``       the transport to the coordinator (register, long poll, ack, report)
 - ``training_loop.py`` where the training thread is, and the step a save holds (parking)
@@ -13,9 +16,10 @@
 - ``spares.py``        spares and standbys that exit 0 when the job is over
 """
 
-from .mixin import (
+from .mixin import GracefulWorkerMixin
+from .rejoin import rejoin
+from .runtime import (
     GracefulSetupWarning,
-    GracefulWorkerMixin,
     SetupStatus,
     _process_runtime,
     add_process_group,
@@ -33,6 +37,7 @@ __all__ = [
     "add_process_group",
     "after_init_process_group",
     "install_signal_handling",
+    "rejoin",
     "should_stop",
     "teardown_now",
 ]

@@ -31,6 +31,7 @@ from ..protocol import (
     PollState,
     RankSpec,
     Register,
+    Rendezvous,
     Reply,
     SaveResult,
     SaveTurn,
@@ -292,6 +293,15 @@ class ControlChannel:
         if not reply.accepted:
             return False, reply.reason
         return bool(reply.details.get("save")), str(reply.details.get("why", ""))
+
+    def rendezvous(self, wait_s: float) -> Rendezvous | None:
+        """Warm restart: this process's answer (join as what, or leave); None: not yet."""
+        import ray
+
+        answer = ray.get(
+            self.handle.rendezvous.remote(self.process_id, wait_s), timeout=wait_s + 30
+        )
+        return answer if isinstance(answer, Rendezvous) else None
 
     def report(self, report: TeardownReport) -> None:
         """Send the TeardownReport before the process exits (bounded)."""

@@ -14,7 +14,7 @@ from ..config import GracefulConfig
 from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import shard_key
 from .control import find_coordinator
-from .mixin import _process_runtime
+from .runtime import _process_runtime
 
 logger = logging.getLogger(__name__)
 

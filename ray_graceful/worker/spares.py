@@ -10,6 +10,7 @@ until the scheduler kills it (NVIDIA's resiliency PR 266 is the anchor).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -20,8 +21,8 @@ from ..config import GracefulConfig
 from ..protocol import SpareOrder
 from .control import find_coordinator
 from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
-from .mixin import _listener_status, _process_runtime
 from .process_groups import SetupError
+from .runtime import _listener_status, _process_runtime
 
 MAX_POLL_FAILURES = 5
 
@@ -35,6 +36,7 @@ class SpareResult:
     group: str | None = None
     rank: int | None = None
     cycle: int | None = None
+    spare_id: str = ""  # how the coordinator knows this spare (a warm restart's member id)
 
 
 def wait_as_spare(
@@ -122,6 +124,7 @@ def wait_as_spare(
             box["result"] = SpareResult("timeout", f"no word from the coordinator in {timeout}s")
             break
     done.set()
+    box["result"] = dataclasses.replace(box["result"], spare_id=spare_id)
     runtime.spare_id = None if box["result"].action == "assigned" else spare_id
     if box["result"].action == "exit" and exit_on_finish:
         _exit_when_idle(config, box["result"].reason)

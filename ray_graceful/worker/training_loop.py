@@ -110,6 +110,7 @@ _DISTRIBUTED = os.path.join("torch", "distributed", "")
 _WRAPPER_MODULES = (
     "ray_graceful.worker.training_loop",
     "ray_graceful.worker.mixin",
+    "ray_graceful.worker.runtime",
     "ray_graceful.train",
 )
 

@@ -1,0 +1,346 @@
+"""Warm restart, on the coordinator's side: who rejoins, which spare takes which slot, and where.
+
+An owned part of the coordinator (no Ray in it: the store that the new groups form through
+comes from an injected factory). Its life in one cycle:
+
+1. ``survivors`` - at plan time: the processes that stay. A process stays when it holds exactly
+   one rank, that rank is not evicted and not on FAULTY hardware, and the cycle is not Ray
+   Train's (Train restarts its whole worker group). Their order carries ``rejoin``: the
+   teardown releases their peers and saves as planned, and ends without an exit.
+2. ``decide`` - when the cycle concluded: the new membership of every group. Each evicted slot
+   goes to a waiting spare on a node no notice named; where none is free the group continues
+   smaller if ``min_world_size`` allows it and every shard keeps a holder. Anything short of
+   that - no committed step, a slot with no spare, a process that did not report - and every
+   survivor is told to leave: the ending is today's clean one, with the reason.
+3. ``rendezvous`` - each member asks for its ``Rendezvous`` (long poll: it may ask before the
+   cycle concluded). Members form the next cycle's group through one long-lived store with a
+   prefix per cycle and group: 8 gloo ranks re-formed in 78 ms that way, where a new store per
+   cycle had 5 s outliers (``docs/concepts.md``, "Warm restart").
+4. ``joined`` - each member says what it did (``Rejoined``: loaded from where, how long). The
+   record of the warm restart is complete when every member has spoken; a member that could
+   not join makes it ``failed``, and the coordinator then ends the others cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import GracefulConfig
+from ..health import FAULTY
+from ..outcome import TerminationOutcome
+from ..plan import TerminationPlan
+from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder
+from .cycle import Cycle
+from .registry import Process, Registry, Spare, poll_timeout
+
+StoreFactory = Callable[[], tuple[str, int]]  # hosts the long-lived store once: (host, port)
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """A process ordered to rejoin, as it was before the cycle ended."""
+
+    process_id: str
+    spec: RankSpec
+    node_id: str
+    pid: int
+
+
+@dataclass
+class WarmRecord:
+    """One warm restart, from the cycle that ended into the next one."""
+
+    from_cycle: int
+    cycle: int
+    step: int
+    result: str  # "rejoining" | "rejoined" | "failed" | "cold"
+    reason: str = ""
+    members: dict[str, Rendezvous] = field(default_factory=dict)  # member id -> its answer
+    told_to_leave: dict[str, str] = field(default_factory=dict)  # member id -> why
+    results: dict[str, Rejoined] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the outcome and ``Coordinator.wait_rejoined`` show: who, from where, how long."""
+        return {
+            "from_cycle": self.from_cycle,
+            "cycle": self.cycle,
+            "resume_step": self.step,
+            "result": self.result,
+            "reason": self.reason,
+            "members": [
+                {
+                    "member": member,
+                    "group": r.group,
+                    "rank": r.rank,
+                    "world_size": r.world_size,
+                    "shard": r.shard,
+                    "was": r.was,
+                    **_result_fields(self.results.get(member)),
+                }
+                for member, r in sorted(self.members.items(), key=lambda m: (m[1].group, m[1].rank))
+            ],
+            "told_to_leave": dict(self.told_to_leave),
+            "seconds": (self.finished_at - self.started_at) if self.finished_at else None,
+        }
+
+
+def _result_fields(result: Rejoined | None) -> dict[str, Any]:
+    if result is None:
+        return {"action": "pending"}
+    return {
+        "action": result.action,
+        "loaded_from": result.loaded_from,
+        "seconds": dict(result.seconds),
+        "pid": result.pid,
+        "node_id": result.node_id,
+        "reason": result.reason,
+    }
+
+
+class WarmRestarts:
+    """The coordinator's warm-restart part (see the module docstring)."""
+
+    def __init__(self, config: GracefulConfig, store: StoreFactory) -> None:
+        self.config = config
+        self._store_factory = store
+        self._store: tuple[str, int] | None = None
+        self.survivors: dict[str, Survivor] = {}  # of the cycle in flight
+        self.current: WarmRecord | None = None
+        self.records: dict[int, WarmRecord] = {}  # by the new cycle's number
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._decided = asyncio.Event()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.warm_restart
+
+    # --- 1. at plan time ---------------------------------------------------------------------
+
+    def choose_survivors(
+        self, plan: TerminationPlan, processes: Iterable[Process], cooperative: bool
+    ) -> set[str]:
+        """The processes whose order says ``rejoin``; remembered for ``decide``."""
+        self.survivors = {}
+        self._decided = asyncio.Event()
+        if not self.enabled or cooperative or plan.abandoned:
+            return set()
+        staying = {(o.group, o.rank) for o in plan.orders if not o.evicted and o.health != FAULTY}
+        for process in processes:
+            specs = [s for s in process.registration.ranks if s.key in process.keys]
+            if (
+                len(specs) == 1
+                and specs[0].key in staying
+                and specs[0].group not in plan.incomplete
+            ):
+                self.survivors[process.process_id] = Survivor(
+                    process.process_id, specs[0], process.node_id, process.registration.pid
+                )
+        return set(self.survivors)
+
+    # --- 2. when the cycle concluded ---------------------------------------------------------
+
+    def decide(
+        self,
+        from_cycle: int,
+        step: int | None,
+        committed: bool,
+        reported: dict[str, bool],
+        evicted_ranks: dict[str, dict[int, str]],
+        spares: list[Spare],
+        evicted_nodes: frozenset[str],
+    ) -> WarmRecord | None:
+        """The next cycle's membership, or every survivor told to leave (with the reason).
+
+        ``reported``: survivor process id -> whether its teardown reported in time (one that did
+        not cannot be trusted to be out of its collective). ``evicted_ranks``: group -> the
+        ranks that left, with their shard labels. Spares handed a slot are taken out of
+        ``spares`` by the caller (``assigned``).
+        """
+        if not self.survivors:
+            return None
+        record = WarmRecord(from_cycle, from_cycle + 1, step if step is not None else -1, "cold")
+        why = self._why_not(step, committed, reported)
+        if why is None:
+            why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
+        if why is not None:
+            record.result, record.reason = "cold", why
+            record.members = {}
+            record.told_to_leave = {pid: why for pid in self.survivors}
+            record.done.set()
+            record.finished_at = time.time()
+        else:
+            record.result = "rejoining"
+        self.current = record
+        self.records[record.cycle] = record
+        for old in [c for c in self.records if c < record.cycle - 16]:
+            del self.records[old]
+        self._decided.set()
+        for member, future in list(self._waiters.items()):
+            answer = self._answer(member)
+            if answer is not None and not future.done():
+                future.set_result(answer)
+        return record
+
+    def _why_not(self, step: int | None, committed: bool, reported: dict[str, bool]) -> str | None:
+        if not committed or step is None or step < 0:
+            return "no checkpoint was committed at one step: the survivors cannot all hold it"
+        silent = [pid for pid in self.survivors if not reported.get(pid)]
+        if silent:
+            names = ", ".join(f"pid {self.survivors[p].pid}" for p in silent[:3])
+            return f"{len(silent)} survivor(s) sent no teardown report ({names})"
+        return None
+
+    def _plan_members(
+        self,
+        record: WarmRecord,
+        evicted_ranks: dict[str, dict[int, str]],
+        spares: list[Spare],
+        evicted_nodes: frozenset[str],
+    ) -> str | None:
+        """Fill ``record.members``; the reason when a group cannot continue."""
+        free = [s for s in spares if s.role == "spare" and s.node_id not in evicted_nodes]
+        groups: dict[str, list[Survivor]] = {}
+        for survivor in self.survivors.values():
+            groups.setdefault(survivor.spec.group, []).append(survivor)
+        for group, survivors in sorted(groups.items()):
+            world = survivors[0].spec.world_size
+            slots = [
+                (s.spec.rank, s.process_id, s.spec.shard, f"survivor of rank {s.spec.rank}")
+                for s in survivors
+            ]
+            for rank, shard in sorted(evicted_ranks.get(group, {}).items()):
+                if free:
+                    slots.append((rank, free.pop(0).spare_id, shard, f"spare for rank {rank}"))
+            slots.sort()
+            if len(slots) < world:
+                why = self._why_not_smaller(group, world, slots, evicted_ranks.get(group, {}))
+                if why is not None:
+                    return why
+                slots = [(i, *slot[1:]) for i, slot in enumerate(slots)]  # renumbered, in order
+                world = len(slots)
+            for rank, member, shard, was in slots:
+                record.members[member] = self._rendezvous(record, group, rank, world, shard, was)
+        return None
+
+    def _why_not_smaller(
+        self, group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str]
+    ) -> str | None:
+        floor = self.config.min_world_size
+        short = f"group {group!r}: {world - len(slots)} evicted slot(s) and no spare free"
+        if floor <= 0:
+            return f"{short}; min_world_size is 0, so the group does not continue smaller"
+        if len(slots) < floor:
+            return f"{short}; {len(slots)} rank(s) left, below min_world_size {floor}"
+        held = {slot[2] for slot in slots}
+        lost = sorted(set(evicted.values()) - held)
+        if lost:
+            return (
+                f"{short}; shard(s) {', '.join(lost[:3])} would have no holder in a smaller "
+                "group (each rank holds its own state: shrinking needs replicas)"
+            )
+        return None
+
+    def _rendezvous(
+        self, record: WarmRecord, group: str, rank: int, world: int, shard: str, was: str
+    ) -> Rendezvous:
+        if self._store is None:
+            self._store = self._store_factory()
+        host, port = self._store
+        return Rendezvous(
+            "join",
+            cycle=record.cycle,
+            group=group,
+            rank=rank,
+            world_size=world,
+            shard=shard,
+            step=record.step,
+            store_host=host,
+            store_port=port,
+            prefix=f"ray_graceful/cycle{record.cycle}/{group}",
+            timeout_s=self.config.rejoin_timeout_s,
+            was=was,
+        )
+
+    def after_cycle(self, cycle: Cycle, outcome: TerminationOutcome, registry: Registry) -> None:
+        """``decide`` from what the concluded ``cycle`` left; tell the spares handed a slot."""
+        if not self.survivors:
+            return
+        involved = [p for p in registry.active(cycle.number) if p.order is not None]
+        evicted: dict[str, dict[int, str]] = {}
+        for spec, process in registry.ranks_of(cycle.number):
+            if process.process_id not in self.survivors:
+                evicted.setdefault(spec.group, {})[spec.rank] = spec.shard
+        record = self.decide(
+            cycle.number,
+            (outcome.committed or {}).get("step"),
+            outcome.result == "committed",
+            {p.process_id: p.report is not None for p in involved},
+            evicted,
+            list(registry.spares.values()),
+            # Nodes that go as a whole (a drain, a node's notice). A spare on a node only one
+            # process of which was signalled stays: were the node going, it would be signalled
+            # too, and leave the pool (worker/spares.py).
+            frozenset(n.node_id for n in cycle.notices + cycle.late_notices if n.node_id),
+        )
+        for member, answer in record.members.items() if record else ():
+            spare = registry.spares.get(member)
+            if spare is not None:
+                spare.assigned = True
+                why = f"warm restart: {answer.was}"
+                registry.tell_spare(
+                    spare, SpareOrder("assigned", why, answer.group, answer.rank, answer.cycle)
+                )
+        outcome.warm = record.to_dict() if record else None
+
+    # --- 3. the rendezvous -------------------------------------------------------------------
+
+    def _answer(self, member: str) -> Rendezvous | None:
+        record = self.current
+        if record is not None and member in record.members:
+            return record.members[member]
+        if record is not None and member in record.told_to_leave:
+            return Rendezvous("leave", record.told_to_leave[member], record.cycle)
+        if member in self.survivors and not self._decided.is_set():
+            return None  # the cycle has not concluded yet: wait for it
+        return Rendezvous("leave", "not a member of a warm restart (no rejoin order for it)")
+
+    async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
+        """The member's answer; None if the cycle did not conclude within ``wait_s``."""
+        answer = self._answer(member)
+        if answer is not None:
+            return answer
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[member] = future
+        try:
+            return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if self._waiters.get(member) is future:
+                del self._waiters[member]
+
+    # --- 4. what each member did -------------------------------------------------------------
+
+    def joined(self, result: Rejoined) -> WarmRecord | None:
+        """Record one member's result; returns the record if the warm restart just failed."""
+        record = self.records.get(result.cycle)
+        if record is None or result.member not in record.members:
+            return None
+        record.results[result.member] = result
+        failed_now = not result.joined and record.result == "rejoining"
+        if failed_now:
+            record.result = "failed"
+            record.reason = f"{record.members[result.member].was}: {result.reason}"[:500]
+        if set(record.results) >= set(record.members) or failed_now:
+            if record.result == "rejoining":
+                record.result = "rejoined"
+            record.finished_at = time.time()
+            record.done.set()
+        return record if failed_now else None

@@ -1,0 +1,122 @@
+"""The driver's side of a warm restart: the workers, their spares, and one call to go on.
+
+Hand-built groups (verl, SkyRL, OpenRLHF) drive their workers from the driver: each training
+call is a remote call on every worker. When an eviction ends one, the others' calls fail too
+(their collectives were released). ``WarmGroup.restart()`` is then the one call that brings the
+group back without new processes::
+
+    group = ray_graceful.WarmGroup(coordinator, workers, spares=[Worker.remote(...)])
+    while True:
+        try:
+            ray.get([w.train.remote(...) for w in group.workers])
+            break
+        except ray.exceptions.RayError:
+            group.restart()          # survivors + spares, re-formed in place
+
+Spares are started by the constructor: each waits inside its rejoin method (``graceful_rejoin``
+by default) until it is handed an evicted slot. ``restart`` waits for the eviction's outcome,
+calls the same method on every worker still alive, and returns once every member joined -
+``group.workers`` is then the new group in rank order. If the coordinator decided against a
+warm restart (no committed step, no spare and no smaller size allowed...), or a member failed,
+every rank has left cleanly and ``WarmRestartFailed`` says why: restart cold from the
+checkpoint, as without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .coordinator import Coordinator
+from .outcome import TerminationOutcome
+from .protocol import Rejoined
+
+
+class WarmRestartFailed(RuntimeError):
+    """The group could not be re-formed in place; every rank left cleanly. ``.reason`` says why."""
+
+    def __init__(self, reason: str, outcome: TerminationOutcome | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.outcome = outcome
+
+
+@dataclass(frozen=True)
+class WarmRestart:
+    """What ``WarmGroup.restart`` did: the eviction's outcome and each member's ``Rejoined``."""
+
+    outcome: TerminationOutcome
+    members: tuple[Rejoined, ...]  # in rank order
+
+    @property
+    def step(self) -> int:
+        """The step training resumes from (every member holds it)."""
+        return self.members[0].step
+
+    @property
+    def world_size(self) -> int:
+        return self.members[0].world_size
+
+
+class WarmGroup:
+    """A hand-built worker group that comes back in place after an eviction."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        workers: list[Any],
+        spares: list[Any] = (),  # type: ignore[assignment]
+        method: str = "graceful_rejoin",
+    ) -> None:
+        self.coordinator = coordinator
+        self.workers = list(workers)
+        self.method = method
+        self._spares: dict[Any, Any] = {}  # ObjectRef of its pending rejoin -> the spare
+        self.add_spares(spares)
+
+    @property
+    def spares(self) -> list[Any]:
+        """The spares still waiting for a slot."""
+        return list(self._spares.values())
+
+    def add_spares(self, spares: list[Any]) -> None:
+        """Start spares waiting (each in its rejoin method) for an evicted slot."""
+        for spare in spares:
+            self._spares[getattr(spare, self.method).remote()] = spare
+
+    def restart(self, timeout: float = 60.0) -> WarmRestart:
+        """Re-form the group after an eviction; ``WarmRestartFailed`` where it cannot be."""
+        import ray
+
+        outcome = self.coordinator.wait_outcome(timeout=timeout)
+        if outcome is None:
+            raise WarmRestartFailed(f"no outcome of the eviction within {timeout}s")
+        warm = outcome.warm or {}
+        if warm.get("result") != "rejoining":
+            raise WarmRestartFailed(
+                warm.get("reason") or "warm_restart is off in the coordinator's config", outcome
+            )
+        expected = len(warm["members"])
+        joined: list[tuple[Rejoined, Any]] = []
+        calls = {getattr(w, self.method).remote(): w for w in self.workers}
+        spares_needed = sum(1 for m in warm["members"] if m["was"].startswith("spare"))
+        ready, _ = ray.wait(list(self._spares), num_returns=spares_needed, timeout=timeout)
+        calls.update({ref: self._spares.pop(ref) for ref in ready})
+        why = []
+        for ref, actor in calls.items():
+            try:
+                result = ray.get(ref, timeout=timeout)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                why.append(type(exc).__name__)  # an evicted worker: gone, as it should be
+                continue
+            if isinstance(result, Rejoined) and result.joined:
+                joined.append((result, actor))
+            elif isinstance(result, Rejoined):
+                why.append(f"{result.was or result.member}: {result.reason}")
+        if len(joined) != expected:
+            raise WarmRestartFailed(
+                f"{len(joined)} of {expected} member(s) joined ({'; '.join(why[:3])})", outcome
+            )
+        joined.sort(key=lambda pair: (pair[0].group, pair[0].rank))
+        self.workers = [actor for _, actor in joined]
+        return WarmRestart(outcome, tuple(result for result, _ in joined))

@@ -1,0 +1,296 @@
+"""Warm restart, on a rank's side: keep this process, re-form the group, hold the committed step.
+
+A survivor's order says ``rejoin``: its teardown releases its peers, saves as planned and
+destroys its process group, and then ends *without* an exit. From there one of two things
+happens, whichever comes first:
+
+- the driver calls ``rejoin()`` (through the worker's ``graceful_rejoin``): the coordinator
+  answers with a ``Rendezvous``, the process joins the next cycle's group through the job's
+  long-lived store (``rendezvous.py``), registers its rank again, and holds the committed step -
+  its own state when it can prove it is that step (it parked at that boundary before any
+  release), else loaded from the memory tier or disk - and returns a ``Rejoined``;
+- nothing calls it within ``rejoin_timeout_s``, or a SIGTERM arrives, or the coordinator says
+  "leave": the process leaves through Ray's intended exit, as it would have without a warm
+  restart.
+
+A spare calls ``rejoin()`` at once: it waits as a spare (``wait_as_spare``) until the
+coordinator hands it an evicted rank's slot, then does the same, always loading.
+
+Every failure on the way (the group does not form in time, the load fails, the registration is
+refused) is reported to the coordinator - which then ends the other members cleanly - and the
+process leaves. A rank never trains on after a rejoin unless it holds the committed step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import rendezvous as store
+from ..config import GracefulConfig
+from ..memory.handoff import load_shard
+from ..protocol import Rejoined, Rendezvous, shard_key
+from .control import REPORT_TIMEOUT_S, find_coordinator
+from .exit_path import write_stderr
+from .leaving import leave
+from .process_groups import SetupError, resolve_group
+from .restore import coordinator_checkpoint_dir
+from .runtime import Registration, _process_runtime, _ProcessRuntime, after_init_process_group
+from .spares import wait_as_spare
+
+RENDEZVOUS_POLL_S = 5.0
+
+
+def rejoin(
+    name: str = "default",
+    *,
+    state_dict: Callable[[], Any] | None = None,
+    load_state_dict: Callable[[Any], Any] | None = None,
+    config: GracefulConfig | None = None,
+    backend: str | None = None,
+) -> Rejoined:
+    """Join the next cycle's group in this process; the new rank, world size and resume step.
+
+    - A survivor (its order said ``rejoin``) keeps what it registered; the arguments are only
+      needed where it registered none (``load_state_dict``).
+    - A spare (nothing registered yet) waits here until it is handed a slot, or the job ends
+      (then ``action == "left"`` and the process exits 0 once the call returned). Its
+      ``state_dict``/``load_state_dict`` and ``name`` are registered as ``graceful_setup``
+      would.
+    - ``backend``: of the new group; default the survivor's old one, else "nccl" where CUDA
+      is available and "gloo" elsewhere.
+
+    ``Rejoined.action`` is "joined" (train on from ``step`` as ``rank`` of ``world_size``) or
+    "left" (the process is leaving; ``reason`` says why).
+    """
+    runtime = _process_runtime()
+    config = runtime.adopt_config(config)
+    survivor = _survivor_registration(runtime)
+    coordinator = runtime.control.handle if survivor is not None else find_coordinator(config)
+    if coordinator is None:
+        raise SetupError("rejoin(): no coordinator runs for this job; start one on the driver")
+    runtime.rejoining.set()
+    if survivor is not None:
+        member = runtime.control.process_id  # type: ignore[union-attr]
+        teardown = runtime.teardown
+        assert teardown is not None
+        teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
+        backend = backend or _backend_of(survivor)
+    else:
+        if runtime.registrations:
+            raise SetupError(
+                "rejoin(): this process holds ranks but was not ordered to rejoin (warm_restart "
+                "is off, or its rank is being evicted): nothing to rejoin"
+            )
+        waited = wait_as_spare("spare", config)
+        if waited.action != "assigned":
+            return Rejoined("left", waited.spare_id, reason=waited.reason, pid=os.getpid())
+        member = waited.spare_id
+        backend = backend or _default_backend()
+    answer = runtime.rendezvous if survivor is not None else None
+    answer = answer or _ask(coordinator, member, config)
+    if answer.action != "join":
+        leave(config, answer.reason)
+        return Rejoined("left", member, reason=answer.reason, pid=os.getpid())
+    try:
+        return _join(
+            runtime,
+            config,
+            coordinator,
+            member,
+            answer,
+            backend,
+            survivor,
+            state_dict,
+            load_state_dict,
+            name,
+        )
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:400]
+        result = _result(answer, member, "left", reason=reason)
+        _tell(coordinator, result)
+        _destroy_quietly()
+        leave(config, reason)
+        return result
+
+
+def _survivor_registration(runtime: _ProcessRuntime) -> Registration | None:
+    order = runtime.order
+    if order is None or not order.rejoin or runtime.control is None:
+        return None
+    ranks = [r for r in runtime.registrations.values() if not r.release_only]
+    return ranks[0] if len(ranks) == 1 else None
+
+
+def _backend_of(registration: Registration) -> str:
+    backends = registration.group.backends
+    return "nccl" if "nccl" in backends else (backends[0] if backends else _default_backend())
+
+
+def _default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _ask(coordinator: Any, member: str, config: GracefulConfig) -> Rendezvous:
+    """The coordinator's answer for ``member``, asked until it has one or the time is up."""
+    import ray
+
+    until = time.monotonic() + config.rejoin_timeout_s
+    while time.monotonic() < until:
+        wait_s = min(RENDEZVOUS_POLL_S, max(until - time.monotonic(), 0.1))
+        try:
+            answer = ray.get(coordinator.rendezvous.remote(member, wait_s), timeout=wait_s + 30)
+        except Exception as exc:
+            return Rendezvous("leave", f"the coordinator could not be asked ({type(exc).__name__})")
+        if isinstance(answer, Rendezvous):
+            return answer
+    return Rendezvous("leave", f"no rendezvous within rejoin_timeout_s={config.rejoin_timeout_s}")
+
+
+def _join(
+    runtime: _ProcessRuntime,
+    config: GracefulConfig,
+    coordinator: Any,
+    member: str,
+    answer: Rendezvous,
+    backend: str,
+    survivor: Registration | None,
+    state_dict: Callable[[], Any] | None,
+    load_state_dict: Callable[[Any], Any] | None,
+    name: str,
+) -> Rejoined:
+    started = time.monotonic()
+    clean_step = runtime.teardown.clean_step if runtime.teardown is not None else None
+    old_shard = survivor.shard if survivor is not None else None
+    store.form_group(answer, backend)
+    formed = time.monotonic()
+    if survivor is not None:
+        loader = load_state_dict or survivor.load_state
+        _register_again(runtime, survivor, answer, state_dict, loader)
+    else:
+        loader = load_state_dict
+        after_init_process_group(
+            answer.group,
+            shard=answer.shard,
+            state_dict=state_dict,
+            load_state_dict=load_state_dict,
+            config=config,
+        )
+    control = runtime.control
+    if control is None or control.cycle != answer.cycle:
+        raise SetupError(
+            f"the coordinator did not take this rank into cycle {answer.cycle} "
+            f"({control.state if control else 'no coordinator'})"
+        )
+    if survivor is not None and clean_step == answer.step and old_shard == answer.shard:
+        loaded_from = "own state"
+    else:
+        loaded_from = _load(config, coordinator, answer, loader)
+    runtime.loop.last_step = answer.step
+    result = _result(
+        answer,
+        member,
+        "joined",
+        loaded_from=loaded_from,
+        seconds={"rendezvous": formed - started, "load": time.monotonic() - formed},
+    )
+    _tell(coordinator, result)
+    return result
+
+
+def _register_again(
+    runtime: _ProcessRuntime,
+    survivor: Registration,
+    answer: Rendezvous,
+    state_dict: Callable[[], Any] | None,
+    loader: Callable[[Any], Any] | None,
+) -> None:
+    """The survivor's rank, as the new group has it; the runtime ready for the next cycle."""
+    handle = resolve_group(answer.group, None, answer.rank, answer.world_size)
+    with runtime.lock:
+        # Extra groups were destroyed with the default one: the user forms them again.
+        runtime.registrations = {
+            handle.key: Registration(
+                handle,
+                answer.shard,
+                survivor.saver,
+                state=state_dict or survivor.state,
+                load_state=loader,
+            )
+        }
+        runtime.teardown, runtime.order, runtime.rendezvous = None, None, None
+        runtime.sigterm_seen = False
+        runtime.stop_event.clear()
+        runtime.rejoining.clear()
+    control = runtime.control
+    assert control is not None
+    control.cycle = None
+    control.order_received.clear()
+    control.register()
+
+
+def _load(
+    config: GracefulConfig,
+    coordinator: Any,
+    answer: Rendezvous,
+    loader: Callable[[Any], Any] | None,
+) -> str:
+    """Load shard ``answer.shard`` of step ``answer.step`` into this rank; where it came from."""
+    if loader is None:
+        raise SetupError(
+            "this rank must load the committed step but registered no load_state_dict=: pass "
+            "load_state_dict= to graceful_setup (or to graceful_rejoin)"
+        )
+    checkpoint_dir = config.checkpoint_dir or coordinator_checkpoint_dir(coordinator)
+    key = shard_key(answer.group, answer.shard)
+    loaded = load_shard(key, coordinator, checkpoint_dir, config.coordinator_namespace)
+    if loaded is None:
+        raise RuntimeError(f"no committed copy of shard {key!r} to load")
+    if loaded.step != answer.step:
+        raise RuntimeError(
+            f"shard {key!r} was found at step {loaded.step}, not the committed step "
+            f"{answer.step}: training on would mix steps"
+        )
+    loader(loaded.state)
+    return loaded.tier
+
+
+def _result(answer: Rendezvous, member: str, action: str, **fields: Any) -> Rejoined:
+    import ray
+
+    return Rejoined(
+        action,
+        member,
+        group=answer.group,
+        rank=answer.rank,
+        world_size=answer.world_size,
+        step=answer.step,
+        cycle=answer.cycle,
+        was=answer.was,
+        pid=os.getpid(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        **fields,
+    )
+
+
+def _tell(coordinator: Any, result: Rejoined) -> None:
+    import ray
+
+    try:
+        ray.get(coordinator.rejoined.remote(result), timeout=REPORT_TIMEOUT_S)
+    except Exception as exc:
+        write_stderr(f"ray_graceful: could not tell the coordinator the rejoin result: {exc!r}\n")
+
+
+def _destroy_quietly() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

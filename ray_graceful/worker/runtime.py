@@ -1,0 +1,635 @@
+"""The rank's runtime: setup, ``should_stop``, and the one per-process state an order acts on.
+
+``after_init_process_group`` (and the mixin's ``graceful_setup``, ``mixin.py``) register a rank
+here; the coordinator's order becomes a teardown here (``obey``). Everything lives in one
+per-process ``_ProcessRuntime``: a process may hold several ranks in
+several groups (verl colocates roles), but it has one SIGTERM, one teardown and one exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint import save_state_dict, shard_key
+from ..config import GracefulConfig
+from ..protocol import Order, RankSpec, Rendezvous
+from .cloud_poller import ensure_node_poller
+from .control import ControlChannel, find_coordinator, gpu_indices
+from .exit_path import hard_exit
+from .hard_deadline import hard_deadline
+from .leaving import leave_unless_rejoined
+from .process_groups import GroupHandle, SetupError, resolve_group
+from .report import write_report_file
+from .signals import current_listener, install_listener, set_claim_check
+from .teardown import SaveOrder, Teardown
+from .training_loop import TrainingLoop
+
+Saver = Callable[[str, int], "tuple[int, int] | None"]
+
+
+class GracefulSetupWarning(RuntimeWarning):
+    """graceful_setup could not install everything; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SetupStatus:
+    """What ``graceful_setup`` installed for one rank, and why."""
+
+    group: str
+    rank: int
+    world_size: int
+    backends: tuple[str, ...]
+    rank_source: str
+    shard: str
+    can_save: bool
+    listener_installed: bool
+    listener: str
+    control: str
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [
+            f"ray_graceful: group {self.group!r} rank {self.rank}/{self.world_size} "
+            f"({', '.join(self.backends) or '?'}; from {self.rank_source})",
+            f"  shard: {self.shard!r}; emergency save: {'yes' if self.can_save else 'no saver'}",
+            f"  SIGTERM listener: {self.listener}",
+            f"  control: {self.control}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class Registration:
+    """One (group, rank) of this process and how it saves."""
+
+    group: GroupHandle
+    shard: str
+    saver: Saver | None
+    release_only: bool = False  # an extra group registered for abort, not a rank to plan for
+    cooperative: bool = False  # the training function saves (Ray Train); see train.py
+    state: Callable[[], Any] | None = None  # state_dict=: what the memory tier hands over
+    load_state: Callable[[Any], Any] | None = None  # load_state_dict=: a warm restart's restore
+
+    def save_order(
+        self,
+        root: str,
+        shard: str,
+        budget_s: float,
+        turn: Callable[[float], tuple[bool, str]] | None = None,
+        start_by: float = 0.0,
+        keepers: tuple[str, ...] = (),
+        namespace: str = "",
+    ) -> SaveOrder:
+        """Save ``shard`` under ``root`` with this rank's saver (which must exist).
+
+        ``turn`` makes it a backup save: done only if the coordinator says so; ``keepers`` a
+        memory-tier save (see SaveOrder).
+        """
+        assert self.saver is not None
+        return SaveOrder(
+            root,
+            shard,
+            budget_s,
+            self.saver,
+            self.group.name,
+            self.group.rank,
+            turn,
+            start_by,
+            keepers,
+            self.state,
+            namespace,
+        )
+
+
+@dataclass
+class _ProcessRuntime:
+    """Per-process state shared by every rank this process holds."""
+
+    config: GracefulConfig | None = None  # given explicitly; one per process
+    env_config: GracefulConfig | None = None  # read from RAY_GRACEFUL_* while none was given
+    registrations: dict[tuple[str, int], Registration] = field(default_factory=dict)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    loop: TrainingLoop = field(default_factory=TrainingLoop)
+    teardown: Teardown | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    pid: int = field(default_factory=os.getpid)
+    control: ControlChannel | None = None
+    cloud_poller: Any = None  # this node's cloud-notice poller, if this process started it
+    sigterm_seen: bool = False
+    order: Order | None = None  # the coordinator's order, once one arrived
+    spare_id: str | None = None  # set while this process waits as a spare or standby
+    rejoining: threading.Event = field(default_factory=threading.Event)  # warm restart begun
+    rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
+
+    # --- signals ---------------------------------------------------------------------------
+
+    def claims_signals(self) -> bool:
+        return bool(self.registrations) or self.spare_id is not None
+
+    def on_sigterm(self, signum: int, count: int) -> bool:
+        """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
+        if os.getpid() != self.pid or not self.claims_signals():
+            return False
+        if not self.registrations:  # a spare or standby: nothing to save, just leave
+            self.stop_event.set()
+            return True
+        if count >= 2:
+            config = self.config_or_default()
+            running = self.teardown
+            if running is not None:
+                running.report.exit_path = "second-signal"
+                running.report.exit_code = config.exit_code
+                write_report_file(running.report, config.report_dir)
+            hard_exit(config.exit_code, "second SIGTERM")
+        self._first_sigterm(signum)
+        return True
+
+    def on_sigterm_main_thread(self, signum: int) -> None:
+        """Backstop from the Python-level handler, for a signal the listener did not see."""
+        if os.getpid() == self.pid and self.registrations:
+            self._first_sigterm(signum)
+        elif os.getpid() == self.pid and self.spare_id is not None:
+            self.stop_event.set()
+
+    def _first_sigterm(self, signum: int) -> None:
+        with self.lock:
+            if self.sigterm_seen:
+                return
+            self.sigterm_seen = True
+        control = self.control
+        if control is None or not control.alive or self.teardown is not None:
+            self.begin_teardown(trigger=f"signal {signum}")
+            return
+        # The wait for an order counts against this rank's deadline: the kernel timer is armed
+        # now, so that whatever the wait runs into, the process is gone by then.
+        config = self.config_or_default()
+        at = time.monotonic() + config.teardown_timeout_s - config.watchdog_margin_s / 2
+        hard_deadline().arm(at, config.exit_code)
+        threading.Thread(
+            target=self._await_order,
+            args=(signum, control, time.time()),
+            name="ray_graceful-await-order",
+            daemon=True,
+        ).start()
+
+    def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
+        """Report the SIGTERM, then wait for the coordinator's order; else go alone.
+
+        Going alone, the deadline still counts from the signal: the time spent waiting for an
+        order that never came is not given back.
+        """
+        config = self.config_or_default()
+        deadline = received_at + config.teardown_timeout_s
+        if control.report_sigterm(received_at):
+            # Never longer than leaves the teardown its release and exit before the deadline.
+            latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
+            control.order_received.wait(max(0.0, min(config.order_wait_s, latest - time.time())))
+        # An order handled cooperatively (Ray Train: the training function saves) starts no
+        # teardown here: having the order is what counts.
+        if self.teardown is None and self.order is None:
+            why = (
+                "coordinator unreachable"
+                if not control.alive
+                else (f"no order from the coordinator within {config.order_wait_s}s")
+            )
+            self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
+
+    def obey(self, order: Order) -> None:
+        """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
+        with self.lock:
+            if self.order is not None:
+                return
+            self.order = order
+        if any(reg.cooperative for reg in self.registrations.values()):
+            self._cooperative_stop(order)
+            return
+        save_orders, skipped = [], []
+        for save in order.saves:
+            reg = self.registrations.get(save.key)
+            if reg is None or reg.saver is None:
+                skipped.append(f"{save.shard_key}: this process has no saver for it")
+                continue
+            turn = None
+            if save.is_backup:
+                turn = self._turn_asker(order.cycle, save.shard_key)
+            save_orders.append(
+                reg.save_order(
+                    save.root,
+                    save.shard_key,
+                    order.save_budget_s,
+                    turn,
+                    save.start_by,
+                    save.keepers,
+                    self.config_or_default().coordinator_namespace,
+                )
+            )
+        skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
+        teardown = self.begin_teardown(
+            trigger=f"coordinator order ({order.trigger})",
+            deadline=order.deadline,
+            cycle=order.cycle,
+            save_orders=save_orders,
+            skip_save_reason=skip_reason or "the plan has another replica save",
+            exit_process=not order.rejoin,
+        )
+        if order.rejoin and not teardown.exit_process:
+            control = self.control
+            assert control is not None  # an order came through it
+
+            def keep(answer: Rendezvous) -> None:
+                self.rendezvous = answer
+
+            leave_unless_rejoined(
+                self.config_or_default(),
+                teardown,
+                self.rejoining,
+                lambda: self.sigterm_seen,
+                control.rendezvous,
+                keep,
+            )
+
+    def _turn_asker(self, cycle: int, key: str) -> Callable[[float], tuple[bool, str]]:
+        """How a backup save asks the coordinator whether it is its turn."""
+        control = self.control
+
+        def ask(wait_s: float) -> tuple[bool, str]:
+            if control is None or not control.alive:
+                return False, "no coordinator to ask: the saver may have saved"
+            return control.save_turn(cycle, key, wait_s)
+
+        return ask
+
+    def _cooperative_stop(self, order: Order) -> None:
+        """An order for ranks whose training function saves (Ray Train): stop, then guard.
+
+        ``should_stop()`` turns true and the training function saves at its step boundary
+        (``ray_graceful.train.emergency_checkpoint``). A guard starts the normal teardown (no
+        save) as soon as the loop is found stuck (``TrainingLoop.stuck_since``), else shortly
+        before the deadline whatever it does, so the rank still leaves in time.
+        """
+        config = self.config_or_default()
+        ordered_at = time.monotonic()
+        self.stop_event.set()
+        guard_at = order.deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
+
+        def guard() -> None:
+            # Leave as soon as the loop is found stuck (it will not reach its boundary to
+            # save); else shortly before the deadline, whatever it does.
+            while time.time() < guard_at and self.teardown is None:
+                if self.loop.stuck_since(ordered_at, config.quiesce_timeout_s):
+                    self.begin_teardown(
+                        trigger=f"coordinator order ({order.trigger}); the training loop is "
+                        "stuck: it did not reach should_stop() in time",
+                        deadline=order.deadline,
+                        cycle=order.cycle,
+                        save_orders=[],
+                        skip_save_reason="the training loop is stuck before its step boundary",
+                    )
+                    return
+                time.sleep(0.05)
+            self.begin_teardown(
+                trigger=f"coordinator order ({order.trigger}); guard before the deadline",
+                deadline=order.deadline,
+                cycle=order.cycle,
+                save_orders=[],
+                skip_save_reason="saving is the training function's (Ray Train)",
+            )
+
+        threading.Thread(target=guard, name="ray_graceful-cooperative-guard", daemon=True).start()
+
+    def rank_specs(self) -> tuple[RankSpec, ...]:
+        """The ranks this process registers with the coordinator (not the release-only ones)."""
+        gpus = tuple(gpu_indices())
+        return tuple(
+            RankSpec(
+                reg.group.name,
+                reg.group.rank,
+                reg.group.world_size,
+                reg.shard,
+                reg.saver is not None or reg.cooperative,
+                reg.cooperative,
+                gpus,
+            )
+            for reg in self.registrations.values()
+            if not reg.release_only
+        )
+
+    # --- teardown --------------------------------------------------------------------------
+
+    def config_or_default(self) -> GracefulConfig:
+        """The config given to this process, else one read from the environment (not pinned)."""
+        if self.config is not None:
+            return self.config
+        if self.env_config is None:
+            self.env_config = GracefulConfig.from_env()
+        return self.env_config
+
+    def begin_teardown(
+        self,
+        trigger: str,
+        deadline: float | None = None,
+        cycle: int = 0,
+        save_orders: list[SaveOrder] | None = None,
+        skip_save_reason: str | None = None,
+        exit_process: bool = True,
+    ) -> Teardown:
+        """Start this process's teardown once; later calls return the one already running."""
+        with self.lock:
+            if self.teardown is not None:
+                return self.teardown
+            config = self.config_or_default()
+            if deadline is None:
+                deadline = time.time() + config.teardown_timeout_s
+            if save_orders is None and skip_save_reason is None:
+                save_orders, skip_save_reason = self._own_save_decision(config, deadline)
+            self.teardown = Teardown(
+                config,
+                [r.group for r in self.registrations.values()],
+                trigger=trigger,
+                deadline=deadline,
+                cycle=cycle,
+                save_orders=save_orders,
+                skip_save_reason=skip_save_reason or "",
+                on_stop=self.stop_event.set,
+                on_report=self.control.report if self.control is not None else None,
+                on_saved=self.control.save_result if self.control is not None else None,
+                training=self.loop,
+                exit_process=exit_process,
+            )
+            self.teardown.report.last_step = self.loop.last_step
+            self.teardown.start()
+            return self.teardown
+
+    def _own_save_decision(
+        self, config: GracefulConfig, deadline: float
+    ) -> tuple[list[SaveOrder], str]:
+        """Without a coordinator's order: save own shards if a directory is configured."""
+        if config.checkpoint_dir is None:
+            return [], "no coordinator order and no checkpoint_dir configured"
+        orders = []
+        for reg in self.registrations.values():
+            if reg.release_only or reg.saver is None:
+                continue
+            shard = shard_key(reg.group.name, reg.shard)
+            orders.append(reg.save_order(config.checkpoint_dir, shard, config.save_budget_s))
+        if not orders:
+            return [], "no registered rank of this process has a saver"
+        return orders, ""
+
+    # --- registration ----------------------------------------------------------------------
+
+    def adopt_config(self, config: GracefulConfig | None) -> GracefulConfig:
+        with self.lock:
+            if config is None:
+                return self.config_or_default()
+            if self.config is not None and config != self.config:
+                raise SetupError(
+                    "a different GracefulConfig was already given to this process (one process "
+                    "has one teardown): pass the same config to every graceful_setup call, or "
+                    "none after the first."
+                )
+            self.config = config
+            return config
+
+
+_runtime = _ProcessRuntime()
+
+
+def _process_runtime() -> _ProcessRuntime:
+    """The runtime of this process (a forked child gets a fresh, empty one)."""
+    global _runtime
+    if _runtime.pid != os.getpid():
+        _runtime = _ProcessRuntime()
+    return _runtime
+
+
+def _listener_status(
+    config: GracefulConfig, where: str = "graceful_setup on the main thread", warn: bool = True
+) -> tuple[bool, str]:
+    """Install the listener where possible; say what happened."""
+    runtime = _process_runtime()
+    set_claim_check(lambda: _process_runtime().claims_signals())
+    on_main = threading.current_thread() is threading.main_thread()
+    listener = current_listener()
+    if on_main:
+        listener = install_listener(listener.installed_from if listener else where)
+    if listener is None:
+        message = (
+            f"not installed: graceful_setup runs on thread {threading.current_thread().name!r}, "
+            "not the main thread (threaded, async or concurrency-group actor). Fix: call "
+            "ray_graceful.install_signal_handling() in the actor's __init__, or start the job "
+            "with runtime_env={'worker_process_setup_hook': 'ray_graceful.hooks.setup'}."
+        )
+        if config.strict and warn:
+            raise SetupError("SIGTERM listener " + message)
+        if not warn:
+            return False, message
+        warnings.warn(
+            "ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4
+        )
+        return False, message
+    listener.on_signal = runtime.on_sigterm
+    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
+    how = f"installed ({listener.installed_from})"
+    if not listener.handler_in_place():
+        how += (
+            "; another SIGTERM handler replaced ours on the main thread, so it runs too (the "
+            "listener still sees every SIGTERM)"
+        )
+    return True, how
+
+
+def install_signal_handling(config: GracefulConfig | None = None) -> str:
+    """Install the SIGTERM listener now, from the main thread (an actor's ``__init__``).
+
+    For actors whose methods do not run on the main thread (threaded, async, concurrency
+    groups): ``__init__`` still does, so call this there; ``graceful_setup`` later finds it.
+    """
+    cfg = _process_runtime().adopt_config(config)
+    if threading.current_thread() is not threading.main_thread():
+        raise SetupError(
+            "install_signal_handling() must run on the main thread: call it from the actor's "
+            "__init__ (async actors run __init__ off the main thread too: use the setup hook "
+            "ray_graceful.hooks.setup instead)."
+        )
+    return _listener_status(cfg, "install_signal_handling() on the main thread")[1]
+
+
+def after_init_process_group(
+    name: str = "default",
+    *,
+    process_group: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    shard: str | int | None = None,
+    saver: Saver | None = None,
+    state_dict: Callable[[], Any] | None = None,
+    config: GracefulConfig | None = None,
+    load_state_dict: Callable[[Any], Any] | None = None,
+) -> SetupStatus:
+    """Register this rank, right after ``init_process_group``; idempotent, any thread.
+
+    - ``name``: the group's label ("policy", "critic"); ranks are keyed by (name, rank).
+    - ``process_group``: the group to release on teardown (default: the world group).
+    - ``rank``/``world_size``: optional, checked against torch.distributed.
+    - ``shard``: which part of the state this rank holds; ranks with the same shard are
+      replicas of each other and only one of them saves it. Default: the rank itself (every
+      rank saves its own state - always correct, never the cheapest; pure data parallel
+      training should pass one shard for all, e.g. ``shard="model"``).
+    - ``saver(path, step)``: writes this rank's state at ``path``; or ``state_dict``: a callable
+      returning what the default saver (``torch.save``) writes.
+    - ``load_state_dict(state)``: puts a loaded ``state_dict()`` back (a warm restart's rank
+      that does not hold the committed step itself; docs/worker.md, "Warm restart").
+    """
+    if saver is not None and state_dict is not None:
+        raise SetupError("pass saver= or state_dict=, not both")
+    for label, fn in (
+        ("saver", saver),
+        ("state_dict", state_dict),
+        ("load_state_dict", load_state_dict),
+    ):
+        if fn is not None and not callable(fn):
+            raise SetupError(f"{label}={fn!r} is not callable")
+        if fn is not None and inspect.iscoroutinefunction(fn):
+            raise SetupError(f"{label} must be a plain function, not 'async def'")
+    if state_dict is not None:
+        provider = state_dict
+
+        def saver(path: str, step: int) -> tuple[int, int]:
+            return save_state_dict({"step": step, "state": provider()}, path)
+
+    return _register(
+        name,
+        process_group,
+        rank,
+        world_size,
+        shard,
+        saver,
+        config,
+        state=state_dict,
+        load_state=load_state_dict,
+    )
+
+
+def _register(
+    name: str,
+    process_group: Any,
+    rank: int | None,
+    world_size: int | None,
+    shard: str | int | None,
+    saver: Saver | None,
+    config: GracefulConfig | None,
+    release_only: bool = False,
+    cooperative: bool = False,
+    state: Callable[[], Any] | None = None,
+    load_state: Callable[[Any], Any] | None = None,
+) -> SetupStatus:
+    runtime = _process_runtime()
+    cfg = runtime.adopt_config(config)
+    if shard is not None and (not isinstance(shard, (str, int)) or isinstance(shard, bool)):
+        raise SetupError(f"shard={shard!r} is not allowed: give a str or an int.")
+    handle = resolve_group(name, process_group, rank, world_size)
+    shard_key = str(handle.rank) if shard is None else str(shard)
+    with runtime.lock:
+        existing = runtime.registrations.get(handle.key)
+        if existing is not None and existing.group.process_group is not handle.process_group:
+            raise SetupError(
+                f"group {name!r} rank {handle.rank} is already registered with another process "
+                "group; give each group its own name."
+            )
+        if existing is None:
+            runtime.registrations[handle.key] = Registration(
+                handle, shard_key, saver, release_only, cooperative, state, load_state
+            )
+        else:
+            existing.saver = saver or existing.saver
+            existing.state = state if saver is not None else existing.state
+            existing.shard = shard_key
+            existing.cooperative = cooperative
+            existing.load_state = load_state or existing.load_state
+    installed, listener = _listener_status(cfg)
+    control = _connect(runtime, cfg) if not release_only else "extra group: released only"
+    return SetupStatus(
+        group=handle.name,
+        rank=handle.rank,
+        world_size=handle.world_size,
+        backends=handle.backends,
+        rank_source=handle.source,
+        shard=shard_key,
+        can_save=saver is not None or cooperative,
+        listener_installed=installed,
+        listener=listener,
+        control=control,
+        notes=tuple(handle.notes),
+    )
+
+
+def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
+    """Register this process's ranks with the coordinator, if one runs; say what happened."""
+    if runtime.control is None or not runtime.control.alive:
+        handle = find_coordinator(config)
+        if handle is None:
+            return (
+                "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
+                "its own"
+            )
+        runtime.control = ControlChannel(
+            handle,
+            config,
+            ranks=runtime.rank_specs,
+            last_step=lambda: runtime.loop.last_step,
+            on_order=runtime.obey,
+            done=lambda: runtime.teardown is not None,
+        )
+    status = runtime.control.register()
+    if runtime.control.alive:
+        try:
+            runtime.cloud_poller = ensure_node_poller(config, runtime.control.handle)
+        except Exception as exc:  # cloud notices are an addition: never a reason to fail setup
+            status += f"; cloud notices not started ({exc!r})"
+    return status
+
+
+def should_stop(step: int | None = None) -> bool:
+    """True once a teardown began: leave the training loop at this step boundary.
+
+    Pass the number of completed steps, right after the optimizer step. Once a teardown began,
+    the call parks here until this rank's emergency save is done (bounded by the deadline) and
+    then returns True: the save holds exactly the state after ``step`` and is labelled with it.
+    Until then it costs a flag read (and two stores when ``step`` is given).
+    """
+    return _should_stop(step)
+
+
+def _should_stop(step: int | None) -> bool:
+    runtime = _runtime if _runtime.pid == os.getpid() else _process_runtime()
+    if step is not None:
+        runtime.loop.mark(step)
+    if not runtime.stop_event.is_set():
+        return False
+    if step is not None:
+        runtime.loop.park(step, runtime.teardown)
+    return True
+
+
+def add_process_group(process_group: Any, name: str) -> None:
+    """Register an extra group (weight sync, a second role) to release on teardown."""
+    if process_group is None:
+        raise SetupError("add_process_group needs a process group, got None")
+    _register(name, process_group, None, None, None, None, None, release_only=True)
+
+
+def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teardown:
+    """Start this process's teardown as if it had been signalled (tests, custom notices)."""
+    runtime = _process_runtime()
+    if not runtime.registrations:
+        raise SetupError("teardown_now(): nothing is registered in this process")
+    return runtime.begin_teardown(trigger, exit_process=exit_process)

@@ -1,0 +1,99 @@
+"""A data-parallel worker that adopts the warm restart as docs/worker.md shows it.
+
+Model and optimizer (SGD with momentum, so the optimizer has state to get wrong) are updated
+by a deterministic step: every rank's gradient is all-reduced and averaged, so every replica
+holds bitwise the same state at each step - which is what lets a test compare them with the
+committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ray_graceful import GracefulConfig, GracefulWorkerMixin, Rejoined
+from tests.actors import init_gloo
+
+
+class WarmWorker(GracefulWorkerMixin):
+    def __init__(
+        self,
+        world: int = 0,
+        rank: int = 0,
+        addr: str = "",
+        port: int = 0,
+        config: GracefulConfig | None = None,
+    ) -> None:
+        self._group = (world, rank, addr, port)
+        self.config = config
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(16, 16)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.step = 0
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+
+    def init(self, config: GracefulConfig) -> str:
+        world, rank, addr, port = self._group
+        init_gloo(rank, world, addr, port)
+        return str(
+            self.graceful_setup(
+                "policy",
+                shard="model",
+                state_dict=self.state,
+                load_state_dict=self.load,
+                config=config,
+            )
+        )
+
+    def rejoin(self) -> Rejoined:  # the warm restart: the user's side
+        joined = self.graceful_rejoin(
+            "policy", state_dict=self.state, load_state_dict=self.load, config=self.config
+        )
+        self.step = joined.step if joined.joined else self.step
+        return joined
+
+    def train(self, steps: int, step_s: float = 0.0) -> int:
+        for _ in range(steps):
+            x = torch.full((4, 16), math.sin(self.step))  # bounded: no step overflows
+            self.opt.zero_grad()
+            self.model(x).pow(2).mean().backward()
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            self.opt.step()
+            self.step += 1
+            if self.should_stop(self.step):
+                break
+            time.sleep(step_s)
+        return self.step
+
+    def snapshot(self) -> dict:
+        """Rank, world, step and the full state, as plain tensors."""
+        return {
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            "step": self.step,
+            "pid": os.getpid(),
+            "state": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "momentum": [
+                self.opt.state[p]["momentum_buffer"].clone() for p in self.model.parameters()
+            ],
+        }
+
+    def all_reduce_rank(self) -> float:
+        x = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(x)
+        return x.item()
+
+    def pid(self) -> int:
+        return os.getpid()
