@@ -1,10 +1,13 @@
-"""A SkyRL-style hand-built worker group that adopts ray_graceful, end to end.
+"""A SkyRL-style hand-built worker group that adopts ray_graceful, end to end, and comes back warm.
 
 The worker base class is undecorated (like SkyRL's ``DistributedTorchRayActor``); adopting the
 plugin is two lines - the mixin on the base, and ``graceful_setup`` right after
-``init_process_group``. The driver starts one coordinator. Then one rank gets SIGTERM while the
-others are blocked in an all-reduce: every rank leaves within a second, the chosen replica of
-each shard saves, the checkpoint is committed, and a new group resumes from it.
+``init_process_group`` - and a warm restart three more (``rejoin``). The driver starts one
+coordinator with ``warm_restart=True`` and one spare. Then one rank gets SIGTERM while the others
+are blocked in an all-reduce: every rank is released within a second, the chosen replica of each
+shard saves, the checkpoint is committed, and - instead of a new group - the survivors keep
+their processes, the spare takes the evicted slot, and the group re-forms in place at the
+committed step.
 
     python examples/actor_group.py                 # on a local Ray instance
     python examples/actor_group.py --address auto  # on a running cluster
@@ -29,14 +32,16 @@ from ray_graceful import Coordinator, GracefulConfig, GracefulWorkerMixin
 
 
 class DistributedTorchRayActor(GracefulWorkerMixin):  # (1) the mixin, on the undecorated base
-    def __init__(self, world_size: int, rank: int, master_addr: str, master_port: int) -> None:
+    def __init__(
+        self, world_size: int = 0, rank: int = 0, master_addr: str = "", master_port: int = 0
+    ) -> None:
         self._world_size, self._rank = world_size, rank
         self._master_addr, self._master_port = master_addr, master_port
         torch.manual_seed(0)
         self.model = torch.nn.Linear(32, 32)
         self.step = 0
 
-    def init_worker_process_group(self, config: GracefulConfig, resume: str | None = None) -> str:
+    def init_worker_process_group(self, config: GracefulConfig) -> str:
         os.environ.update(MASTER_ADDR=self._master_addr, MASTER_PORT=str(self._master_port))
         dist.init_process_group(
             "gloo",
@@ -44,15 +49,25 @@ class DistributedTorchRayActor(GracefulWorkerMixin):  # (1) the mixin, on the un
             world_size=self._world_size,
             timeout=datetime.timedelta(seconds=600),
         )
-        if resume is not None:
-            saved = ray_graceful.load_state_dict(resume)
-            self.model.load_state_dict(saved["state"])
-            self.step = saved["step"]
         # (2) one call right after init_process_group. Ranks r and r+2 hold the same shard.
         status = self.graceful_setup(
-            "policy", shard=self._rank % 2, config=config, state_dict=self.model.state_dict
+            "policy",
+            shard=self._rank % 2,
+            config=config,
+            state_dict=self.model.state_dict,
+            load_state_dict=self.model.load_state_dict,  # what a warm restart loads into
         )
         return str(status)
+
+    def rejoin(self, config: GracefulConfig) -> ray_graceful.Rejoined:  # (3) the warm restart
+        joined = self.graceful_rejoin(
+            "policy",
+            state_dict=self.model.state_dict,
+            load_state_dict=self.model.load_state_dict,
+            config=config,
+        )
+        self.step = joined.step if joined.joined else self.step
+        return joined
 
     def train(self, steps: int, step_s: float = 0.2) -> int:
         for _ in range(steps):
@@ -81,17 +96,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_group(config: GracefulConfig, world: int, resume: object = None) -> list:
+def start_group(config: GracefulConfig, world: int) -> list:
     port = free_port()
     ranks = [PolicyWorker.remote(world, r, "127.0.0.1", port) for r in range(world)]
-    statuses = ray.get(
-        [
-            r.init_worker_process_group.remote(
-                config, resume.shard_path(f"policy/{i % 2}") if resume else None
-            )
-            for i, r in enumerate(ranks)
-        ]
-    )
+    statuses = ray.get([r.init_worker_process_group.remote(config) for r in ranks])
     print(statuses[0])
     return ranks
 
@@ -107,35 +115,44 @@ def main() -> None:
         checkpoint_dir=os.path.join(work, "ckpt"),
         report_dir=os.path.join(work, "reports"),
         coordinator_name=f"example-{os.getpid()}",
+        warm_restart=True,
     )
     ray.init(address=args.address)
     coordinator = Coordinator.start(config)
 
     ranks = start_group(config, args.world)
-    victim = ray.get(ranks[0].pid.remote())  # asked now: a busy sync actor answers nothing
+    spare = PolicyWorker.remote()  # imports done, model built: waits for an evicted slot
+    group = ray_graceful.WarmGroup(
+        coordinator, ranks, spares=[spare], method="rejoin", args=(config,)
+    )
+    pids = ray.get([r.pid.remote() for r in ranks])  # asked now: a busy sync actor answers nothing
     ray.get([r.train.remote(3, 0.0) for r in ranks])  # three steps everywhere
     stuck = [r.train.remote(10_000) for r in ranks[:-1]]  # the last rank never joins:
     time.sleep(1.0)  # the others block in all_reduce
     assert not ray.wait(stuck, timeout=0)[0]
 
-    print(f"SIGTERM to rank 0 (pid {victim}) while ranks 0-{args.world - 2} sit in all_reduce")
-    os.kill(victim, signal.SIGTERM)
-    outcome = coordinator.wait_outcome(timeout=60)
+    print(f"SIGTERM to rank 0 (pid {pids[0]}) while ranks 0-{args.world - 2} sit in all_reduce")
+    os.kill(pids[0], signal.SIGTERM)
     for i, ref in enumerate(stuck):  # each blocked all_reduce ended at once, with an error
         try:
             ray.get(ref, timeout=30)
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
             print(f"  rank {i}: train() ended with {type(exc).__name__}")
-    print(outcome.plan_table)
-    print(outcome.summary())
-    for report in sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"]):
-        print("  " + ray_graceful.TeardownReport.from_dict(report).summary())
 
-    committed = ray_graceful.latest_committed(config.checkpoint_dir)
-    new_ranks = start_group(config, args.world, resume=committed)
-    steps = ray.get([r.train.remote(2, 0.0) for r in new_ranks])
-    print(f"restarted from step {committed.step}; now at step {steps[0]}")
-    for r in new_ranks:
+    restart = group.restart(timeout=60)  # the one call: survivors + spare, re-formed in place
+    print(restart.outcome.plan_table)
+    print(restart.outcome.summary())
+    new_pids = ray.get([r.pid.remote() for r in group.workers])
+    for member, pid in zip(restart.members, new_pids, strict=True):
+        kept = "same process" if pid in pids else "new process"
+        print(
+            f"  rank {member.rank}: {member.was}, {kept} (pid {pid}), state from "
+            f"{member.loaded_from} in {sum(member.seconds.values()):.2f}s"
+        )
+    steps = ray.get([r.train.remote(2, 0.0) for r in group.workers])
+    print(f"warm restart from step {restart.step}; now at step {steps[0]}")
+    coordinator.job_finished()
+    for r in group.workers:
         ray.kill(r)
     coordinator.shutdown()
 

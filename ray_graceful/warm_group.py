@@ -13,9 +13,10 @@ group back without new processes::
         except ray.exceptions.RayError:
             group.restart()          # survivors + spares, re-formed in place
 
-Spares are started by the constructor: each waits inside its rejoin method (``graceful_rejoin``
-by default) until it is handed an evicted slot. ``restart`` waits for the eviction's outcome,
-calls the same method on every worker still alive, and returns once every member joined -
+Spares are started by the constructor, which returns once the coordinator has them: each waits
+inside its rejoin method (``graceful_rejoin`` by default, called with ``args``) until it is
+handed an evicted slot. ``restart`` waits for the eviction's outcome, calls the same method on
+every worker still alive, and returns once every member joined -
 ``group.workers`` is then the new group in rank order. If the coordinator decided against a
 warm restart (no committed step, no spare and no smaller size allowed...), or a member failed,
 every rank has left cleanly and ``WarmRestartFailed`` says why: restart cold from the
@@ -24,10 +25,12 @@ checkpoint, as without one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .coordinator import Coordinator
+from .notices import short
 from .outcome import TerminationOutcome
 from .protocol import Rejoined
 
@@ -67,10 +70,11 @@ class WarmGroup:
         workers: list[Any],
         spares: list[Any] = (),  # type: ignore[assignment]
         method: str = "graceful_rejoin",
+        args: tuple[Any, ...] = (),
     ) -> None:
         self.coordinator = coordinator
         self.workers = list(workers)
-        self.method = method
+        self.method, self.args = method, args
         self._spares: dict[Any, Any] = {}  # ObjectRef of its pending rejoin -> the spare
         self.add_spares(spares)
 
@@ -79,10 +83,33 @@ class WarmGroup:
         """The spares still waiting for a slot."""
         return list(self._spares.values())
 
-    def add_spares(self, spares: list[Any]) -> None:
-        """Start spares waiting (each in its rejoin method) for an evicted slot."""
+    def add_spares(self, spares: list[Any], timeout: float = 120.0) -> None:
+        """Start spares waiting (each in its rejoin method); return once the coordinator has them.
+
+        A spare that is not registered yet when an eviction comes cannot take the slot, so this
+        waits (bounded) until the coordinator lists them; ``TimeoutError`` says how many came.
+        """
+        import ray
+
+        if not spares:
+            return
+        before = len(self.coordinator.status()["spares"])
         for spare in spares:
-            self._spares[getattr(spare, self.method).remote()] = spare
+            self._spares[getattr(spare, self.method).remote(*self.args)] = spare
+        deadline = time.monotonic() + timeout
+        while (waiting := len(self.coordinator.status()["spares"])) < before + len(spares):
+            failed, _ = ray.wait(list(self._spares), timeout=0)
+            if failed or time.monotonic() > deadline:
+                why: object = f"not within {timeout}s"
+                if failed:
+                    try:
+                        why = ray.get(failed[0])
+                    except Exception as exc:  # its rejoin method raised: say what
+                        why = exc
+                raise TimeoutError(
+                    f"{waiting - before} of {len(spares)} spare(s) registered ({short(why)})"
+                )
+            time.sleep(0.05)
 
     def restart(self, timeout: float = 60.0) -> WarmRestart:
         """Re-form the group after an eviction; ``WarmRestartFailed`` where it cannot be."""
@@ -98,7 +125,7 @@ class WarmGroup:
             )
         expected = len(warm["members"])
         joined: list[tuple[Rejoined, Any]] = []
-        calls = {getattr(w, self.method).remote(): w for w in self.workers}
+        calls = {getattr(w, self.method).remote(*self.args): w for w in self.workers}
         spares_needed = sum(1 for m in warm["members"] if m["was"].startswith("spare"))
         ready, _ = ray.wait(list(self._spares), num_returns=spares_needed, timeout=timeout)
         calls.update({ref: self._spares.pop(ref) for ref in ready})

@@ -28,7 +28,11 @@ def test_actor_group_example(ray_cluster):
     out = result.stdout
     assert "SIGTERM to rank 0" in out
     assert "cycle 0: committed; 4 report(s), 0 missing; resume from step 3" in out
-    assert "restarted from step 3; now at step 5" in out
+    assert "warm restart: rejoining (4 member(s))" in out
+    assert "rank 0: spare for rank 0, new process" in out
+    for rank in (1, 2, 3):  # the survivors kept their processes
+        assert f"rank {rank}: survivor of rank {rank}, same process" in out
+    assert "warm restart from step 3; now at step 5" in out
 
 
 @pytest.mark.timeout(320)

@@ -134,9 +134,10 @@ class Teardown:
         self.training = training
         self.exit_process = exit_process
         self.quiescent = training is None  # no loop registered: nothing to wait for
-        # The step this rank's state provably is: found at its boundary before any release. A
-        # thread released from inside a step may hold a half-applied update (warm restart:
-        # such a rank loads the committed step instead of trusting its own state).
+        # The step this rank's state provably is: the thread is held inside should_stop(step).
+        # A thread found outside its loop may have left it by an exception from a collective a
+        # peer's release broke, its update half-applied: not proof (warm restart: such a rank
+        # loads the committed step instead of trusting its own state).
         self.clean_step: int | None = None
         # Set once the training thread may leave should_stop (parked there until the save).
         self.training_released = threading.Event()
@@ -266,7 +267,7 @@ class Teardown:
         waited_ms = (time.monotonic() - started) * 1000
         self.quiescent = state in ("parked", "idle")
         step = self.training.step()
-        self.clean_step = step if self.quiescent else None
+        self.clean_step = step if state == "parked" else None
         if state == "parked":
             return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms"
         if state == "idle":

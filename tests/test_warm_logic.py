@@ -1,0 +1,137 @@
+"""The coordinator's warm-restart part as pure logic: who joins as which rank, or why not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ray_graceful import GracefulConfig
+from ray_graceful.coordinator.registry import Spare
+from ray_graceful.coordinator.warm import Survivor, WarmRestarts
+from ray_graceful.protocol import RankSpec, Rejoined
+
+
+def warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
+    """A warm part whose survivors hold ``{rank: shard}`` of group "g" (world ``world``)."""
+    part = WarmRestarts(GracefulConfig(warm_restart=True, **config), lambda: ("10.0.0.1", 2345))
+    part.survivors = {
+        f"p{rank}": Survivor(f"p{rank}", RankSpec("g", rank, world, shard, True), "n1", 100 + rank)
+        for rank, shard in survivors.items()
+    }
+    return part
+
+
+def decide(part: WarmRestarts, evicted: dict[int, str], spares=(), step=7, committed=True):
+    return part.decide(
+        0,
+        step,
+        committed,
+        {pid: True for pid in part.survivors},
+        {"g": evicted},
+        list(spares),
+        frozenset({"gone"}),
+    )
+
+
+def test_a_spare_takes_the_evicted_rank_and_its_shard():
+    part = warm({1: "model", 2: "model", 3: "model"})
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    assert record.result == "rejoining"
+    assert {m: (r.rank, r.world_size, r.was) for m, r in record.members.items()} == {
+        "s1": (0, 4, "spare for rank 0"),
+        "p1": (1, 4, "survivor of rank 1"),
+        "p2": (2, 4, "survivor of rank 2"),
+        "p3": (3, 4, "survivor of rank 3"),
+    }
+    answer = record.members["s1"]
+    assert (answer.step, answer.shard, answer.store_host, answer.store_port) == (
+        7,
+        "model",
+        "10.0.0.1",
+        2345,
+    )
+    assert answer.prefix == "ray_graceful/cycle1/g"  # a new prefix per cycle: stale ranks miss it
+
+
+def test_spares_on_a_leaving_node_and_standbys_are_never_handed_a_slot():
+    part = warm({1: "model"}, world=2)
+    spares = [Spare("gone-spare", "spare", "gone", 1), Spare("standby", "standby", "n2", 2)]
+    record = decide(part, {0: "model"}, spares)
+    assert record.result == "cold" and "no spare free" in record.reason
+    assert record.told_to_leave == {"p1": record.reason}
+
+
+def test_the_group_continues_smaller_where_allowed_and_every_shard_keeps_a_holder():
+    part = warm({0: "model", 2: "model", 3: "model"}, min_world_size=2)
+    record = decide(part, {1: "model"})
+    assert record.result == "rejoining"
+    assert sorted((r.rank, r.world_size, r.was) for r in record.members.values()) == [
+        (0, 3, "survivor of rank 0"),
+        (1, 3, "survivor of rank 2"),
+        (2, 3, "survivor of rank 3"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("floor", "evicted", "why"),
+    [
+        (0, {1: "model"}, "min_world_size is 0"),
+        (4, {1: "model"}, "below min_world_size 4"),
+        (2, {1: "1"}, "shard(s) 1 would have no holder"),
+    ],
+)
+def test_a_smaller_group_is_refused_with_the_reason(floor, evicted, why):
+    part = warm(
+        {0: "0", 2: "2", 3: "3"} if evicted == {1: "1"} else {0: "model", 2: "model", 3: "model"},
+        min_world_size=floor,
+    )
+    record = decide(part, evicted)
+    assert record.result == "cold" and why in record.reason
+
+
+def test_without_a_committed_step_or_with_a_silent_survivor_every_survivor_leaves():
+    part = warm({1: "model"}, world=2)
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)], committed=False)
+    assert record.result == "cold" and "no checkpoint was committed" in record.reason
+    part = warm({1: "model", 2: "model"}, world=3)
+    record = part.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "model"}}, [Spare("s", "spare", "n", 1)], frozenset()
+    )
+    assert record.result == "cold" and "sent no teardown report (pid 102)" in record.reason
+
+
+def test_a_member_asks_before_the_decision_and_gets_its_answer_when_it_is_made():
+    async def scenario():
+        part = warm({1: "model"}, world=2)
+        asked = asyncio.ensure_future(part.rendezvous("p1", 5.0))
+        await asyncio.sleep(0.05)
+        assert not asked.done()  # the cycle has not concluded: it waits
+        decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+        answer = await asked
+        assert (answer.action, answer.rank, answer.world_size) == ("join", 1, 2)
+        stranger = await part.rendezvous("someone-else", 0.1)
+        assert stranger.action == "leave" and "not a member" in stranger.reason
+
+    asyncio.run(scenario())
+
+
+def test_one_member_that_cannot_join_fails_the_warm_restart_with_its_reason():
+    part = warm({1: "model", 2: "model"}, world=3)
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    ok = Rejoined("joined", "p1", "g", 1, 3, 7, record.cycle, loaded_from="own state")
+    assert part.joined(ok) is None and record.result == "rejoining"
+    bad = Rejoined("left", "s1", "g", 0, 3, 7, record.cycle, reason="load failed: disk gone")
+    assert part.joined(bad) is record
+    assert record.result == "failed" and "spare for rank 0: load failed" in record.reason
+    assert record.done.is_set()
+    described = {m["member"]: m["action"] for m in record.to_dict()["members"]}
+    assert described == {"s1": "left", "p1": "joined", "p2": "pending"}
+
+
+def test_every_member_joined_completes_the_record():
+    part = warm({1: "model"}, world=2)
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    for member, answer in record.members.items():
+        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
+    assert record.result == "rejoined" and record.done.is_set()
