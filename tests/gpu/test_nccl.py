@@ -163,3 +163,80 @@ def test_nvml_probe_reads_a_real_driver():
     assert {"xid_events", "recovery_action", "ecc", "row_remap", "retired_pages", "nvlink"} <= (
         names
     ), report.checks
+
+
+def _warm_rank(rank: int, world: int, port: int, store_port: int, queue) -> None:
+    """Abort a blocked NCCL collective, destroy the group, re-form it in the same process."""
+    import torch.distributed as dist
+
+    from ray_graceful.protocol import Rendezvous
+    from ray_graceful.rendezvous import form_group
+    from ray_graceful.worker.process_groups import release, resolve_group
+
+    if SHARED:
+        os.environ["NCCL_HOSTID"] = f"host-{os.getpid()}"
+    torch.cuda.set_device(_device(rank))
+    kept = torch.full((1024,), float(rank), device="cuda")  # lives through the restart
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "nccl",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+        device_id=torch.device("cuda", _device(rank)),
+    )
+    handle = resolve_group("warm")
+    if rank == 0:
+        threading.Timer(1.0, lambda: release(handle)).start()
+        try:
+            dist.all_reduce(torch.ones(4, device="cuda"))  # the peer never joins: aborted
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    else:
+        time.sleep(2.0)
+        release(handle)
+    dist.destroy_process_group()
+    start = time.monotonic()
+    form_group(
+        Rendezvous(
+            "join",
+            cycle=1,
+            group="warm",
+            rank=rank,
+            world_size=world,
+            store_host="127.0.0.1",
+            store_port=store_port,
+            prefix="ray_graceful/cycle1/warm",
+            timeout_s=60,
+        ),
+        "nccl",
+    )
+    x = torch.tensor([float(rank + 1)], device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    queue.put((rank, x.item(), kept.sum().item(), time.monotonic() - start))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not RANKS_FIT, reason="multi-rank NCCL needs two GPUs or GPU_SHARE=1")
+@pytest.mark.timeout(180)
+def test_nccl_group_reforms_in_the_same_processes_after_an_abort():
+    """Warm restart on NCCL: abort, destroy_process_group, init again - CUDA context kept."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_warm_rank, args=(r, 2, port, store.port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=150) for _ in procs)
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    print("re-formed:", results)
+    assert [r[1] for r in results] == [3.0, 3.0]  # the new group's all-reduce sums 1 + 2
+    assert [r[2] for r in results] == [0.0, 1024.0]  # tensors from before are still valid
