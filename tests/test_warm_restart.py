@@ -137,3 +137,32 @@ def _alive(actor) -> bool:
         return True
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
+
+
+@pytest.mark.timeout(240)
+def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
+    ray_cluster, tmp_path
+):
+    """The spare registered no load_state_dict: it cannot hold the committed step, says so,
+    and the coordinator ends the members that did join with a normal teardown."""
+    config = warm_config(tmp_path)
+    coordinator = Coordinator.start(config)
+    workers = start_group(config, 2)
+    spare = Worker.remote(config=config)
+    try:
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin_without_loader")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[1])
+
+        with pytest.raises(WarmRestartFailed, match="1 of 2 member"):
+            group.restart(timeout=60)
+        record = coordinator.wait_rejoined(1, timeout=30)
+        assert record["result"] == "failed" and "no load_state_dict" in record["reason"]
+        # The survivor had joined; the failure's notice ended it cleanly (cycle 1's outcome).
+        outcome = coordinator.wait_outcome(timeout=60, cycle=1)
+        assert outcome is not None and outcome.notices[0]["source"] == "rejoin"
+        wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
+        wait_for(lambda: not _alive(spare), 30, "the spare to leave")
+    finally:
+        kill_actors(*workers, spare)
+        coordinator.shutdown()

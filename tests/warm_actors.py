@@ -62,6 +62,11 @@ class WarmWorker(GracefulWorkerMixin):
         self.step = joined.step if joined.joined else self.step
         return joined
 
+    def rejoin_without_loader(self) -> Rejoined:  # a spare that forgot load_state_dict=
+        joined = self.graceful_rejoin("policy", state_dict=self.state, config=self.config)
+        self.step = joined.step if joined.joined else self.step
+        return joined
+
     def train(self, steps: int, step_s: float = 0.0) -> int:
         for _ in range(steps):
             x = torch.full((4, 16), math.sin(self.step))  # bounded: no step overflows

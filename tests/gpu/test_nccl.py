@@ -28,10 +28,9 @@ def _device(rank: int) -> int:
     return rank % torch.cuda.device_count()
 
 
-def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
+def _init_nccl(rank: int, world: int, port: int) -> None:
+    """This process as NCCL rank ``rank`` (GPU_SHARE: several ranks on one GPU)."""
     import torch.distributed as dist
-
-    from ray_graceful.worker.process_groups import release, resolve_group
 
     if SHARED:
         os.environ["NCCL_HOSTID"] = f"host-{os.getpid()}"
@@ -44,6 +43,14 @@ def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
         timeout=datetime.timedelta(seconds=60),
         device_id=torch.device("cuda", _device(rank)),
     )
+
+
+def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from ray_graceful.worker.process_groups import release, resolve_group
+
+    _init_nccl(rank, world, port)
     handle = resolve_group("nccl-test")
     extra = dist.new_group(backend="nccl")  # a weight-sync group beside the training group
     extra_handle = resolve_group("weight-sync", process_group=extra)
@@ -173,18 +180,8 @@ def _warm_rank(rank: int, world: int, port: int, store_port: int, queue) -> None
     from ray_graceful.rendezvous import form_group
     from ray_graceful.worker.process_groups import release, resolve_group
 
-    if SHARED:
-        os.environ["NCCL_HOSTID"] = f"host-{os.getpid()}"
-    torch.cuda.set_device(_device(rank))
+    _init_nccl(rank, world, port)
     kept = torch.full((1024,), float(rank), device="cuda")  # lives through the restart
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "nccl",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-        device_id=torch.device("cuda", _device(rank)),
-    )
     handle = resolve_group("warm")
     if rank == 0:
         threading.Timer(1.0, lambda: release(handle)).start()
