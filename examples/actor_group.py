@@ -61,7 +61,6 @@ class DistributedTorchRayActor(GracefulWorkerMixin):  # (1) the mixin, on the un
 
     def rejoin(self, config: GracefulConfig) -> ray_graceful.Rejoined:  # (3) the warm restart
         joined = self.graceful_rejoin(
-            "policy",
             state_dict=self.model.state_dict,
             load_state_dict=self.model.load_state_dict,
             config=config,

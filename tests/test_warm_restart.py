@@ -3,6 +3,7 @@ slot, the group is re-formed in place, and every rank holds bitwise the committe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import uuid
@@ -48,6 +49,21 @@ def start_group(config: GracefulConfig, world: int) -> list:
     return workers
 
 
+@contextlib.contextmanager
+def warm_job(tmp_path, world: int, spares: int = 0):
+    """A coordinator with warm restart on, a trained-ready group and its spares; all ended."""
+    config = warm_config(tmp_path)
+    coordinator = Coordinator.start(config)
+    workers, spare_actors = [], []
+    try:
+        workers = start_group(config, world)
+        spare_actors = [Worker.remote(config=config) for _ in range(spares)]
+        yield config, coordinator, workers, spare_actors
+    finally:
+        kill_actors(*workers, *spare_actors)
+        coordinator.shutdown()
+
+
 def training_until_evicted(coordinator: Coordinator, workers: list, victim: int) -> None:
     """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended."""
     ray.get([w.train.remote(3) for w in workers], timeout=60)
@@ -65,11 +81,7 @@ def training_until_evicted(coordinator: Coordinator, workers: list, victim: int)
 
 @pytest.mark.timeout(240)
 def test_survivors_keep_their_processes_and_a_spare_takes_the_evicted_slot(ray_cluster, tmp_path):
-    config = warm_config(tmp_path)
-    coordinator = Coordinator.start(config)
-    workers = start_group(config, 4)
-    spare = Worker.remote(config=config)
-    try:
+    with warm_job(tmp_path, 4, spares=1) as (config, coordinator, workers, [spare]):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
         training_until_evicted(coordinator, workers, pids[0])
@@ -107,17 +119,11 @@ def test_survivors_keep_their_processes_and_a_spare_takes_the_evicted_slot(ray_c
         loaded = {m["rank"]: m["loaded_from"] for m in record["members"]}
         assert loaded[0] == "disk"  # the spare had nothing of its own
         assert set(loaded.values()) <= {"own state", "disk"}
-    finally:
-        kill_actors(*workers, spare)
-        coordinator.shutdown()
 
 
 @pytest.mark.timeout(240)
 def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluster, tmp_path):
-    config = warm_config(tmp_path)
-    coordinator = Coordinator.start(config)
-    workers = start_group(config, 2)
-    try:
+    with warm_job(tmp_path, 2) as (_config, coordinator, workers, _spares):
         group = WarmGroup(coordinator, workers, method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
         training_until_evicted(coordinator, workers, pids[1])
@@ -126,9 +132,6 @@ def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluste
             group.restart(timeout=60)
         # The survivor was told to leave: it is gone, not left behind as an idle actor.
         wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
-    finally:
-        kill_actors(*workers)
-        coordinator.shutdown()
 
 
 def _alive(actor) -> bool:
@@ -145,11 +148,7 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
 ):
     """The spare registered no load_state_dict: it cannot hold the committed step, says so,
     and the coordinator ends the members that did join with a normal teardown."""
-    config = warm_config(tmp_path)
-    coordinator = Coordinator.start(config)
-    workers = start_group(config, 2)
-    spare = Worker.remote(config=config)
-    try:
+    with warm_job(tmp_path, 2, spares=1) as (_config, coordinator, workers, [spare]):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin_without_loader")
         pids = ray.get([w.pid.remote() for w in workers])
         training_until_evicted(coordinator, workers, pids[1])
@@ -163,6 +162,3 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
         assert outcome is not None and outcome.notices[0]["source"] == "rejoin"
         wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
         wait_for(lambda: not _alive(spare), 30, "the spare to leave")
-    finally:
-        kill_actors(*workers, spare)
-        coordinator.shutdown()

@@ -57,13 +57,13 @@ class WarmWorker(GracefulWorkerMixin):
 
     def rejoin(self) -> Rejoined:  # the warm restart: the user's side
         joined = self.graceful_rejoin(
-            "policy", state_dict=self.state, load_state_dict=self.load, config=self.config
+            state_dict=self.state, load_state_dict=self.load, config=self.config
         )
         self.step = joined.step if joined.joined else self.step
         return joined
 
     def rejoin_without_loader(self) -> Rejoined:  # a spare that forgot load_state_dict=
-        joined = self.graceful_rejoin("policy", state_dict=self.state, config=self.config)
+        joined = self.graceful_rejoin(state_dict=self.state, config=self.config)
         self.step = joined.step if joined.joined else self.step
         return joined
 

@@ -111,11 +111,12 @@ class WarmRestarts:
         self.config = config
         self._store_factory = store
         self._store: tuple[str, int] | None = None
-        self.survivors: dict[str, Survivor] = {}  # of the cycle in flight
+        # Of the cycle in flight, from its plan until ``decide`` consumed them: a member found
+        # here is waiting for a decision not made yet.
+        self.survivors: dict[str, Survivor] = {}
         self.current: WarmRecord | None = None
         self.records: dict[int, WarmRecord] = {}  # by the new cycle's number
         self._waiters: dict[str, asyncio.Future] = {}
-        self._decided = asyncio.Event()
 
     @property
     def enabled(self) -> bool:
@@ -128,7 +129,6 @@ class WarmRestarts:
     ) -> set[str]:
         """The processes whose order says ``rejoin``; remembered for ``decide``."""
         self.survivors = {}
-        self._decided = asyncio.Event()
         if not self.enabled or cooperative or plan.abandoned:
             return set()
         staying = {(o.group, o.rank) for o in plan.orders if not o.evicted and o.health != FAULTY}
@@ -181,7 +181,8 @@ class WarmRestarts:
         self.records[record.cycle] = record
         for old in [c for c in self.records if c < record.cycle - 16]:
             del self.records[old]
-        self._decided.set()
+        # Decided: a later cycle that ends before its plan (a failed cycle) finds none left.
+        self.survivors = {}
         for member, future in list(self._waiters.items()):
             answer = self._answer(member)
             if answer is not None and not future.done():
@@ -307,7 +308,7 @@ class WarmRestarts:
             return record.members[member]
         if record is not None and member in record.told_to_leave:
             return Rendezvous("leave", record.told_to_leave[member], record.cycle)
-        if member in self.survivors and not self._decided.is_set():
+        if member in self.survivors:
             return None  # the cycle has not concluded yet: wait for it
         return Rendezvous("leave", "not a member of a warm restart (no rejoin order for it)")
 

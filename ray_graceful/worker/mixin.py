@@ -90,7 +90,6 @@ class GracefulWorkerMixin:
 
     def graceful_rejoin(
         self,
-        name: str = "default",
         *,
         state_dict: Callable[[], Any] | None = None,
         load_state_dict: Callable[[Any], Any] | None = None,
@@ -103,7 +102,6 @@ class GracefulWorkerMixin:
         at once, and it waits there until it is handed a slot or the job ends.
         """
         return rejoin(
-            name,
             state_dict=state_dict,
             load_state_dict=load_state_dict,
             config=config,

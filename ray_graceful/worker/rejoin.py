@@ -44,7 +44,6 @@ RENDEZVOUS_POLL_S = 5.0
 
 
 def rejoin(
-    name: str = "default",
     *,
     state_dict: Callable[[], Any] | None = None,
     load_state_dict: Callable[[Any], Any] | None = None,
@@ -56,9 +55,9 @@ def rejoin(
     - A survivor (its order said ``rejoin``) keeps what it registered; the arguments are only
       needed where it registered none (``load_state_dict``).
     - A spare (nothing registered yet) waits here until it is handed a slot, or the job ends
-      (then ``action == "left"`` and the process exits 0 once the call returned). Its
-      ``state_dict``/``load_state_dict`` and ``name`` are registered as ``graceful_setup``
-      would.
+      (then ``action == "left"`` and the process exits 0 once the call returned). It takes
+      the evicted rank's group and shard; its ``state_dict``/``load_state_dict`` are
+      registered as ``graceful_setup`` would.
     - ``backend``: of the new group; default the survivor's old one, else "nccl" where CUDA
       is available and "gloo" elsewhere.
 
@@ -105,7 +104,6 @@ def rejoin(
             survivor,
             state_dict,
             load_state_dict,
-            name,
         )
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"[:400]
@@ -161,7 +159,6 @@ def _join(
     survivor: Registration | None,
     state_dict: Callable[[], Any] | None,
     load_state_dict: Callable[[Any], Any] | None,
-    name: str,
 ) -> Rejoined:
     started = time.monotonic()
     clean_step = runtime.teardown.clean_step if runtime.teardown is not None else None
