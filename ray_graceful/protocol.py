@@ -298,7 +298,8 @@ class Rejoined:
 
     ``action`` is "joined" or "left"; ``loaded_from`` is "own state" (it already held the
     step), "memory-local", "memory-peer" or "disk"; ``seconds`` splits the time into
-    ``rendezvous`` (the new process group formed) and ``load``.
+    ``rendezvous`` (the new process group formed), ``register`` (its rank registered in the
+    new cycle) and ``load``.
     """
 
     action: str  # "joined" | "left"

@@ -148,3 +148,10 @@ def test_an_evicted_saver_hands_its_shard_to_another_node_and_a_peer_loads_it(
         kill_actors(*restarted)
     finally:
         coordinator.shutdown()
+
+
+def test_holders_are_the_spares_nodes_first_where_a_warm_restart_will_load_there():
+    assert choose_holders("g/0", "evicted", ["a", "b", "c"], 1, preferred=["c"]) == ("c",)
+    # An evicted saver's node is not a survivor; a preferred node that is not either is skipped.
+    assert choose_holders("g/0", "a", ["a", "b"], 1, preferred=["gone", "b"]) == ("b",)
+    assert choose_holders("g/0", "a", ["a", "b", "c"], 2, preferred=["c"]) == ("c", "a")

@@ -135,3 +135,25 @@ def test_every_member_joined_completes_the_record():
     for member, answer in record.members.items():
         part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
     assert record.result == "rejoined" and record.done.is_set()
+
+
+def test_the_evicted_shards_copy_is_placed_on_the_node_of_the_spare_that_will_load_it():
+    from types import SimpleNamespace
+
+    part = warm({1: "s1", 3: "s3"})
+    plan = SimpleNamespace(
+        orders=[SimpleNamespace(group="g", rank=r, shard=f"s{r}") for r in (3, 2, 1, 0)]
+    )
+    spares = [
+        Spare("taken", "spare", "n9", 1, assigned=True),
+        Spare("standby", "standby", "n8", 2),
+        Spare("a", "spare", "na", 3),
+        Spare("b", "spare", "nb", 4),
+    ]
+    assert part.spare_nodes(plan, spares) == {"g/s0": ["na"], "g/s2": ["nb"]}
+    # ... and decide hands the same slots to the same spares.
+    record = decide(part, {0: "s0", 2: "s2"}, spares)
+    assert {m: r.rank for m, r in record.members.items() if not m.startswith("p")} == {
+        "a": 0,
+        "b": 2,
+    }

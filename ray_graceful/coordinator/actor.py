@@ -91,6 +91,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         self.lost_source = lost_source or ray_adapter.dead_actors
         self.registry = Registry()
         self.warm = WarmRestarts(config, store_factory or host_store)
+        self.warm.prepare()
         self.cycle = Cycle(0)
         self.job_state = "running"
         self.outcomes: dict[int, TerminationOutcome] = {}
@@ -347,6 +348,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         rejoiners = self.warm.choose_survivors(
             plan, self.registry.active(cycle.number), cycle.cooperative
         )
+        spare_nodes = self.warm.spare_nodes(plan, self.registry.spares.values())
         trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
         for process_id, orders in by_process.items():
             process = self.registry.processes[process_id]
@@ -357,7 +359,9 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 deadline=min(o.deadline for o in orders),
                 trigger=trigger,
                 saves=tuple(
-                    self._assignment(plan, o, survivors) for o in orders if o.action != "leave"
+                    self._assignment(plan, o, survivors, spare_nodes)
+                    for o in orders
+                    if o.action != "leave"
                 ),
                 skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
                 save_budget_s=self.config.save_budget_s,
@@ -378,7 +382,11 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         return self.config.checkpoint_dir
 
     def _assignment(
-        self, plan: TerminationPlan, order: RankOrder, survivors: list[str]
+        self,
+        plan: TerminationPlan,
+        order: RankOrder,
+        survivors: list[str],
+        spare_nodes: dict[str, list[str]],
     ) -> SaveAssignment:
         backup_for = None
         if order.action == "backup":
@@ -391,7 +399,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             self.config.checkpoint_dir or "",
             backup_for=backup_for,
             start_by=order.start_by,
-            keepers=self._holders_for(key, order.node_id, survivors),
+            keepers=self._holders_for(key, order.node_id, survivors, spare_nodes.get(key, ())),
         )
 
     async def _await_reports(self, cycle: Cycle) -> None:

@@ -19,10 +19,12 @@ restart never mixes its step with an older one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import ray_adapter
@@ -81,9 +83,13 @@ class MemoryTierMixin:
         return [node for node in self.keepers if node not in out and node not in self.leaving]
 
     def _holders_for(
-        self: CoordinatorActor, shard: str, saver_node: str, survivors: list[str]
+        self: CoordinatorActor,
+        shard: str,
+        saver_node: str,
+        survivors: list[str],
+        preferred: Sequence[str] = (),
     ) -> tuple[str, ...]:
-        nodes = choose_holders(shard, saver_node, survivors, self.config.memory_replicas)
+        nodes = choose_holders(shard, saver_node, survivors, self.config.memory_replicas, preferred)
         return tuple(keeper_name(self.job_id, self.instance_id, node) for node in nodes)
 
     # --- after a cycle concluded ----------------------------------------------------------
@@ -104,11 +110,20 @@ class MemoryTierMixin:
         task.add_done_callback(self.background.discard)
 
     async def _persist(self: CoordinatorActor, memory: MemoryCheckpoint) -> None:
-        """Keepers write their shards; the manifest goes last; older memory is released."""
+        """Keepers write their shards; the manifest goes last; older memory is released.
+
+        Where a warm restart from this checkpoint is under way, its members load first (from
+        these keepers): the durable copy waits until every member spoke, at most
+        ``rejoin_timeout_s``, instead of taking the keepers' CPU and memory bandwidth from it.
+        """
         import ray
 
         root = self.config.checkpoint_dir
         assert root is not None
+        rejoining = self.warm.records.get(memory.cycle + 1)
+        if rejoining is not None and not rejoining.done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(rejoining.done.wait(), self.config.rejoin_timeout_s)
         try:
             records: list[ShardRecord] = []
             calls = {}

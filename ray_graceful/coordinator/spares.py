@@ -32,6 +32,8 @@ class SparesMixin:
         self.registry.spares[spare_id] = spare
         if self.job_state != "running":
             spare.order = SpareOrder("exit", f"job {self.job_state}")
+        elif role == "spare":  # the copy of the shard it will load can wait on its own node
+            self._ensure_keeper(node_id)
         return Reply.ok(self.cycle.number)
 
     async def poll_spare(self: CoordinatorActor, spare_id: str, wait_s: float) -> SpareOrder | None:

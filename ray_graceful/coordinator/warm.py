@@ -33,7 +33,7 @@ from ..config import GracefulConfig
 from ..health import FAULTY
 from ..outcome import TerminationOutcome
 from ..plan import TerminationPlan
-from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder
+from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder, shard_key
 from .cycle import Cycle
 from .registry import Process, Registry, Spare, poll_timeout
 
@@ -122,6 +122,12 @@ class WarmRestarts:
     def enabled(self) -> bool:
         return self.config.warm_restart
 
+    def prepare(self) -> None:
+        """Host the store now, where warm restarts are on: hosting it imports torch, about a
+        second in a fresh process, which must not sit between an eviction and its outcome."""
+        if self.enabled and self._store is None:
+            self._store = self._store_factory()
+
     # --- 1. at plan time ---------------------------------------------------------------------
 
     def choose_survivors(
@@ -143,6 +149,23 @@ class WarmRestarts:
                     process.process_id, specs[0], process.node_id, process.registration.pid
                 )
         return set(self.survivors)
+
+    def spare_nodes(self, plan: TerminationPlan, spares: Iterable[Spare]) -> dict[str, list[str]]:
+        """Per shard key, the nodes of the spares that ``decide`` will hand its evicted slots.
+
+        ``decide`` hands the evicted slots of the survivors' groups, in (group, rank) order, to
+        the free spares in their registration order; the same pairing here lets the memory tier
+        put each evicted shard's copy on its spare's node (``memory/placement.py``). A hint
+        only: should the pool change before ``decide``, a spare loads from a peer instead.
+        """
+        groups = {s.spec.group for s in self.survivors.values()}
+        staying = {(s.spec.group, s.spec.rank) for s in self.survivors.values()}
+        free = [s for s in spares if s.role == "spare" and not s.assigned]
+        out: dict[str, list[str]] = {}
+        for order in sorted(plan.orders, key=lambda o: (o.group, o.rank)):
+            if order.group in groups and (order.group, order.rank) not in staying and free:
+                out.setdefault(shard_key(order.group, order.shard), []).append(free.pop(0).node_id)
+        return out
 
     # --- 2. when the cycle concluded ---------------------------------------------------------
 
@@ -206,7 +229,11 @@ class WarmRestarts:
         evicted_nodes: frozenset[str],
     ) -> str | None:
         """Fill ``record.members``; the reason when a group cannot continue."""
-        free = [s for s in spares if s.role == "spare" and s.node_id not in evicted_nodes]
+        free = [
+            s
+            for s in spares
+            if s.role == "spare" and not s.assigned and s.node_id not in evicted_nodes
+        ]
         groups: dict[str, list[Survivor]] = {}
         for survivor in self.survivors.values():
             groups.setdefault(survivor.spec.group, []).append(survivor)

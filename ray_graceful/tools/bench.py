@@ -1001,7 +1001,11 @@ def add_bench_parser(sub: Any) -> None:
         help="each rank's poll renewal interval (default 5, the config's default)",
     )
 
-    for p in (release, plan, overhead, save, recovery, fanout):
+    from .bench_restart import add_restart_parser
+
+    restart = add_restart_parser(names, positive_int, positive_ints, positive_seconds)
+
+    for p in (release, plan, overhead, save, recovery, fanout, restart):
         p.add_argument(
             "--json",
             type=writable_file,
@@ -1024,8 +1028,15 @@ def _bench_save(args: argparse.Namespace) -> dict[str, Any]:
     return bench_save(args)
 
 
+def _bench_restart(args: argparse.Namespace) -> dict[str, Any]:
+    from .bench_restart import bench_restart
+
+    return bench_restart(args)
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     run = {
+        "restart": _bench_restart,
         "release": bench_release,
         "plan": bench_plan,
         "overhead": bench_overhead,

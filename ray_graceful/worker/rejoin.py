@@ -177,6 +177,7 @@ def _join(
             load_state_dict=load_state_dict,
             config=config,
         )
+    registered = time.monotonic()
     control = runtime.control
     if control is None or control.cycle != answer.cycle:
         raise SetupError(
@@ -193,7 +194,11 @@ def _join(
         member,
         "joined",
         loaded_from=loaded_from,
-        seconds={"rendezvous": formed - started, "load": time.monotonic() - formed},
+        seconds={
+            "rendezvous": formed - started,
+            "register": registered - formed,
+            "load": time.monotonic() - registered,
+        },
     )
     _tell(coordinator, result)
     return result

@@ -1,0 +1,443 @@
+"""``bench restart``: a drained node's ranks come back warm, against today's cold restarts.
+
+One run compares three ways back to training after the same eviction, each repetition with its
+own eviction of a fresh node:
+
+- **warm**: ``warm_restart=True``. The survivors keep their processes; spares (started ahead of
+  time on a node that gets no notice, with their model allocated) take the evicted slots; the
+  group re-forms in place (``WarmGroup.restart``). The evicted shards' memory copies are put on
+  the spares' node (``memory/placement.py``);
+- **cold-memory**: today's path. Every rank leaves; the driver starts a new group of actors that
+  loads the memory tier's checkpoint (``load_latest``: the keeper on its node, else a peer);
+- **cold-disk**: no memory tier. Every rank leaves after saving to disk; a new group loads the
+  committed checkpoint from disk (its files dropped from the page cache first, as on a node that
+  never read them).
+
+Per repetition: a group of N ranks (each its own shard of ``mb`` MB, one memory replica) trains
+on node A and on a fresh node B, which hosts N/4 of them (at least one). Node B is drained
+through Ray (``drain_node``) with a deadline. The clock starts at that call and stops when
+every rank of the new group has taken its first step (an all-reduce over a sum of its whole
+state). Nothing is simulated: real raylets (on this one machine), real actors, real gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from ..worker.mixin import GracefulWorkerMixin
+
+NAMESPACE = "ray_graceful_bench"
+STATE_TENSORS = 16
+WAYS = ("warm", "cold-memory", "cold-disk")
+
+
+class RestartRank(GracefulWorkerMixin):
+    """A rank whose whole state is ``mb`` MB of tensors, allocated (and touched) at start."""
+
+    def __init__(self, mb: int, config: Any) -> None:
+        import torch
+        import torch.distributed
+
+        per = max(mb * (1 << 20) // 4 // STATE_TENSORS, 1)
+        self.state = {f"layer{i}": torch.ones(per) for i in range(STATE_TENSORS)}
+        self.config = config
+        self.marks: dict[str, float] = {"constructed_at": time.time()}
+
+    # --- the group that will be evicted -------------------------------------------------------
+
+    def join(self, rank: int, world: int, port: int) -> int:
+        """``init_process_group``, then the plugin's one call (with the loader a rejoin uses)."""
+        self._init_group(rank, world, port)
+        for tensor in self.state.values():
+            tensor.fill_(float(rank + 1))
+        self.graceful_setup(
+            "bench",
+            shard=str(rank),
+            config=self.config,
+            state_dict=lambda: self.state,
+            load_state_dict=self.load,
+        )
+        return os.getpid()
+
+    def train(self, steps: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        for step in range(1, steps + 1):
+            dist.all_reduce(torch.ones(1))
+            if self.should_stop(step):
+                return step
+            time.sleep(0.05)
+        return steps
+
+    def load(self, state: dict[str, Any]) -> None:
+        """What a model's ``load_state_dict`` does: copy into the tensors it already has."""
+        import torch
+
+        for name, value in state.items():
+            self.state[name].copy_(torch.as_tensor(value))
+
+    # --- warm: survivors and spares ------------------------------------------------------------
+
+    def rejoin(self) -> Any:
+        self.marks["rejoin_called_at"] = time.time()
+        joined = self.graceful_rejoin(
+            state_dict=lambda: self.state, load_state_dict=self.load, config=self.config
+        )
+        self.marks["rejoined_at"] = time.time()
+        return joined
+
+    def first_step(self) -> dict[str, float]:
+        """One training step that reads every byte of the state; the timestamps so far."""
+        import torch
+        import torch.distributed as dist
+
+        total = torch.stack([t.sum() for t in self.state.values()]).sum().reshape(1)
+        dist.all_reduce(total)
+        return {**self.marks, "stepped_at": time.time()}
+
+    # --- cold: a new group ---------------------------------------------------------------------
+
+    def start_cold(self, rank: int, world: int, port: int, tier: str) -> dict[str, Any]:
+        """Join a new group, load the committed shard (``tier``: "memory" or "disk"), step."""
+        from ..memory.handoff import load_shard
+        from ..protocol import shard_key
+        from ..worker.restore import load_latest
+
+        self.marks["called_at"] = time.time()
+        self._init_group(rank, world, port)
+        self.marks["joined_at"] = time.time()
+        if tier == "memory":
+            loaded = load_latest("bench", rank, self.config)
+        else:
+            key = shard_key("bench", str(rank))
+            loaded = load_shard(key, None, self.config.checkpoint_dir, NAMESPACE)
+        if loaded is None:
+            raise RuntimeError(f"rank {rank}: nothing committed to load")
+        self.load(loaded.state)
+        self.marks["loaded_at"] = time.time()
+        return {**self.first_step(), "tier": loaded.tier, "step": loaded.step}
+
+    def _init_group(self, rank: int, world: int, port: int) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+
+
+def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """Warm against cold (memory tier, disk), N ranks, per-rank shard sizes; see the module."""
+    import ray
+
+    from .bench import local_cluster
+
+    largest = max(args.sizes) << 20
+    store = int(largest * max(args.ranks) * 1.5) + (256 << 20)
+    ways = [w for w in args.ways.split(",") if w]
+    runs: list[dict[str, Any]] = []
+    with local_cluster(extra_nodes=1, head_cpus=2, object_store_bytes=store) as (cluster, nodes):
+        node_a = nodes[0].node_id
+        head = ray.get_runtime_context().get_node_id()
+        for n in args.ranks:
+            for mb in args.sizes:
+                # Repetition -1 is not counted: it faults in the object stores' pages (the
+                # first hand-off into an untouched store costs as much as a disk write).
+                for rep in range(-1, args.reps):
+                    for way in ways if rep % 2 == 0 else ways[::-1]:
+                        run = {"n": n, "mb": mb, "rep": rep, "way": way}
+                        try:
+                            run.update(
+                                _restart_once(ray, cluster, head, node_a, store, way, n, mb, args)
+                            )
+                        except Exception as exc:  # a failed run is a result: kept and counted
+                            run["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                        print(f"  {_line(run)}", flush=True)
+                        if rep >= 0:
+                            runs.append(run)
+    return {"runs": runs, "table": _report(runs, ways, args)}
+
+
+def _restart_once(
+    ray: Any,
+    cluster: Any,
+    head: str,
+    node_a: str,
+    store: int,
+    way: str,
+    n: int,
+    mb: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ..config import GracefulConfig
+    from ..coordinator import Coordinator
+    from ..ray_adapter import drain_node
+    from ..warm_group import WarmGroup
+    from ..worker.process_groups import free_port
+
+    evicted = max(1, n // 4)
+    work = tempfile.mkdtemp(prefix="bench-restart-")
+    config = GracefulConfig(
+        checkpoint_dir=os.path.join(work, "ckpt"),
+        report_dir=os.path.join(work, "reports"),
+        coordinator_namespace=NAMESPACE,
+        coordinator_name=f"bench-restart-{uuid.uuid4().hex[:8]}",
+        memory_replicas=0 if way == "cold-disk" else 1,
+        memory_budget_mb=mb * n * 2,
+        warm_restart=way == "warm",
+        rejoin_timeout_s=120.0,
+        drain_poll_interval_s=args.drain_poll,
+        health_probe="none",
+    )
+    node_b = cluster.add_node(num_cpus=2, object_store_memory=store)
+    cluster.wait_for_nodes()
+
+    def on(node_id: str) -> Any:
+        return ray.remote(RestartRank).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        )
+
+    coordinator = Coordinator.start(config, node_id=head)
+    actors: list[Any] = []
+    try:
+        workers = [
+            on(node_b.node_id if i < evicted else node_a).remote(mb, config) for i in range(n)
+        ]
+        actors += workers
+        port = free_port()
+        ray.get([w.join.remote(i, n, port) for i, w in enumerate(workers)], timeout=300)
+        group = None
+        if way == "warm":
+            spares = [on(node_a).remote(mb, config) for _ in range(evicted)]
+            actors += spares
+            ray.get([s.__ray_ready__.remote() for s in spares], timeout=300)  # imports done
+            group = WarmGroup(coordinator, workers, spares=spares, method="rejoin")
+        running = [w.train.remote(10**6) for w in workers]
+        _wait_training(coordinator, n)
+
+        t0 = time.time()
+        drain_node(node_b.node_id, t0 + args.deadline, "bench restart: drain")
+        ray.wait(running, num_returns=n, timeout=args.deadline + 60)
+        calls_ended_at = time.time()
+        outcome = coordinator.wait_outcome(timeout=args.deadline + 60, cycle=0)
+        committed_at = time.time()
+        if outcome is None or outcome.result != "committed":
+            raise RuntimeError(f"no commit: {outcome and outcome.summary()}")
+        step = int(outcome.committed["step"])
+        if group is not None:
+            restart = group.restart(timeout=120)
+            marks = ray.get([w.first_step.remote() for w in group.workers], timeout=120)
+            if restart.step != step or restart.world_size != n:
+                raise RuntimeError(f"rejoined at step {restart.step} of {restart.world_size}")
+            result = _warm_times(t0, committed_at, restart.members, marks)
+        else:
+            if way == "cold-disk":
+                _drop_from_page_cache(outcome.committed.get("path") or "")
+            new = [on(node_a).remote(mb, config) for _ in range(n)]
+            actors += new
+            port = free_port()
+            tier = "memory" if way == "cold-memory" else "disk"
+            marks = ray.get(
+                [w.start_cold.remote(i, n, port, tier) for i, w in enumerate(new)], timeout=300
+            )
+            if {m["step"] for m in marks} != {step}:
+                raise RuntimeError(f"loaded steps {sorted({m['step'] for m in marks})}, not {step}")
+            result = _cold_times(t0, committed_at, marks)
+        if way != "cold-disk":  # the durable copy lands before the next run starts
+            coordinator.wait_durable(0, timeout=600)
+        return {
+            "commit_tier": outcome.committed.get("tier"),
+            "outcome_timings": dict(outcome.timings),
+            "teardowns": [
+                {s["name"]: round(s.get("duration_s") or 0.0, 3) for s in report["steps"]}
+                for report in outcome.reports
+            ],
+            "notice_received_s": min(n["received_at"] for n in outcome.notices) - t0,
+            "calls_ended_s": calls_ended_at - t0,
+            **result,
+        }
+    finally:
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        coordinator.shutdown()
+        cluster.remove_node(node_b)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait_training(coordinator: Any, n: int, timeout: float = 120.0) -> None:
+    """Until every rank reported step 3 or later (its training thread is in the loop)."""
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        ranks = coordinator.status()["ranks"]
+        if len(ranks) == n and all((r["last_step"] or 0) >= 3 for r in ranks):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the group of {n} did not start training within {timeout}s")
+
+
+def _warm_times(
+    t0: float, committed_at: float, members: Any, marks: list[dict[str, float]]
+) -> dict[str, Any]:
+    stepped = max(m["stepped_at"] for m in marks)
+    rejoined = max(m["rejoined_at"] for m in marks)
+    return {
+        "back_s": stepped - t0,
+        "commit_s": committed_at - t0,
+        "rendezvous_s": max(m.seconds.get("rendezvous", 0.0) for m in members),
+        "register_s": max(m.seconds.get("register", 0.0) for m in members),
+        "load_s": max(m.seconds.get("load", 0.0) for m in members),
+        "members": [
+            {"was": m.was, "loaded_from": m.loaded_from, **m.seconds} for m in members
+        ],
+        "rejoin_s": rejoined - committed_at,
+        "first_step_s": stepped - rejoined,
+        "loaded_from": dict(collections.Counter(m.loaded_from for m in members)),
+    }
+
+
+def _cold_times(t0: float, committed_at: float, marks: list[dict[str, Any]]) -> dict[str, Any]:
+    stepped = max(m["stepped_at"] for m in marks)
+    return {
+        "back_s": stepped - t0,
+        "commit_s": committed_at - t0,
+        "start_s": max(m["constructed_at"] for m in marks) - committed_at,
+        "rendezvous_s": max(m["joined_at"] - m["called_at"] for m in marks),
+        "load_s": max(m["loaded_at"] - m["joined_at"] for m in marks),
+        "first_step_s": max(m["stepped_at"] - m["loaded_at"] for m in marks),
+        "loaded_from": dict(collections.Counter(m["tier"] for m in marks)),
+    }
+
+
+def _drop_from_page_cache(path: str) -> None:
+    from .bench_memory import _drop_page_cache
+
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            _drop_page_cache(os.path.join(folder, name))
+
+
+def _line(run: dict[str, Any]) -> str:
+    where = f"N={run['n']} {run['mb']} MB rep {run['rep']} {run['way']}"
+    if "error" in run:
+        return f"{where}: FAILED {run['error']}"
+    return f"{where}: back in {run['back_s']:.3f} s (committed at {run['commit_s']:.3f} s)"
+
+
+def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespace) -> str:
+    from .bench import _table
+
+    rows = []
+    for n in args.ranks:
+        for mb in args.sizes:
+            cell = [r for r in runs if r["n"] == n and r["mb"] == mb]
+            warm = [r["back_s"] for r in cell if r["way"] == "warm" and "error" not in r]
+            for way in ways:
+                done = [r for r in cell if r["way"] == way and "error" not in r]
+                failed = sum(1 for r in cell if r["way"] == way and "error" in r)
+                if not done:
+                    rows.append([n, mb, way, "-", "-", "-", "-", "-", "-", "-", "-", failed, "-"])
+                    continue
+                back = [r["back_s"] for r in done]
+
+                def med(key: str, runs: list[dict[str, Any]] = done) -> Any:
+                    values = [r[key] for r in runs if key in r]
+                    return statistics.median(values) if values else "-"
+
+                tiers: collections.Counter[str] = collections.Counter()
+                for r in done:
+                    tiers.update(r["loaded_from"])
+                rows.append(
+                    [
+                        n,
+                        mb,
+                        way,
+                        statistics.median(back),
+                        max(back),
+                        f"{statistics.median(back) / statistics.median(warm):.1f}x"
+                        if warm
+                        else "-",
+                        med("commit_s"),
+                        med("start_s"),
+                        med("rendezvous_s"),
+                        med("load_s"),
+                        med("first_step_s"),
+                        failed,
+                        ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())),
+                    ]
+                )
+    table = _table(
+        [
+            "N",
+            "MB/rank",
+            "way",
+            "back p50 s",
+            "max s",
+            "vs warm",
+            "committed s",
+            "new processes s",
+            "rendezvous s",
+            "load s",
+            "first step s",
+            "failed",
+            "loaded from (ranks)",
+        ],
+        rows,
+    )
+    return table + (
+        f"\n{args.reps} repetitions per row; node B (N/4 of the ranks, at least 1) drained "
+        f"through Ray with a {args.deadline:g} s deadline, drain polled every "
+        f"{args.drain_poll:g} s. back = the drain call -> every rank of the new group took its "
+        "first step; committed = the drain call -> the driver holds the committed outcome; "
+        "new processes = committed -> the last new actor constructed (imports, state "
+        "allocated); rendezvous = the new process group formed; load = the committed shard in "
+        "the rank's tensors; first step = an all-reduce over a sum of the whole state. Warm: "
+        "survivors keep their processes, spares (started ahead, on node A) take the slots."
+    )
+
+
+def add_restart_parser(names: Any, positive_int: Any, positive_ints: Any, seconds: Any) -> Any:
+    """``bench restart``'s options."""
+    from .cli import comma_choices
+
+    restart = names.add_parser(
+        "restart", help="warm restart vs cold (memory tier, disk): a drained node to training"
+    )
+    restart.add_argument("--ranks", type=positive_ints, default="4,8", help="group sizes")
+    restart.add_argument(
+        "--sizes", type=positive_ints, default="64,1024", help="MB per rank (default 64,1024)"
+    )
+    restart.add_argument("--reps", type=positive_int, default=5, help="repetitions (default 5)")
+    restart.add_argument(
+        "--ways",
+        type=comma_choices(*WAYS),
+        default=",".join(WAYS),
+        help="warm, cold-memory, cold-disk (default: all)",
+    )
+    restart.add_argument(
+        "--deadline", type=seconds, default=10.0, help="the drain's deadline (default 10 s)"
+    )
+    restart.add_argument(
+        "--drain-poll",
+        type=seconds,
+        default=0.25,
+        help="the coordinator's drain poll interval (default 0.25 s)",
+    )
+    return restart
