@@ -304,9 +304,7 @@ def _warm_times(
         "rendezvous_s": max(m.seconds.get("rendezvous", 0.0) for m in members),
         "register_s": max(m.seconds.get("register", 0.0) for m in members),
         "load_s": max(m.seconds.get("load", 0.0) for m in members),
-        "members": [
-            {"was": m.was, "loaded_from": m.loaded_from, **m.seconds} for m in members
-        ],
+        "members": [{"was": m.was, "loaded_from": m.loaded_from, **m.seconds} for m in members],
         "rejoin_s": rejoined - committed_at,
         "first_step_s": stepped - rejoined,
         "loaded_from": dict(collections.Counter(m.loaded_from for m in members)),
