@@ -115,7 +115,10 @@ class WarmGroup:
         """Re-form the group after an eviction; ``WarmRestartFailed`` where it cannot be."""
         import ray
 
-        outcome = self.coordinator.wait_outcome(timeout=timeout)
+        try:
+            outcome = self.coordinator.wait_outcome(timeout=timeout)
+        except ray.exceptions.RayError as exc:  # the survivors leave by themselves
+            raise WarmRestartFailed(f"the coordinator is gone ({type(exc).__name__})") from exc
         if outcome is None:
             raise WarmRestartFailed(f"no outcome of the eviction within {timeout}s")
         warm = outcome.warm or {}

@@ -142,3 +142,20 @@ def test_ray_train_through_ray_train_callbacks(ray_cluster, tmp_path, flavour):
         "the evicted run restarted from its emergency checkpoint",
         result,
     )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["warm-sync", "warm-async"])
+def test_warm_restart_switched_on_by_the_jobs_env(ray_cluster, tmp_path, kind):
+    """docs/worker.md: ``RAY_GRACEFUL_WARM_RESTART=1`` job-wide, nothing in any config object."""
+    env = {**anyscale_env(tmp_path), "RAY_GRACEFUL_WARM_RESTART": "1"}
+    result = run_driver(ray_cluster, tmp_path, kind, env, "sigterm")
+    warm = result["warm"]
+    assert warm["outcome"]["result"] == "rejoining", warm["outcome"]
+    assert [m[:3] for m in warm["members"]] == [
+        [0, 2, "spare for rank 0"],
+        [1, 2, "survivor of rank 1"],
+    ], warm["members"]
+    assert warm["pids_after"][1] == warm["pids_before"][1], "the survivor kept its process"
+    assert warm["step"] == result["committed"], "every member resumes at the committed step"
+    assert warm["trained_on"] == [warm["step"] + 2] * 2

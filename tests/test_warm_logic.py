@@ -157,3 +157,12 @@ def test_the_evicted_shards_copy_is_placed_on_the_node_of_the_spare_that_will_lo
         "a": 0,
         "b": 2,
     }
+
+
+def test_a_member_rejoining_a_second_time_waits_for_the_new_decision_not_the_last_one():
+    part = warm({1: "model", 2: "model", 3: "model"})
+    first = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    assert first.members["p1"].cycle == 1
+    # The next eviction: p1 is ordered to rejoin again, and asks before that cycle concluded.
+    part.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 4, "model", True), "n1", 101)}
+    assert asyncio.run(part.rendezvous("p1", 0.05)) is None, "not cycle 1's answer again"

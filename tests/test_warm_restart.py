@@ -50,9 +50,9 @@ def start_group(config: GracefulConfig, world: int) -> list:
 
 
 @contextlib.contextmanager
-def warm_job(tmp_path, world: int, spares: int = 0):
+def warm_job(tmp_path, world: int, spares: int = 0, **overrides):
     """A coordinator with warm restart on, a trained-ready group and its spares; all ended."""
-    config = warm_config(tmp_path)
+    config = warm_config(tmp_path, **overrides)
     coordinator = Coordinator.start(config)
     workers, spare_actors = [], []
     try:
@@ -162,3 +162,154 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
         assert outcome is not None and outcome.notices[0]["source"] == "rejoin"
         wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
         wait_for(lambda: not _alive(spare), 30, "the spare to leave")
+
+
+# --- it never makes an ending worse ---------------------------------------------------------
+
+
+def _gone_within(actors: list, seconds: float, what: str) -> None:
+    wait_for(lambda: not any(_alive(a) for a in actors), seconds, what, every=0.2)
+
+
+@pytest.mark.timeout(240)
+def test_a_spare_that_died_ends_the_warm_restart_and_every_rank_leaves(ray_cluster, tmp_path):
+    """The only spare is killed after it registered: no group of the old size can form. Every
+    process is out within the rendezvous timeout, and the checkpoint stands for a cold start."""
+    with warm_job(tmp_path, 2, spares=1, rejoin_timeout_s=6.0) as (config, coordinator, w, s):
+        group = WarmGroup(coordinator, w, spares=s, method="rejoin")
+        pids = ray.get([x.pid.remote() for x in w])
+        ray.kill(s[0], no_restart=True)
+        wait_for(lambda: not _alive(s[0]), 30, "the spare to be gone")
+        training_until_evicted(coordinator, w, pids[1])
+
+        with pytest.raises(WarmRestartFailed) as failed:
+            group.restart(timeout=60)
+        assert failed.value.reason, "the failure says why"
+        _gone_within(w, 20, "the survivor to leave")
+        assert latest_committed(config.checkpoint_dir) is not None, "the cold path still has it"
+
+
+@pytest.mark.timeout(240)
+def test_a_second_notice_before_the_rejoin_ends_every_rank_cleanly(ray_cluster, tmp_path):
+    """A survivor gets SIGTERM while it waits to rejoin: it leaves at once, the other members
+    cannot form the group without it and leave within the rendezvous timeout."""
+    with warm_job(tmp_path, 3, spares=1, rejoin_timeout_s=6.0) as (_c, coordinator, w, s):
+        group = WarmGroup(coordinator, w, spares=s, method="rejoin")
+        pids = ray.get([x.pid.remote() for x in w])
+        training_until_evicted(coordinator, w, pids[0])
+        outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+        assert outcome is not None and outcome.warm["result"] == "rejoining"
+
+        os.kill(pids[2], signal.SIGTERM)  # the second notice, to a survivor waiting to rejoin
+        wait_for(lambda: not _alive(w[2]), 20, "the signalled survivor to leave")
+        with pytest.raises(WarmRestartFailed, match="of 3 member"):
+            group.restart(timeout=60)
+        _gone_within([w[1], s[0]], 30, "the other members to leave")
+
+
+@pytest.mark.timeout(240)
+def test_a_coordinator_lost_before_the_rejoin_ends_every_survivor(ray_cluster, tmp_path):
+    """The coordinator dies after deciding: the driver's restart says so, and each survivor,
+    which keeps checking on it while it waits, leaves long before ``rejoin_timeout_s``."""
+    with warm_job(tmp_path, 2, spares=1, rejoin_timeout_s=60.0) as (_c, coordinator, w, s):
+        group = WarmGroup(coordinator, w, spares=s, method="rejoin")
+        pids = ray.get([x.pid.remote() for x in w])
+        training_until_evicted(coordinator, w, pids[1])
+        assert coordinator.wait_outcome(timeout=60, cycle=0).warm["result"] == "rejoining"
+
+        ray.kill(coordinator.handle, no_restart=True)
+        _gone_within([w[0]], 20, "the survivor to leave (well before rejoin_timeout_s=60)")
+        with pytest.raises(WarmRestartFailed, match="coordinator is gone"):
+            group.restart(timeout=30)
+
+
+# --- 20 cycles in a row --------------------------------------------------------------------
+
+
+def _process_resources(pid: int) -> dict[str, int]:
+    """Threads, open fds, listening TCP ports and resident memory (kB) of a local process."""
+    fds = os.listdir(f"/proc/{pid}/fd")
+    sockets = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                sockets.add(target[8:-1])
+    listening = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in sockets:  # 0A: LISTEN
+                    listening.add(int(fields[1].rsplit(":", 1)[1], 16))
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "fds": len(fds),
+        "listening": len(listening),
+        "rss_kb": rss,
+    }
+
+
+@pytest.mark.timeout(900)
+def test_twenty_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(
+    ray_cluster, tmp_path
+):
+    """Rank 0 is evicted 20 times; each time a new spare takes its slot. Ranks 1 and 2 survive
+    every cycle in the same processes, as does the coordinator: their threads, open files,
+    listening ports and memory stay flat, and every evicted process is gone."""
+    from ray_graceful.ray_adapter import dead_actors
+
+    cycles = 20
+    with warm_job(tmp_path, 3, spares=1) as (config, coordinator, workers, spares):
+        created = {a: ray.get(a.actor_id.remote()) for a in [*workers, *spares]}
+        pid_of = {a: ray.get(a.pid.remote()) for a in [*workers, *spares]}  # asked while idle
+        group = WarmGroup(coordinator, workers, spares=spares, method="rejoin")
+        watched = {
+            "coordinator": coordinator.stats()["pid"],
+            "rank 1": ray.get(workers[1].pid.remote()),
+            "rank 2": ray.get(workers[2].pid.remote()),
+        }
+        samples: list[dict[str, dict[str, int]]] = []
+        for cycle in range(cycles):
+            spare = Worker.remote(config=config)  # the next spare starts while this cycle runs
+            step = ray.get(group.workers[1].train.remote(0))  # its current step
+            running = [w.train.remote(10_000, 0.02) for w in group.workers]
+            wait_for(
+                lambda step=step: all(
+                    (r["last_step"] or 0) >= step + 3 for r in coordinator.status()["ranks"]
+                ),
+                60,
+                f"cycle {cycle}: every rank 3 steps on",
+                every=0.05,
+            )
+            os.kill(pid_of[group.workers[0]], signal.SIGTERM)
+            ready, _ = ray.wait(running, num_returns=3, timeout=60)
+            assert len(ready) == 3, f"cycle {cycle}: a training call did not end"
+            restart = group.restart(timeout=60)
+            assert [m.was for m in restart.members] == [
+                "spare for rank 0",
+                "survivor of rank 1",
+                "survivor of rank 2",
+            ], f"cycle {cycle}: {restart.members}"
+            assert ray.get([w.all_reduce_rank.remote() for w in group.workers]) == [6.0] * 3
+            created[spare] = ray.get(spare.actor_id.remote())
+            pid_of[spare] = ray.get(spare.pid.remote())
+            group.add_spares([spare])
+            samples.append({name: _process_resources(pid) for name, pid in watched.items()})
+
+        # Every process that was evicted is gone: the group's 3 and the one waiting spare are
+        # the only live actors this test created.
+        gone = {created[a] for a in created} - {created[a] for a in group.workers + group.spares}
+        assert len(gone) == cycles
+        assert dead_actors(gone) == gone, "an evicted actor lingers"
+
+        first, last = samples[2], samples[-1]  # after 3 cycles: lazily made pools exist
+        print({name: [samples[i][name] for i in (0, 2, -1)] for name in watched})  # for -s
+        for name in watched:
+            grew = {k: last[name][k] - first[name][k] for k in first[name]}
+            assert grew["threads"] <= 2, (name, grew, [s[name]["threads"] for s in samples])
+            assert grew["fds"] <= 4, (name, grew, [s[name]["fds"] for s in samples])
+            assert grew["listening"] <= 0, (name, grew, [s[name]["listening"] for s in samples])
+            assert grew["rss_kb"] <= 16 * 1024, (name, grew, [s[name]["rss_kb"] for s in samples])

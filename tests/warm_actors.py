@@ -102,3 +102,18 @@ class WarmWorker(GracefulWorkerMixin):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def actor_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_actor_id()
+
+
+class AsyncWarmWorker(WarmWorker):
+    """SkyRL/verl-shaped: async methods with blocking torch calls inside (the actor is async)."""
+
+    async def train(self, steps: int, step_s: float = 0.0) -> int:  # type: ignore[override]
+        return WarmWorker.train(self, steps, step_s)
+
+    async def rejoin(self) -> Rejoined:  # type: ignore[override]
+        return WarmWorker.rejoin(self)

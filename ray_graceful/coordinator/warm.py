@@ -330,13 +330,15 @@ class WarmRestarts:
     # --- 3. the rendezvous -------------------------------------------------------------------
 
     def _answer(self, member: str) -> Rendezvous | None:
+        if member in self.survivors:
+            # Ordered to rejoin in the cycle in flight: wait for its decision - never hand out
+            # the last one, which named the cycle this member is leaving now.
+            return None
         record = self.current
         if record is not None and member in record.members:
             return record.members[member]
         if record is not None and member in record.told_to_leave:
             return Rendezvous("leave", record.told_to_leave[member], record.cycle)
-        if member in self.survivors:
-            return None  # the cycle has not concluded yet: wait for it
         return Rendezvous("leave", "not a member of a warm restart (no rejoin order for it)")
 
     async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:

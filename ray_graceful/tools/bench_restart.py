@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -170,7 +171,16 @@ def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
                         print(f"  {_line(run)}", flush=True)
                         if rep >= 0:
                             runs.append(run)
+                            _keep_partial(args, runs)
     return {"runs": runs, "table": _report(runs, ways, args)}
+
+
+def _keep_partial(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
+    """The runs so far, beside the final JSON: a long run cut short still leaves its data."""
+    path = (args.json or os.path.join("bench-output", "restart.json")) + ".partial"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(runs, f, default=str)
 
 
 def _restart_once(

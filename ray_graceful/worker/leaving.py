@@ -50,20 +50,22 @@ def leave_unless_rejoined(
 
     ``ask(wait_s)`` asks the coordinator (a short long poll), ``keep`` holds a "join" answer
     for ``rejoin()``. A "leave" answer, a lost coordinator, a SIGTERM or ``rejoin_timeout_s``
-    without a rejoin: the process leaves at once, as a torn-down rank does.
+    without a rejoin: the process leaves at once, as a torn-down rank does. Once answered it
+    keeps asking every ``ASK_WAIT_S`` (answered at once, so cheap): a coordinator lost while the
+    driver has not called back yet is seen within that, not at ``rejoin_timeout_s``.
     """
 
     def watch() -> None:
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
         until = time.monotonic() + config.rejoin_timeout_s
-        answered = False
+        answered_at: float | None = None
         while time.monotonic() < until:
             if rejoining.is_set():
                 return
             if signalled():
                 leave(config, "SIGTERM while waiting to rejoin")
                 return
-            if answered:
+            if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
                 time.sleep(0.05)
                 continue
             try:
@@ -75,9 +77,9 @@ def leave_unless_rejoined(
             if answer is not None and answer.action == "leave" and not rejoining.is_set():
                 leave(config, answer.reason)
                 return
-            if answer is not None:
+            if answer is not None and not rejoining.is_set():
                 keep(answer)
-                answered = True
+                answered_at = time.monotonic()
         if not rejoining.is_set():
             leave(config, f"not asked to rejoin within rejoin_timeout_s={config.rejoin_timeout_s}")
 

@@ -24,6 +24,7 @@ process leaves. A rank never trains on after a rejoin unless it holds the commit
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,8 @@ def rejoin(
     coordinator = runtime.control.handle if survivor is not None else find_coordinator(config)
     if coordinator is None:
         raise SetupError("rejoin(): no coordinator runs for this job; start one on the driver")
-    runtime.rejoining.set()
+    with runtime.lock:  # from here on, the survivor's watcher neither leaves nor keeps answers
+        runtime.rejoining.set()
     if survivor is not None:
         member = runtime.control.process_id  # type: ignore[union-attr]
         teardown = runtime.teardown
@@ -227,7 +229,9 @@ def _register_again(
         runtime.teardown, runtime.order, runtime.rendezvous = None, None, None
         runtime.sigterm_seen = False
         runtime.stop_event.clear()
-        runtime.rejoining.clear()
+        # A fresh event for the next cycle: this cycle's watcher holds the old one, which stays
+        # set - clearing it could let the watcher, between two looks, miss the rejoin and leave.
+        runtime.rejoining = threading.Event()
     control = runtime.control
     assert control is not None
     control.cycle = None

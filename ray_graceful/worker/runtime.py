@@ -244,13 +244,19 @@ class _ProcessRuntime:
             control = self.control
             assert control is not None  # an order came through it
 
+            rejoining = self.rejoining  # this cycle's: a rejoin sets it, and it stays set
+
             def keep(answer: Rendezvous) -> None:
-                self.rendezvous = answer
+                if answer.action == "join" and answer.cycle <= order.cycle:
+                    return  # an answer for a cycle this process already was in: stale
+                with self.lock:  # never after rejoin() began (it sets the event under the lock)
+                    if not rejoining.is_set():
+                        self.rendezvous = answer
 
             leave_unless_rejoined(
                 self.config_or_default(),
                 teardown,
-                self.rejoining,
+                rejoining,
                 lambda: self.sigterm_seen,
                 control.rendezvous,
                 keep,

@@ -1,7 +1,7 @@
 """A user's driver, run as its own Ray job with the plugin switched on job-wide.
 
 argv: KIND ADDRESS ENV_JSON WORKDIR EVICT
-  KIND      sync | async | train
+  KIND      sync | async | train | warm-sync | warm-async
   ENV_JSON  the env vars a guide tells the user to set (the Anyscale option's output, a KubeRay
             pod's env): they are this driver's environment already (the test starts it so) and
             become the job's runtime_env - nothing is set per actor.
@@ -33,7 +33,7 @@ ray.init(address=address, runtime_env={"env_vars": job_env}, logging_level="WARN
 
 from ray_graceful import Coordinator, latest_committed  # noqa: E402
 from ray_graceful.worker.process_groups import free_port  # noqa: E402
-from tests import actors  # noqa: E402
+from tests import actors, warm_actors  # noqa: E402
 
 result: dict = {"kind": kind}
 
@@ -152,8 +152,42 @@ def train_run() -> None:
     result["evicted"] = run(60, 0.15, "evicted", evicting=True)
 
 
+def warm_group() -> None:
+    """A group of 2 and one spare, the warm restart switched on by the job's env alone."""
+    from ray_graceful import WarmGroup
+
+    coordinator = Coordinator.start()  # its config, warm_restart included, comes from the env
+    cls = ray.remote(
+        warm_actors.WarmWorker if kind == "warm-sync" else warm_actors.AsyncWarmWorker
+    ).options(num_cpus=0)
+    port = free_port()
+    workers = [cls.remote(2, r, "127.0.0.1", port) for r in range(2)]
+    ray.get([w.init.remote(None) for w in workers], timeout=120)  # config: the env's
+    group = WarmGroup(coordinator, workers, spares=[cls.remote()], method="rejoin")
+    pids = ray.get([w.pid.remote() for w in workers], timeout=30)
+    ray.get([w.train.remote(3) for w in workers], timeout=60)
+    training = [w.train.remote(100_000, 0.02) for w in workers]
+    time.sleep(1.5)
+    evict_now(pids[0])
+    ray.wait(training, num_returns=2, timeout=90)
+    restart = group.restart(timeout=90)
+    result["warm"] = {
+        "outcome": restart.outcome.warm,
+        "members": [(m.rank, m.world_size, m.was, m.loaded_from) for m in restart.members],
+        "step": restart.step,
+        "pids_before": pids,
+        "pids_after": ray.get([w.pid.remote() for w in group.workers], timeout=30),
+        "trained_on": ray.get([w.train.remote(2) for w in group.workers], timeout=60),
+    }
+    ckpt = latest_committed(os.environ["RAY_GRACEFUL_CHECKPOINT_DIR"])
+    result["committed"] = None if ckpt is None else ckpt.step
+    coordinator.job_finished()
+
+
 if kind == "train":
     train_run()
+elif kind.startswith("warm"):
+    warm_group()
 else:
     actor_group()
 print(json.dumps({"result": result}, default=str), flush=True)
