@@ -116,6 +116,11 @@ def worker_exits(pids: set[int]) -> dict[int, str]:
     "INTENDED_SYSTEM_EXIT", "INTENDED_USER_EXIT", "USER_ERROR", "SYSTEM_ERROR", ... from the
     GCS worker table; a pid not there (or still alive) is left out.
     """
+    return {pid: kind for pid, (kind, _detail) in worker_exit_details(pids).items() if kind}
+
+
+def worker_exit_details(pids: set[int]) -> dict[int, tuple[str | None, str]]:
+    """(exit type or None, exit detail) that the GCS recorded for each dead worker in ``pids``."""
     import ray
 
     try:
@@ -125,12 +130,27 @@ def worker_exits(pids: set[int]) -> dict[int, str]:
         rows = accessor.get_worker_table()
     except Exception as exc:
         raise _moved("GCS worker table (state._connect_and_get_accessor)", exc) from exc
-    out = {}
+    out: dict[int, tuple[str | None, str]] = {}
     for raw in rows:
         worker = gcs_pb2.WorkerTableData.FromString(raw)
-        if worker.pid in pids and not worker.is_alive and worker.HasField("exit_type"):
-            out[worker.pid] = common_pb2.WorkerExitType.Name(worker.exit_type)
+        if worker.pid in pids and not worker.is_alive:
+            kind = (
+                common_pb2.WorkerExitType.Name(worker.exit_type)
+                if worker.HasField("exit_type")
+                else None
+            )
+            out[worker.pid] = (kind, worker.exit_detail)
     return out
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """node id -> the resources free on it now (what is taken tells where work runs)."""
+    import ray
+
+    state = getattr(ray._private, "state", None)
+    if state is None or not hasattr(state, "available_resources_per_node"):
+        raise _moved("available resources (ray._private.state.available_resources_per_node)")
+    return state.available_resources_per_node()
 
 
 # --- leaving a worker ------------------------------------------------------------------------

@@ -25,16 +25,9 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
 
 def worker_exit(pid: int) -> tuple[str | None, str] | None:
     """(exit type, exit detail) that the GCS recorded for the dead worker ``pid``."""
-    import ray
-    from ray.core.generated import common_pb2, gcs_pb2
+    from ray_graceful.ray_adapter import worker_exit_details
 
-    accessor = ray._private.state.state._connect_and_get_accessor()
-    for raw in accessor.get_worker_table():
-        w = gcs_pb2.WorkerTableData.FromString(raw)
-        if w.pid == pid and not w.is_alive:
-            kind = common_pb2.WorkerExitType.Name(w.exit_type) if w.HasField("exit_type") else None
-            return kind, w.exit_detail
-    return None
+    return worker_exit_details({pid}).get(pid)
 
 
 def report_for(report_dir: str, pid: int) -> dict | None:

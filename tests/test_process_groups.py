@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from ray_graceful.torch_adapter import choose_abort
 from ray_graceful.worker.gloo import parse_sockaddrs
-from ray_graceful.worker.process_groups import choose_abort
 from tests.helpers import free_port
 
 
@@ -146,6 +146,7 @@ def test_abort_choice_against_torchs_real_classes():
 @pytest.mark.parametrize("name", ["nccl", "nccl2", "xccl"])
 def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, name):
     """torch's new nccl2 (pytorch #192281) and other backends are found by capability."""
+    from ray_graceful import torch_adapter
     from ray_graceful.worker import process_groups
 
     calls = []
@@ -154,7 +155,9 @@ def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, 
         def name(self):
             return name
 
-    monkeypatch.setattr(process_groups, "_backends", lambda group: {"cuda": Backend(calls)})
+    monkeypatch.setattr(
+        torch_adapter, "process_group_backends", lambda group: {"cuda": Backend(calls)}
+    )
     handle = process_groups.GroupHandle("g", 0, 2, object(), (name,))
     done = process_groups.release(handle)
     assert calls == ["backend.abort"] and name in done[0], done

@@ -10,12 +10,11 @@ import threading
 import time
 
 import pytest
-import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_graceful import GracefulConfig
-from ray_graceful.ray_adapter import drain_node
+from ray_graceful.ray_adapter import available_resources_per_node, drain_node
 from ray_graceful.train import GracefulTrainCallback, resume_step
 from ray_graceful.train_job import train_func
 
@@ -101,7 +100,7 @@ def test_drain_mid_run_resumes_from_the_emergency_checkpoint(three_nodes, tmp_pa
 def _a_worker_node(nodes) -> str:
     """The id of an added node that runs one of the Train workers."""
     for node in nodes:
-        resources = ray._private.state.available_resources_per_node().get(node.node_id, {})
+        resources = available_resources_per_node().get(node.node_id, {})
         if resources.get("train_slot", 0) == 0:  # its slot is taken
             return node.node_id
     raise AssertionError("no Train worker found on the added nodes")

@@ -714,9 +714,8 @@ def _recovery_once(
     graceful: bool, total: int, every: int, step_s: float, evict_after: int, deadline_s: float
 ) -> dict[str, Any]:
     """One Ray Train run; its node is drained with a deadline and removed at the deadline."""
-    import ray
 
-    from ..ray_adapter import drain_node
+    from ..ray_adapter import available_resources_per_node, drain_node
     from ..train import GracefulTrainCallback
 
     with local_cluster(extra_nodes=3, head_cpus=2, node_resources={"bench_slot": 1}) as (
@@ -758,10 +757,7 @@ def _recovery_once(
         busy = [
             n
             for n in nodes
-            if ray._private.state.available_resources_per_node()
-            .get(n.node_id, {})
-            .get("bench_slot", 0)
-            == 0
+            if available_resources_per_node().get(n.node_id, {}).get("bench_slot", 0) == 0
         ]
         t0 = time.time()
         drain_node(busy[0].node_id, t0 + deadline_s, "bench: spot reclaim")

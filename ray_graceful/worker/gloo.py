@@ -8,7 +8,8 @@ the other end. So this module finds the group's own connections and shuts them d
 (``shutdown(SHUT_RDWR)``, never ``close``: the fd stays gloo's to close).
 
 Finding them exactly: each rank publishes its gloo listening address in the group's store when
-the group is created (the keys end in the rank number; the value holds a ``sockaddr``). A socket
+the group is created (read through ``torch_adapter.gloo_listener_blobs``; each value holds a
+``sockaddr``). A socket
 of this process belongs to the group if its remote end is one of those listeners, or its local
 end is this rank's listener. The addresses are read once, at setup (the store may be gone at
 teardown); the sockets are matched at release time. Listening sockets are never touched
@@ -22,6 +23,8 @@ import socket
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from .. import torch_adapter
 
 Endpoint = tuple[str, int]
 
@@ -59,12 +62,9 @@ def parse_sockaddrs(blob: bytes) -> set[Endpoint]:
 
 def read_group_addresses(process_group: object) -> GlooAddresses:
     """Read the gloo listeners of ``process_group`` from its store (call at setup)."""
-    store = process_group.get_group_store()  # type: ignore[attr-defined]
     listeners: set[Endpoint] = set()
-    for key in store.list_keys():
-        if not key.rsplit("/", 1)[-1].isdigit():
-            continue
-        listeners |= parse_sockaddrs(bytes(store.get(key)))
+    for blob in torch_adapter.gloo_listener_blobs(process_group):
+        listeners |= parse_sockaddrs(blob)
     listeners = {_normal(e) for e in listeners}
     sockets = _tcp_sockets()
     own = {s.local for s in sockets.values() if s.listening}

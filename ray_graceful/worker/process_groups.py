@@ -5,7 +5,8 @@ then the ``RANK``/``WORLD_SIZE`` variables that SkyRL, OpenRLHF and verl all set
 they agree. ``release`` frees this rank's peers from any collective they are blocked in, with no
 collective of its own: gloo connections are shut down (``gloo.py``); every other backend -
 ``nccl``, torch's new ``nccl2``, any backend that can abort - has its communicators aborted,
-the API picked by capability, never by version number or ``isinstance`` (``choose_abort``).
+the API picked by capability, never by version number or ``isinstance``
+(``torch_adapter.choose_abort``: torch's private names live there).
 
 ``shrink_group`` (torch >= 2.10, NCCL) is detected but not used: it builds a smaller group among
 the survivors, which is itself a collective - and a collective on the exit path, with peers
@@ -17,10 +18,10 @@ from __future__ import annotations
 import os
 import random
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import torch_adapter
 from .gloo import GlooAddresses, read_group_addresses, shutdown_connections
 
 
@@ -155,7 +156,7 @@ def resolve_group(
 
 def _backend_names(group: Any) -> tuple[str, ...]:
     names: list[str] = []
-    for backend in _backends(group).values():
+    for backend in torch_adapter.process_group_backends(group).values():
         names.append(_name_of(backend))
     if not names:
         import torch.distributed as dist
@@ -169,49 +170,15 @@ def _name_of(backend: Any) -> str:
     return str(name() if callable(name) else name or type(backend).__name__).lower()
 
 
-def _backends(group: Any) -> dict[str, Any]:
-    """device type -> backend object of a ProcessGroup (torch >= 2.0)."""
-    import torch
-
-    found: dict[str, Any] = {}
-    for device_type in getattr(group, "_device_types", []) or []:
-        try:
-            found[str(device_type).split(":")[0]] = group._get_backend(torch.device(device_type))
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-    return found
-
-
-def choose_abort(
-    process_group: Any, backend: Any, c10d: Any
-) -> tuple[str, Callable[[], None]] | None:
-    """Pick how to abort one group's communicators (NCCL and its kin), by what torch offers.
-
-    Order: the backend's own ``abort()`` (per group, torch >= ~2.7; what NVIDIA's resiliency
-    library calls), then ``c10d._abort_process_group(group)``, then ``ProcessGroup.abort()``.
-    None when none exists: then the release is this process ending.
-    """
-    if backend is not None and callable(getattr(backend, "abort", None)):
-        return (f"{type(backend).__name__}.abort()", backend.abort)
-    abort_pg = getattr(c10d, "_abort_process_group", None)
-    if callable(abort_pg):
-        return ("distributed_c10d._abort_process_group(group)", lambda: abort_pg(process_group))
-    if callable(getattr(process_group, "abort", None)):
-        return ("ProcessGroup.abort()", process_group.abort)
-    return None
-
-
 def release(handle: GroupHandle) -> list[str]:
     """Free peers blocked on this rank in ``handle``'s group; returns what was done."""
-    import torch.distributed.distributed_c10d as c10d
-
     done: list[str] = []
-    backends = _backends(handle.process_group)
+    backends = torch_adapter.process_group_backends(handle.process_group)
     for device_type, backend in backends.items():
         name = _name_of(backend)
         if name == "gloo":
             continue  # no abort: its connections are shut down below
-        choice = choose_abort(handle.process_group, backend, c10d)
+        choice = torch_adapter.abort_choice(handle.process_group, backend)
         if choice is None:
             done.append(f"{handle.name}: no abort for {name} in this torch; released at exit")
             continue

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..torch_adapter import in_torch_distributed
+
 
 def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:
     """Run ``fn`` on a daemon thread; return its result, re-raise its error, or TimeoutError."""
@@ -47,8 +49,7 @@ def _other_threads() -> list[tuple[str, FrameType]]:
 
 def thread_in_collective() -> bool:
     """Whether a thread other than ours is inside a ``torch.distributed`` call right now."""
-    marker = os.path.join("torch", "distributed", "")
-    return any(marker in frame.f_code.co_filename for _name, frame in _other_threads())
+    return any(in_torch_distributed(frame.f_code.co_filename) for _n, frame in _other_threads())
 
 
 def busy_threads() -> str:

@@ -10,7 +10,6 @@ labelled with (docs/worker.md, "Step boundaries and saving").
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from collections import deque
 from types import CodeType
 from typing import TYPE_CHECKING
 
+from ..torch_adapter import in_torch_distributed
 from .threads import thread_in_collective
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class TrainingLoop:
         while frame is not None:
             if frame.f_code is code:
                 return "in_collective" if in_collective else "in_step"
-            in_collective = in_collective or _DISTRIBUTED in frame.f_code.co_filename
+            in_collective = in_collective or in_torch_distributed(frame.f_code.co_filename)
             frame = frame.f_back
         return "idle"
 
@@ -99,9 +99,6 @@ class TrainingLoop:
             return
         self.parked_step = step
         teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
-
-
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
 
 
 # Modules whose frames sit between a training loop and ``_should_stop``: the public
