@@ -14,8 +14,11 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     assert run_demo(output=str(tmp_path), cluster=ray_cluster) == 0
     out = capsys.readouterr().out
     assert "SUMMARY" in out
-    assert "exit status 0 via Ray's intended exit: 6/6" in out
-    assert "resumed there, 0 lost" in out
+    assert "exit status 0 via Ray's intended exit: 4/4 leaving; 2 survivors kept" in out
+    assert "resumed there, 0 lost, by a warm restart (2 survivors, 4 spares)" in out
+    # The healthy ranks came back in their own processes; the spares loaded their shard.
+    assert "rank 4 (C, pid" in out and "survivor of rank 4" in out
+    assert "rank 0 (" in out and "spare for rank 0" in out
     outcome = json.loads((tmp_path / "outcome.json").read_text())
     assert outcome["result"] == "committed"
     savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] == "save"}

@@ -10,9 +10,13 @@ reports XID 79 through the scripted health probe. The coordinator plans - A's ra
 B saves what only it can still save in time, C saves the rest - releases every rank from its
 collective and commits the checkpoint. With the memory tier on (the default here), each saver
 hands its shard to the keeper of a node that survives (C, or the head), the checkpoint commits
-in their memory, the durable copy lands in the checkpoint directory in the background, and a
-new group on the healthy nodes loads each shard from the keeper on its own node or a peer's.
-The outcome JSON and a timeline PNG land in ``--output``.
+in their memory, and the durable copy lands in the checkpoint directory in the background.
+
+Then the group comes back **warm**: ranks 4 and 5 on node C keep their processes, four spares
+started ahead of time on C and the head take ranks 0-3 (each evicted shard's copy already
+waits in the keeper on its spare's node), and the group is re-formed in place at the committed
+step - no new processes, no new group. The outcome JSON and a timeline PNG land in
+``--output``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..worker.mixin import GracefulWorkerMixin
 from ..worker.process_groups import free_port
 
 PLACEMENT = ["A", "A", "B", "B", "C", "C"]
+SPARES = ["C", "H", "C", "H"]  # started ahead on nodes that get no notice
 SHARDS = ["0", "2", "0", "1", "1", "2"]
 STEP_S = 0.25
 
@@ -53,29 +58,35 @@ class DemoWorker(GracefulWorkerMixin):
         port: int,
         shard: str,
         config: GracefulConfig,
-        resume: bool = False,
     ) -> str:
         import torch.distributed as dist
-
-        from ..worker.restore import load_latest
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
-        self.loaded_from = "-"
-        if resume:  # memory (this node's keeper, else a peer's), else disk: one call
-            loaded = load_latest("demo", shard, config)
-            if loaded is not None:
-                self.model.load_state_dict(loaded.state["model"])
-                self.step, self.loaded_from = loaded.step, f"{loaded.tier} ({loaded.source})"
         status = self.graceful_setup(
             "demo",
             shard=shard,
             config=config,
-            state_dict=lambda: {"model": self.model.state_dict()},
+            state_dict=self._state,
+            load_state_dict=self._load,  # what a warm restart loads into, where it must
         )
         return str(status)
+
+    def rejoin(self, config: GracefulConfig) -> Any:
+        """The warm restart, for survivors and spares alike: one call."""
+        joined = self.graceful_rejoin(
+            state_dict=self._state, load_state_dict=self._load, config=config
+        )
+        self.step = joined.step if joined.joined else self.step
+        return joined
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
 
     def train(self, steps: int) -> int:
         import torch
@@ -97,9 +108,6 @@ class DemoWorker(GracefulWorkerMixin):
     def pid(self) -> int:
         return os.getpid()
 
-    def where_loaded(self) -> str:
-        return self.loaded_from
-
 
 class _Clock:
     def __init__(self) -> None:
@@ -110,7 +118,7 @@ class _Clock:
 
 
 def _start_group(
-    ray: Any, config: GracefulConfig, placement: list[str], resume: bool = False
+    ray: Any, config: GracefulConfig, placement: list[str]
 ) -> tuple[list[Any], list[str]]:
     port = free_port()
     worker = ray.remote(DemoWorker)
@@ -118,17 +126,7 @@ def _start_group(
         worker.options(num_cpus=0, resources={f"demo_{node}": 1}).remote() for node in placement
     ]
     statuses = ray.get(
-        [
-            r.start.remote(
-                i,
-                len(ranks),
-                port,
-                SHARDS[i],
-                config,
-                resume,
-            )
-            for i, r in enumerate(ranks)
-        ],
+        [r.start.remote(i, len(ranks), port, SHARDS[i], config) for i, r in enumerate(ranks)],
         timeout=180,
     )
     return ranks, statuses
@@ -166,6 +164,8 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         coordinator_name=f"demo-{os.getpid()}",
         memory_replicas=1,
         memory_budget_mb=64,
+        warm_restart=True,
+        rejoin_timeout_s=60.0,
     )
     if own_cluster:
         clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
@@ -191,6 +191,14 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         clock.say("coordinator started; 6 ranks: 3 shards x 2 replicas, gloo on CPU")
         ranks, statuses = _start_group(ray, config, PLACEMENT)
         print("    " + statuses[0].replace("\n", "\n    "))
+        from ..warm_group import WarmGroup
+
+        spares = [
+            ray.remote(DemoWorker).options(num_cpus=0, resources={f"demo_{n}": 1}).remote()
+            for n in SPARES
+        ]
+        group = WarmGroup(coordinator, ranks, spares=spares, method="rejoin", args=(config,))
+        clock.say("4 spares wait on nodes C and the head (started ahead, imports done)")
         training = [r.train.remote(10_000) for r in ranks]
         _wait_steps(coordinator, steps_before, clock)
 
@@ -252,16 +260,22 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
         lost = max(last_steps) - committed.step if last_steps else 0
 
-        restart = ["C", "H", "C", "H", "C", "H"]
-        clock.say("RESTART   a new group of 6 on the healthy nodes (C and the head) loads it")
-        new_ranks, _ = _start_group(ray, config, restart, resume=True)
-        for i, (r, where) in enumerate(zip(new_ranks, restart, strict=True)):
-            loaded = ray.get(r.where_loaded.remote(), timeout=30)
-            print(f"    rank {i} ({where}), shard {SHARDS[i]}: loaded from {loaded}")
-        steps = ray.get([r.train.remote(2) for r in new_ranks], timeout=120)
         clock.say(
-            f"resumed at step {committed.step}, trained to step {steps[0]}: {lost} step(s) lost"
+            "WARM      ranks 4 and 5 on node C keep their processes; the spares take ranks 0-3"
         )
+        restart = group.restart(timeout=60)
+        for member in restart.members:
+            where = names.get(member.node_id, member.node_id[:8])
+            print(
+                f"    rank {member.rank} ({where}, pid {member.pid}): {member.was}, shard "
+                f"{SHARDS[member.rank]}, loaded from {member.loaded_from}"
+            )
+        steps = ray.get([r.train.remote(2) for r in group.workers], timeout=120)
+        clock.say(
+            f"resumed at step {restart.step} in the same group, re-formed in place, trained to "
+            f"step {steps[0]}: {lost} step(s) lost"
+        )
+        new_ranks = group.workers
         coordinator.job_finished(success=True)  # the group is ended on purpose: no eviction
         for r in new_ranks:
             ray.kill(r)
@@ -274,16 +288,19 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         print("SUMMARY")
         print("  eviction:   node B drained with a 12 s deadline; node A FAULTY (XID 79)")
         print(f"  plan:       {outcome.plan_table.splitlines()[-1]}")
+        leaving = [r for r in outcome.reports if r.get("exit_path")]
         print(
-            f"  teardown:   {len(outcome.reports)} ranks out, "
+            f"  teardown:   {len(outcome.reports)} ranks released and saved, "
             f"{outcome.timings.get('last_report', 0):.2f}s after the first notice; "
             f"exit status 0 via Ray's intended exit: "
-            f"{sum(r['exit_path'] == 'ray_intended' for r in outcome.reports)}/"
-            f"{len(outcome.reports)}"
+            f"{sum(r['exit_path'] == 'ray_intended' for r in leaving)}/{len(leaving)} leaving; "
+            f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
         )
+        kinds = [m.was.split(" for ")[0].split(" of ")[0] for m in restart.members]
         print(
             f"  checkpoint: committed at step {committed.step} in the memory of the surviving "
-            f"nodes, durable in the background; resumed there, {lost} lost"
+            f"nodes, durable in the background; resumed there, {lost} lost, by a warm restart "
+            f"({kinds.count('survivor')} survivors, {kinds.count('spare')} spares)"
         )
         print(f"  wrote:      {path}" + (f", {png}" if png else ""))
         print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")
