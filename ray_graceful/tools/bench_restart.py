@@ -35,6 +35,7 @@ import uuid
 from typing import Any
 
 from ..worker.mixin import GracefulWorkerMixin
+from .bench_memory import RestartWorker
 
 NAMESPACE = "ray_graceful_bench"
 STATE_TENSORS = 16
@@ -69,16 +70,8 @@ class RestartRank(GracefulWorkerMixin):
         )
         return os.getpid()
 
-    def train(self, steps: int) -> int:
-        import torch
-        import torch.distributed as dist
-
-        for step in range(1, steps + 1):
-            dist.all_reduce(torch.ones(1))
-            if self.should_stop(step):
-                return step
-            time.sleep(0.05)
-        return steps
+    # The memory-tier study's loop: an all-reduce a step, ``should_stop`` at each boundary.
+    train = RestartWorker.train
 
     def load(self, state: dict[str, Any]) -> None:
         """What a model's ``load_state_dict`` does: copy into the tensors it already has."""
