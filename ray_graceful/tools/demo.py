@@ -246,19 +246,8 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
                 for shard, held in sorted(holders.items())
             )
         )
-        durable = coordinator.wait_durable(0, timeout=60) or {}
-        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
-        if committed is None or "at" not in durable:
-            clock.say(f"the durable copy did not land: {durable}")
-            return 1
-        first = min(n["received_at"] for n in outcome.notices)
-        clock.say(
-            f"DURABLE   the keepers wrote it to disk in the background, "
-            f"+{durable['at'] - first:.1f}s after the first notice; manifest last "
-            f"({committed.path})"
-        )
         last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
-        lost = max(last_steps) - committed.step if last_steps else 0
+        lost = max(last_steps) - int(outcome.committed["step"]) if last_steps else 0
 
         clock.say(
             "WARM      ranks 4 and 5 on node C keep their processes; the spares take ranks 0-3"
@@ -276,6 +265,19 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"step {steps[0]}: {lost} step(s) lost"
         )
         new_ranks = group.workers
+
+        # The durable copy starts once every member rejoined: the keepers served them first.
+        durable = coordinator.wait_durable(0, timeout=60) or {}
+        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        if committed is None or "at" not in durable:
+            clock.say(f"the durable copy did not land: {durable}")
+            return 1
+        first = min(n["received_at"] for n in outcome.notices)
+        clock.say(
+            f"DURABLE   the keepers wrote it to disk in the background, "
+            f"+{durable['at'] - first:.1f}s after the first notice; manifest last "
+            f"({committed.path})"
+        )
         coordinator.job_finished(success=True)  # the group is ended on purpose: no eviction
         for r in new_ranks:
             ray.kill(r)
@@ -290,7 +292,7 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         print(f"  plan:       {outcome.plan_table.splitlines()[-1]}")
         leaving = [r for r in outcome.reports if r.get("exit_path")]
         print(
-            f"  teardown:   {len(outcome.reports)} ranks released and saved, "
+            f"  teardown:   {len(outcome.reports)} ranks released, "
             f"{outcome.timings.get('last_report', 0):.2f}s after the first notice; "
             f"exit status 0 via Ray's intended exit: "
             f"{sum(r['exit_path'] == 'ray_intended' for r in leaving)}/{len(leaving)} leaving; "
