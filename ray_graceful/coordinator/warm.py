@@ -104,6 +104,12 @@ def _result_fields(result: Rejoined | None) -> dict[str, Any]:
     }
 
 
+def _free_spares(spares: Iterable[Spare], leaving: frozenset[str] = frozenset()) -> list[Spare]:
+    """Spares that can take a slot, in registration order: never a standby, never one handed a
+    slot already, never one on a node that is leaving."""
+    return [s for s in spares if s.role == "spare" and not s.assigned and s.node_id not in leaving]
+
+
 class WarmRestarts:
     """The coordinator's warm-restart part (see the module docstring)."""
 
@@ -160,7 +166,7 @@ class WarmRestarts:
         """
         groups = {s.spec.group for s in self.survivors.values()}
         staying = {(s.spec.group, s.spec.rank) for s in self.survivors.values()}
-        free = [s for s in spares if s.role == "spare" and not s.assigned]
+        free = _free_spares(spares)
         out: dict[str, list[str]] = {}
         for order in sorted(plan.orders, key=lambda o: (o.group, o.rank)):
             if order.group in groups and (order.group, order.rank) not in staying and free:
@@ -229,11 +235,7 @@ class WarmRestarts:
         evicted_nodes: frozenset[str],
     ) -> str | None:
         """Fill ``record.members``; the reason when a group cannot continue."""
-        free = [
-            s
-            for s in spares
-            if s.role == "spare" and not s.assigned and s.node_id not in evicted_nodes
-        ]
+        free = _free_spares(spares, evicted_nodes)
         groups: dict[str, list[Survivor]] = {}
         for survivor in self.survivors.values():
             groups.setdefault(survivor.spec.group, []).append(survivor)

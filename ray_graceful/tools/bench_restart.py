@@ -35,10 +35,8 @@ import uuid
 from typing import Any
 
 from ..worker.mixin import GracefulWorkerMixin
-from .bench_memory import RestartWorker
+from .bench_memory import NAMESPACE, STATE_TENSORS, RestartWorker
 
-NAMESPACE = "ray_graceful_bench"
-STATE_TENSORS = 16
 WAYS = ("warm", "cold-memory", "cold-disk")
 
 

@@ -264,7 +264,6 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"resumed at step {restart.step} in the same group, re-formed in place, trained to "
             f"step {steps[0]}: {lost} step(s) lost"
         )
-        new_ranks = group.workers
 
         # The durable copy starts once every member rejoined: the keepers served them first.
         durable = coordinator.wait_durable(0, timeout=60) or {}
@@ -279,7 +278,7 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"({committed.path})"
         )
         coordinator.job_finished(success=True)  # the group is ended on purpose: no eviction
-        for r in new_ranks:
+        for r in group.workers:
             ray.kill(r)
 
         path = os.path.join(output, "outcome.json")
@@ -298,11 +297,11 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"{sum(r['exit_path'] == 'ray_intended' for r in leaving)}/{len(leaving)} leaving; "
             f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
         )
-        kinds = [m.was.split(" for ")[0].split(" of ")[0] for m in restart.members]
+        spares_joined = sum(m.was.startswith("spare") for m in restart.members)
         print(
             f"  checkpoint: committed at step {committed.step} in the memory of the surviving "
             f"nodes, durable in the background; resumed there, {lost} lost, by a warm restart "
-            f"({kinds.count('survivor')} survivors, {kinds.count('spare')} spares)"
+            f"({len(restart.members) - spares_joined} survivors, {spares_joined} spares)"
         )
         print(f"  wrote:      {path}" + (f", {png}" if png else ""))
         print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")

@@ -77,7 +77,7 @@ def leave_unless_rejoined(
             if answer is not None and answer.action == "leave" and not rejoining.is_set():
                 leave(config, answer.reason)
                 return
-            if answer is not None and not rejoining.is_set():
+            if answer is not None:  # ``keep`` drops it once the rejoin began
                 keep(answer)
                 answered_at = time.monotonic()
         if not rejoining.is_set():
