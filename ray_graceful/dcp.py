@@ -25,11 +25,15 @@ trusted storage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import pickle
-from collections.abc import Callable, Iterable
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -39,32 +43,181 @@ class DcpError(ValueError):
 
 LOCAL_METADATA = "__0.metadata"  # what dcp.save(no_dist=True, use_collectives=False) writes
 GLOBAL_METADATA = ".metadata"  # what dcp.load reads
+DCP_FILES = "dcp_files"  # a DCP shard as the memory tier holds it: {DCP_FILES: {name: bytes}}
 DIR_PREFIX = "dcp-"
 
 
-def dcp_saver(state_dict: Callable[[], dict[str, Any]]) -> Callable[[str, int], None]:
+class DcpSaver:
+    """A saver (``saver(path, step)``) that writes one rank's local chunks in DCP's format.
+
+    Made by ``dcp_saver``. Beside the disk save it serves the memory tier: ``in_memory`` gives
+    the same files as bytes for the keepers (whose durable copy then writes the same
+    directory), and ``restore`` loads this rank's own chunks back from either, at the same
+    topology (a warm restart's spare, or a rank whose step differs).
+    """
+
+    def __init__(self, state_dict: Callable[[], dict[str, Any]]) -> None:
+        self.state_dict = state_dict
+
+    def __call__(self, path: str, step: int) -> None:
+        # No fsync per file here: write_shard fsyncs the directory beside its checksum.
+        _save_local(self.state_dict(), path, sync=False)
+
+    def in_memory(self) -> dict[str, Any]:
+        """This rank's DCP files as the memory tier holds them: ``{DCP_FILES: {name: bytes}}``.
+
+        Written by DCP's own writer into a scratch directory in memory (``/dev/shm`` where
+        there is one), then read as uint8 tensors: the memory tier ships them as it ships any
+        tensor, and counts their bytes against the keepers' budgets.
+        """
+        scratch = tempfile.mkdtemp(prefix="ray-graceful-dcp-", dir=_scratch_root())
+        try:
+            target = os.path.join(scratch, "shard")
+            _save_local(self.state_dict(), target, sync=False)
+            return read_shard_files(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def restore(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        """Load this rank's own chunks from ``loaded`` (``load_latest(...).state``) in place.
+
+        Returns ``state_dict()`` with the loaded values (DCP loads into its tensors; values
+        that are not tensors are replaced in the returned dict: apply it as after
+        ``dcp.load``). The rank must hold the chunks it saved - the same shard at the same
+        world size; another world size loads the assembled checkpoint with ``dcp.load``.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if not is_shard_files(loaded):
+            raise DcpError(
+                "restore() takes what load_latest() / a warm restart loaded for a dcp_saver "
+                f"rank, a dict with {DCP_FILES!r}; got {type(loaded).__name__}"
+            )
+        state = self.state_dict()
+        scratch = tempfile.mkdtemp(prefix="ray-graceful-dcp-", dir=_scratch_root())
+        try:
+            write_shard_files(loaded, scratch, sync=False)
+            os.replace(
+                os.path.join(scratch, LOCAL_METADATA), os.path.join(scratch, GLOBAL_METADATA)
+            )
+            with _single_process_is_meant():
+                dcp.load(state, storage_reader=dcp.FileSystemReader(scratch), no_dist=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return state
+
+
+def dcp_saver(state_dict: Callable[[], dict[str, Any]]) -> DcpSaver:
     """A saver for ``graceful_setup(saver=...)``: this rank's state in DCP's on-disk format.
 
     ``state_dict()`` returns what ``dcp.save`` takes (an FSDP2 / DTensor model's state dict,
     optimizer state, plain values). Only this rank's local chunks are written, with no
-    collective; the coordinator assembles the global metadata at commit.
+    collective; the coordinator assembles the global metadata at commit. With the memory tier
+    on, the same files are held in keepers' memory and their durable copy is this directory.
     """
     if not callable(state_dict):
         raise TypeError(f"dcp_saver(state_dict={state_dict!r}): give a callable")
+    return DcpSaver(state_dict)
 
-    def save(path: str, step: int) -> None:
-        import torch.distributed.checkpoint as dcp
 
-        os.makedirs(path)
+def _save_local(state: dict[str, Any], path: str, sync: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    os.makedirs(path)
+    with _single_process_is_meant():
         dcp.save(
-            state_dict(),
-            storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+            state,
+            storage_writer=dcp.FileSystemWriter(path, sync_files=sync),
             no_dist=True,
             use_collectives=False,
         )
 
-    save.__qualname__ = "dcp_saver.save"
-    return save
+
+@contextlib.contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    """DCP warns that it "assumes" a single process when given ``no_dist``: here it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def _scratch_root() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def read_shard_files(path: str) -> dict[str, Any]:
+    """A saver's DCP directory as ``{DCP_FILES: {name: uint8 tensor}}`` (files at its top)."""
+    import numpy as np
+    import torch
+
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise DcpError(f"{path}: {name} is not a file; a DCP shard holds files only")
+        files[name] = torch.from_numpy(np.fromfile(full, dtype=np.uint8))
+    if LOCAL_METADATA not in files:
+        raise DcpError(f"{path} holds no {LOCAL_METADATA}: not a dcp_saver's shard")
+    return {DCP_FILES: files}
+
+
+def write_shard_files(shard: dict[str, Any], path: str, sync: bool = True) -> None:
+    """Write ``read_shard_files``' result back as a directory at ``path`` (made if missing)."""
+    os.makedirs(path, exist_ok=True)
+    for name, data in shard[DCP_FILES].items():
+        if os.sep in name or name in ("", ".", ".."):
+            raise DcpError(f"a DCP shard's file is named {name!r}: not a plain file name")
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(memoryview(data.numpy()))
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def is_shard_files(value: Any) -> bool:
+    """Whether ``value`` is a DCP shard as the memory tier holds it."""
+    return isinstance(value, dict) and isinstance(value.get(DCP_FILES), dict)
+
+
+def chunk_summary(shard: dict[str, Any]) -> dict[str, list[Any]]:
+    """Per tensor, ``[size, dtype, [[offsets, sizes], ...]]`` of the chunks this shard holds.
+
+    What the coordinator needs to check coverage at a memory commit, before any file exists
+    on disk; plain lists, so it travels in a report.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    local = pickle.loads(shard[DCP_FILES][LOCAL_METADATA].numpy().tobytes())
+    return {
+        fqn: [
+            list(entry.size),
+            str(entry.properties.dtype),
+            [[list(c.offsets), list(c.sizes)] for c in entry.chunks],
+        ]
+        for fqn, entry in local.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def check_summaries(summaries: dict[str, dict[str, list[Any]]]) -> None:
+    """``DcpError`` unless the savers' chunks (source -> ``chunk_summary``) cover every tensor.
+
+    The memory tier's form of the check ``assemble`` makes on disk: replicas' identical chunks
+    count once; every element must be in exactly one chunk.
+    """
+    tensors: dict[str, tuple[list[int], str, dict[tuple[Any, ...], None]]] = {}
+    for source, summary in sorted(summaries.items()):
+        for fqn, (size, dtype, chunks) in summary.items():
+            held = tensors.setdefault(fqn, (list(size), dtype, {}))
+            if held[0] != list(size) or held[1] != dtype:
+                raise DcpError(
+                    f"tensor {fqn!r}: {source} saved it as {list(size)} {dtype}, another "
+                    f"saver as {held[0]} {held[1]}"
+                )
+            for offsets, sizes in chunks:
+                held[2].setdefault((tuple(offsets), tuple(sizes)), None)
+    for fqn, (size, _dtype, boxes) in tensors.items():
+        _check_coverage(fqn, size, [(list(o), list(s)) for o, s in boxes])
 
 
 def is_dcp_shard(path: str) -> bool:
@@ -121,7 +274,8 @@ def merge(step_directory: str, shard_dirs: list[str]) -> Any:
             storage.setdefault(index, dataclasses.replace(info, relative_path=path))
         planner.update(local.planner_data or {})
     for fqn, entry in tensors.items():
-        _check_coverage(fqn, entry)
+        boxes = [(list(c.offsets), list(c.sizes)) for c in entry.chunks]
+        _check_coverage(fqn, list(entry.size), boxes)
     return Metadata(
         state_dict_metadata={**others, **tensors}, planner_data=planner, storage_data=storage
     )
@@ -143,19 +297,15 @@ def _add_chunks(tensors: dict[str, Any], fqn: str, entry: Any, source: str) -> N
             held.chunks.append(chunk)
 
 
-def _check_coverage(fqn: str, entry: Any) -> None:
+def _check_coverage(fqn: str, size: list[int], boxes: list[tuple[list[int], list[int]]]) -> None:
     """Every element of the tensor in exactly one chunk, or ``DcpError`` saying how."""
-    size = list(entry.size)
     total = math.prod(size)
     covered = 0
-    boxes = []
-    for chunk in entry.chunks:
-        offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+    for offsets, sizes in boxes:
         if any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
             raise DcpError(
                 f"tensor {fqn!r}: a chunk at {offsets} of {sizes} lies outside its size {size}"
             )
-        boxes.append((offsets, sizes))
         covered += math.prod(sizes)
     for i, (a_off, a_size) in enumerate(boxes):
         for b_off, b_size in boxes[i + 1 :]:

@@ -321,3 +321,43 @@ class SpareWorker:
         import dataclasses
 
         return dataclasses.asdict(ray_graceful.wait_as_spare(role, config=config, timeout=60))
+
+
+class DcpTrainer(GracefulWorkerMixin, Trainer):
+    """An FSDP2 worker (``fully_shard`` on a CPU mesh) that saves with ``dcp_saver``.
+
+    The torchtitan / verl-on-FSDP2 shape: its state dict is DTensors, each rank holds its
+    own rows, and the emergency checkpoint is DCP's format, loaded with ``dcp.load``.
+    """
+
+    def setup_fsdp(self, rank: int, world: int, addr: str, port: int, config) -> str:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.init(rank, world, addr, port)
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
+        fully_shard(self.model, mesh=init_device_mesh("cpu", (world,)))
+        self.saver = ray_graceful.dcp_saver(
+            lambda: {"model": self.model.state_dict(), "step": self.step}
+        )
+        return str(self.graceful_setup("policy", shard=rank, config=config, saver=self.saver))
+
+    def full_weights(self) -> dict:
+        """Every parameter whole, as numpy (a collective: every rank calls it)."""
+        return {
+            k: v.full_tensor().detach().numpy().copy() for k, v in self.model.state_dict().items()
+        }
+
+    def local_weights(self) -> dict:
+        """This rank's own rows of every parameter, as numpy."""
+        return {k: v.to_local().detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def restore_own(self, rank: int, config) -> dict:
+        """A restarted rank at the same world size: its own chunks, from whichever tier."""
+        loaded = ray_graceful.load_latest("policy", rank, config)
+        if loaded is None:
+            return {"step": None, "tier": None}
+        state = self.saver.restore(loaded.state)
+        self.step = state["step"]
+        return {"step": loaded.step, "tier": loaded.tier, "saved_step": state["step"]}

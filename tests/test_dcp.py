@@ -3,7 +3,8 @@
 Real gloo process groups and FSDP2 (``fully_shard`` on a CPU mesh), in plain processes. Each
 saver goes through ``write_shard`` (what a rank's teardown calls) and the checkpoint through
 ``commit`` (what the coordinator calls); the restart loads with PyTorch's own loader, at the
-same world size and at another.
+same world size and at another. On a cluster: mixin actors drained on a real node, the memory
+tier holding their DCP files, its durable copy loaded by ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,23 @@ from __future__ import annotations
 import os
 
 import pytest
+import ray
 import torch
 import torch.multiprocessing as mp
 
 from ray_graceful import dcp_saver, latest_committed
-from ray_graceful.checkpoint import CheckpointError, ShardRecord, commit, write_shard
-from tests.helpers import free_port
+from ray_graceful.checkpoint import (
+    CheckpointError,
+    ShardRecord,
+    commit,
+    shard_file_name,
+    write_shard,
+)
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.memory.commit import commit_in_memory
+from tests import actors
+from tests.helpers import free_port, kill_actors
+from tests.memory_groups import drain_b_and_conclude
 
 STEP = 7
 
@@ -140,3 +152,88 @@ def test_a_tensor_the_chunks_do_not_cover_is_never_committed(tmp_path):
         commit(root, STEP, ["policy/0"], records, cycle=0)
     assert latest_committed(root) is None
     assert not os.path.exists(os.path.join(root, f"step-{STEP:08d}", "manifest.json"))
+
+
+def test_a_memory_commit_checks_dcp_coverage_before_any_file_exists():
+    """The memory tier commits before the durable copy is written: the chunks the savers
+    reported are checked then, as ``assemble`` checks them on disk. Replicas' identical
+    chunks count once; a missing half refuses the commit, naming the tensor."""
+
+    def record(shard, chunks):
+        return ShardRecord(
+            shard, STEP, shard_file_name(shard), 10, 0, tier="memory", holders=("a",),
+            dcp_chunks={"w": [[4, 2], "torch.float32", chunks]},
+        )  # fmt: skip
+
+    top, bottom = [[[0, 0], [2, 2]]], [[[2, 0], [2, 2]]]
+    whole = [record("policy/0", top), record("policy/1", bottom)]
+    assert commit_in_memory("job", 0, ["policy/0", "policy/1"], whole, 1).step == STEP
+    half = [record("policy/0", top)]
+    with pytest.raises(CheckpointError, match=r"group 'policy': tensor 'w': the saved chunks "):
+        commit_in_memory("job", 0, ["policy/0"], half, 1)
+    overlapping = [record("policy/0", top), record("policy/1", [[[1, 0], [3, 2]]])]
+    with pytest.raises(CheckpointError, match="overlap"):
+        commit_in_memory("job", 0, ["policy/0", "policy/1"], overlapping, 1)
+    bad = ShardRecord.from_dict({**whole[0].to_dict(), "dcp_chunks": {"w": "not chunks"}})
+    with pytest.raises(CheckpointError, match="group 'policy'"):
+        commit_in_memory("job", 0, ["policy/0"], [bad], 1)
+
+
+# --- on a cluster ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_drained_fsdp2_group_commits_dcp_in_memory_and_dcp_load_reads_its_durable_copy(
+    nodes, memory_config, exit_recorder
+):
+    """FSDP2 ranks on nodes a and b save with ``dcp_saver`` and the memory tier on; b is
+    drained. Both ranks hand their DCP files to a surviving keeper, the cycle commits in
+    memory, and the keepers' durable copy is a DCP directory with the global metadata:
+    ``dcp.load`` reads it at world size 3, bitwise. A group restarted at the same world size
+    restores its own chunks from memory with the saver's ``restore``."""
+    config = memory_config
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = _start_dcp_group(config, exit_recorder, ["a", "b"])
+        assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3, 3]
+        saved = ray.get([r.full_weights.remote() for r in ranks], timeout=60)[0]
+        ranks[0].train.remote(1000)  # blocked on rank 1, which idles: a real collective
+        outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
+        assert outcome.committed["tier"] == "memory" and outcome.committed["step"] == 3
+        durable = coordinator.wait_durable(0, timeout=60)
+        assert durable is not None and "path" in durable, durable
+        ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert ckpt.step == 3 and ckpt.manifest["dcp"] == {"policy": "dcp-policy"}
+
+        loaded = _spawn(_load, 3, ckpt.dcp_path("policy"))
+        assert [step for _r, step, _f in loaded] == [3] * 3
+        for name, array in saved.items():
+            assert (loaded[0][2][name] == array).all(), name
+
+        restarted, _ = _start_dcp_group(config, exit_recorder, ["a", "a"])
+        restored = ray.get([r.restore_own.remote(i, config) for i, r in enumerate(restarted)])
+        assert {r["tier"] for r in restored} <= {"memory-local", "memory-peer"}, restored
+        assert [r["saved_step"] for r in restored] == [3, 3]
+        again = ray.get([r.full_weights.remote() for r in restarted], timeout=60)[0]
+        for name, array in saved.items():
+            assert (again[name] == array).all(), name
+        kill_actors(*restarted)
+    finally:
+        coordinator.shutdown()
+
+
+def _start_dcp_group(config, exit_recorder, placement):
+    port = free_port()
+    actor = ray.remote(actors.DcpTrainer)
+    ranks = [
+        actor.options(
+            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+        ).remote()
+        for n in placement
+    ]
+    world = len(ranks)
+    ray.get(
+        [r.setup_fsdp.remote(i, world, "127.0.0.1", port, config) for i, r in enumerate(ranks)],
+        timeout=120,
+    )
+    return ranks, ray.get([r.pid.remote() for r in ranks], timeout=30)

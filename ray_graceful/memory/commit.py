@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointError, ShardRecord, check_shard_set
+from ..dcp import DcpError, check_summaries
 
 
 @dataclass
@@ -79,4 +80,22 @@ def commit_in_memory(
             )
         by_shard[record.shard] = record
     check_shard_set(expected, by_shard)
+    _check_dcp_coverage(by_shard)
     return MemoryCheckpoint(job_id, cycle, steps.pop(), by_shard)
+
+
+def _check_dcp_coverage(by_shard: dict[str, ShardRecord]) -> None:
+    """A dcp_saver group's chunks must cover every tensor, as ``assemble`` demands on disk.
+
+    Checked now, not at the durable copy: a memory checkpoint is committed as of this moment,
+    and a restart may load it before any file is written.
+    """
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, record in by_shard.items():
+        if record.dcp_chunks is not None:
+            groups.setdefault(key.partition("/")[0], {})[key] = record.dcp_chunks
+    for group, summaries in sorted(groups.items()):
+        try:
+            check_summaries(summaries)
+        except (DcpError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"group {group!r}: {exc}") from None

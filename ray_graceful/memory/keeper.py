@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import ShardRecord, save_state_dict, write_shard
+from ..dcp import is_shard_files, write_shard_files
 from ..protocol import Reply
 from .tree import from_tree
 
@@ -123,11 +124,21 @@ class Keeper:
         if held is None:
             raise KeyError(f"keeper on node {self.node_id[:12]} holds no {shard_key} at {step}")
         state = from_tree(ray.get(held.ref))
+        if is_shard_files(state["state"]):  # a dcp_saver's files: the directory it would write
+
+            def save(path: str, _step: int) -> None:
+                write_shard_files(state["state"], path)
+
+        else:
+
+            def save(path: str, _step: int) -> tuple[int, int]:
+                return save_state_dict(state, path)
+
         record: ShardRecord = write_shard(
             root,
             step,
             shard_key,
-            lambda path, _step: save_state_dict(state, path),
+            save,
             group=held.group,
             rank=held.rank,
         )

@@ -922,6 +922,23 @@ def add_bench_parser(sub: Any) -> None:
         "this node and on a second one) vs the durable disk save vs torch.save, and the loads",
     )
     save.add_argument(
+        "--format",
+        choices=("torch", "dcp"),
+        default="torch",
+        help="torch: the default saver (torch.save); dcp: the emergency DCP save (dcp_saver + "
+        "the commit's metadata assembly) vs an ordinary collective dcp.save vs the default "
+        "saver, and a dcp.load at another world size checked bitwise",
+    )
+    save.add_argument(
+        "--ranks", type=positive_int, default=2, help="--format dcp: saving ranks (default 2)"
+    )
+    save.add_argument(
+        "--load-ranks",
+        type=positive_int,
+        default=3,
+        help="--format dcp: ranks that load the emergency checkpoint (default 3)",
+    )
+    save.add_argument(
         "--preallocate",
         action="store_true",
         help="--tier memory: start the object stores pre-populated "
@@ -1017,7 +1034,18 @@ def _bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_save(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "tier", "disk") == "memory":
+    if args.format == "dcp":
+        if args.tier != "disk":
+            from .cli import CliError
+
+            raise CliError(
+                "bench save --format dcp measures the disk save (emergency DCP vs dcp.save); "
+                "use --tier disk (the default) with it"
+            )
+        from .bench_dcp import bench_save_dcp
+
+        return bench_save_dcp(args)
+    if args.tier == "memory":
         from .bench_memory import bench_save_memory
 
         return bench_save_memory(args)

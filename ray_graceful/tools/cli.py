@@ -635,4 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m``: run the imported module's main, so its CliError is the one bench raises
+    from ray_graceful.tools.cli import main as imported_main
+
+    sys.exit(imported_main())

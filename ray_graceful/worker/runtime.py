@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoint import save_state_dict, shard_key
 from ..config import GracefulConfig
+from ..dcp import DcpSaver
 from ..protocol import Order, RankSpec, Rendezvous
 from .cloud_poller import ensure_node_poller
 from .control import ControlChannel, find_coordinator, gpu_indices
@@ -511,6 +512,10 @@ def after_init_process_group(
 
         def saver(path: str, step: int) -> tuple[int, int]:
             return save_state_dict({"step": step, "state": provider()}, path)
+
+    elif isinstance(saver, DcpSaver):  # its files serve the memory tier and a warm restart
+        state_dict = saver.in_memory
+        load_state_dict = load_state_dict or saver.restore
 
     return _register(
         name,

@@ -38,18 +38,19 @@ finalizing, and no Python thread can run.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import ray_adapter
 from ..checkpoint import ShardRecord, write_shard
 from ..config import GracefulConfig
+from ..dcp import chunk_summary, is_shard_files
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
@@ -57,7 +58,7 @@ from .report import LOG_PREFIX, StepRecord, TeardownReport, ray_identity, write_
 from .threads import busy_threads, run_bounded, thread_in_collective
 
 
-@dataclass
+@dataclasses.dataclass
 class SaveOrder:
     """Save shard ``shard`` under ``root`` with ``saver``, within ``budget_s``.
 
@@ -343,8 +344,9 @@ class Teardown:
         state = order.state
 
         def give() -> ShardRecord:
-            return hand_off(
-                state(),
+            value = state()
+            record = hand_off(
+                value,
                 step,
                 order.shard,
                 order.keepers,
@@ -354,6 +356,9 @@ class Teardown:
                 order.group,
                 order.rank,
             )
+            if is_shard_files(value):  # DCP: the coordinator checks coverage at commit
+                record = dataclasses.replace(record, dcp_chunks=chunk_summary(value))
+            return record
 
         try:
             record: ShardRecord = run_bounded(give, budget, "memory-hand-off")
