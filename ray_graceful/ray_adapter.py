@@ -248,3 +248,28 @@ def train_callback_bases() -> tuple[type, ...]:
         what = "Ray Train V2 callbacks (ray.train.v2._internal.execution.callback)"
         raise _moved(what, exc) from exc
     return (WorkerGroupCallback, WorkerCallback, ControllerCallback)
+
+
+def wait_train_reports_collected(timeout_s: float) -> bool:
+    """Wait until Ray Train's controller has taken this worker's reports; False if not in time.
+
+    A worker's ``ray.train.report`` only queues the report; the controller takes it at its
+    next poll of the worker. A rank that raises and exits before that poll loses it - and
+    with it the emergency checkpoint, which Ray Train registers only once every rank's report
+    arrived. Ray Train 2.60 marks a report taken with ``task_done`` on the worker's result
+    queue (``worker.py: poll_status``); where that queue is not found, False at once.
+    """
+    import time
+
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        queue = get_train_context().execution_context.result_queue
+    except Exception:
+        return False
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    while queue.unfinished_tasks:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True

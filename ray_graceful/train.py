@@ -36,8 +36,10 @@ worker's SIGTERM, a GPU turning FAULTY, ``ray-graceful notify``), decides which 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +49,12 @@ from .protocol import shard_key
 from .worker.process_groups import SetupError
 from .worker.runtime import _process_runtime, _register, _should_stop, install_signal_handling
 
+logger = logging.getLogger(__name__)
+
 MARKER = "ray_graceful.json"
+# At most this long for Ray Train's controller to take an emergency report (it polls each
+# worker about once a second) before the rank raises and leaves.
+REPORT_WAIT_S = 5.0
 GROUP = "train"
 
 __all__ = [
@@ -193,6 +200,18 @@ def emergency_checkpoint(
     ray.train.report(
         {**(metrics or {}), "step": step, "ray_graceful_emergency": 1}, checkpoint=checkpoint
     )
+    # The report is only queued: leave once Ray Train's controller took it, or it is lost
+    # with this process (bounded by the order's deadline, less the time to leave).
+    left = REPORT_WAIT_S
+    if runtime.order is not None:
+        left = min(
+            left,
+            runtime.order.deadline - time.time() - runtime.config_or_default().destroy_timeout_s,
+        )
+    if not ray_adapter.wait_train_reports_collected(left):
+        logger.warning(
+            "ray_graceful: Ray Train had not taken this rank's report within %.1fs", left
+        )
     raise EmergencyStop(
         f"ray_graceful: stopped at step {step} for an eviction"
         + ("; this rank's shard was reported to Ray Train" if shards else "")

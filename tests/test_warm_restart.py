@@ -253,15 +253,15 @@ def _process_resources(pid: int) -> dict[str, int]:
 
 
 @pytest.mark.timeout(900)
-def test_twenty_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(
-    ray_cluster, tmp_path
-):
-    """Rank 0 is evicted 20 times; each time a new spare takes its slot. Ranks 1 and 2 survive
+def test_ten_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(ray_cluster, tmp_path):
+    """Rank 0 is evicted 10 times; each time a new spare takes its slot. Ranks 1 and 2 survive
     every cycle in the same processes, as does the coordinator: their threads, open files,
-    listening ports and memory stay flat, and every evicted process is gone."""
+    listening ports and memory stay flat, and every evicted process is gone. (Flat over the
+    last 7 cycles: a thread, two descriptors or 2.3 MB kept per cycle fails it; the long soak
+    is a benchmark's job, not the suite's.)"""
     from ray_graceful.ray_adapter import dead_actors
 
-    cycles = 20
+    cycles = 10
     with warm_job(tmp_path, 3, spares=1) as (config, coordinator, workers, spares):
         created = {a: ray.get(a.actor_id.remote()) for a in [*workers, *spares]}
         pid_of = {a: ray.get(a.pid.remote()) for a in [*workers, *spares]}  # asked while idle
