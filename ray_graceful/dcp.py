@@ -30,7 +30,6 @@ import dataclasses
 import math
 import os
 import pickle
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -70,13 +69,10 @@ class DcpSaver:
         there is one), then read as uint8 tensors: the memory tier ships them as it ships any
         tensor, and counts their bytes against the keepers' budgets.
         """
-        scratch = tempfile.mkdtemp(prefix="ray-graceful-dcp-", dir=_scratch_root())
-        try:
+        with _scratch() as scratch:
             target = os.path.join(scratch, "shard")
             _save_local(self.state_dict(), target, sync=False)
             return read_shard_files(target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     def restore(self, loaded: dict[str, Any]) -> dict[str, Any]:
         """Load this rank's own chunks from ``loaded`` (``load_latest(...).state``) in place.
@@ -94,16 +90,13 @@ class DcpSaver:
                 f"rank, a dict with {DCP_FILES!r}; got {type(loaded).__name__}"
             )
         state = self.state_dict()
-        scratch = tempfile.mkdtemp(prefix="ray-graceful-dcp-", dir=_scratch_root())
-        try:
+        with _scratch() as scratch:
             write_shard_files(loaded, scratch, sync=False)
             os.replace(
                 os.path.join(scratch, LOCAL_METADATA), os.path.join(scratch, GLOBAL_METADATA)
             )
             with _single_process_is_meant():
                 dcp.load(state, storage_reader=dcp.FileSystemReader(scratch), no_dist=True)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
         return state
 
 
@@ -141,8 +134,12 @@ def _single_process_is_meant() -> Iterator[None]:
         yield
 
 
-def _scratch_root() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _scratch() -> tempfile.TemporaryDirectory[str]:
+    """A directory in memory (``/dev/shm`` where there is one), removed on leaving."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.TemporaryDirectory(
+        prefix="ray-graceful-dcp-", dir=shm, ignore_cleanup_errors=True
+    )
 
 
 def read_shard_files(path: str) -> dict[str, Any]:
@@ -185,9 +182,13 @@ def chunk_summary(shard: dict[str, Any]) -> dict[str, list[Any]]:
     What the coordinator needs to check coverage at a memory commit, before any file exists
     on disk; plain lists, so it travels in a report.
     """
+    return _summary(pickle.loads(shard[DCP_FILES][LOCAL_METADATA].numpy().tobytes()))
+
+
+def _summary(local: Any) -> dict[str, list[Any]]:
+    """``chunk_summary`` of one saver's unpickled ``Metadata``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    local = pickle.loads(shard[DCP_FILES][LOCAL_METADATA].numpy().tobytes())
     return {
         fqn: [
             list(entry.size),
@@ -257,40 +258,36 @@ def merge(step_directory: str, shard_dirs: list[str]) -> Any:
     """One ``Metadata`` from the savers' own, their files named relative to ``dcp-<group>/``."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+    locals_ = {}
+    for name in shard_dirs:
+        with open(os.path.join(step_directory, name, LOCAL_METADATA), "rb") as f:
+            locals_[name] = pickle.load(f)
+    check_summaries({name: _summary(local) for name, local in locals_.items()})
     tensors: dict[str, Any] = {}
     others: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
-    for name in shard_dirs:
-        with open(os.path.join(step_directory, name, LOCAL_METADATA), "rb") as f:
-            local = pickle.load(f)
+    for name, local in locals_.items():
         for fqn, entry in local.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
-                _add_chunks(tensors, fqn, entry, name)
+                _add_chunks(tensors, fqn, entry)
             else:
                 others.setdefault(fqn, entry)
         for index, info in local.storage_data.items():
             path = f"../{name}/{info.relative_path}"
             storage.setdefault(index, dataclasses.replace(info, relative_path=path))
         planner.update(local.planner_data or {})
-    for fqn, entry in tensors.items():
-        boxes = [(list(c.offsets), list(c.sizes)) for c in entry.chunks]
-        _check_coverage(fqn, list(entry.size), boxes)
     return Metadata(
         state_dict_metadata={**others, **tensors}, planner_data=planner, storage_data=storage
     )
 
 
-def _add_chunks(tensors: dict[str, Any], fqn: str, entry: Any, source: str) -> None:
+def _add_chunks(tensors: dict[str, Any], fqn: str, entry: Any) -> None:
+    """Merge ``entry``'s chunks into ``tensors[fqn]`` (already checked by ``check_summaries``)."""
     held = tensors.get(fqn)
     if held is None:
         tensors[fqn] = dataclasses.replace(entry, chunks=list(entry.chunks))
         return
-    if held.size != entry.size or held.properties.dtype != entry.properties.dtype:
-        raise DcpError(
-            f"tensor {fqn!r}: {source} saved it as {list(entry.size)} {entry.properties.dtype}, "
-            f"another saver as {list(held.size)} {held.properties.dtype}"
-        )
     seen = {(tuple(c.offsets), tuple(c.sizes)) for c in held.chunks}
     for chunk in entry.chunks:  # a replica's identical chunk is kept once
         if (tuple(chunk.offsets), tuple(chunk.sizes)) not in seen:

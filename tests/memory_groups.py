@@ -14,10 +14,10 @@ from tests import actors
 from tests.helpers import free_port
 
 
-def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
-    port = free_port()
-    actor = ray.remote(actors.GracefulTrainer)
-    ranks = [
+def place(actor_class, placement, exit_recorder):
+    """One actor of ``actor_class`` per entry of ``placement`` (a node name), exits recorded."""
+    actor = ray.remote(actor_class)
+    return [
         actor.options(
             num_cpus=0,
             resources={"head": 1} if n == "head" else {f"node_{n}": 1},
@@ -25,6 +25,11 @@ def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
         ).remote()
         for n in placement
     ]
+
+
+def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
+    port = free_port()
+    ranks = place(actors.GracefulTrainer, placement, exit_recorder)
     ray.get(
         [
             r.setup.remote(

@@ -28,7 +28,7 @@ from ray_graceful.coordinator import Coordinator
 from ray_graceful.memory.commit import commit_in_memory
 from tests import actors
 from tests.helpers import free_port, kill_actors
-from tests.memory_groups import drain_b_and_conclude
+from tests.memory_groups import drain_b_and_conclude, place
 
 STEP = 7
 
@@ -224,13 +224,7 @@ def test_a_drained_fsdp2_group_commits_dcp_in_memory_and_dcp_load_reads_its_dura
 
 def _start_dcp_group(config, exit_recorder, placement):
     port = free_port()
-    actor = ray.remote(actors.DcpTrainer)
-    ranks = [
-        actor.options(
-            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
-        ).remote()
-        for n in placement
-    ]
+    ranks = place(actors.DcpTrainer, placement, exit_recorder)
     world = len(ranks)
     ray.get(
         [r.setup_fsdp.remote(i, world, "127.0.0.1", port, config) for i, r in enumerate(ranks)],

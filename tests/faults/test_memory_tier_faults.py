@@ -22,7 +22,7 @@ from ray_graceful.coordinator import Coordinator
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
 from tests.helpers import free_port, kill_actors, wait_for
-from tests.memory_groups import drain_b_and_conclude, start_group, train_then_block
+from tests.memory_groups import drain_b_and_conclude, place, start_group, train_then_block
 
 
 def test_a_shard_over_the_keepers_budget_goes_to_disk_and_the_outcome_says_so(
@@ -149,13 +149,7 @@ def test_a_saver_killed_during_its_save_is_replaced_by_its_backup_in_memory(
     coordinator = Coordinator.start(config)
     try:
         port = free_port()
-        actor = ray.remote(actors.GracefulTrainer)
-        ranks = [
-            actor.options(
-                num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
-            ).remote()
-            for n in "aabb"
-        ]
+        ranks = place(actors.GracefulTrainer, "aabb", exit_recorder)
         ray.get(
             [
                 r.setup.remote(
