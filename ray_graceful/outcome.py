@@ -14,27 +14,30 @@ logger = logging.getLogger(__name__)
 LOG_PREFIX = "ray_graceful outcome "
 
 
-@dataclass
+@dataclass(frozen=True)
 class TerminationOutcome:
-    """Per cycle: the notices, the plan, each rank's report, and what a restart loads."""
+    """Per cycle: the notices, the plan, each rank's report, and what a restart loads.
+
+    Immutable, written once when the cycle concludes: the file and the API say the same. What
+    happens to a memory-tier checkpoint afterwards - its durable copy landing, a shard handed on
+    or lost - is the memory tier's own record (``Coordinator.wait_durable``,
+    ``Coordinator.memory_record``; ``durable-cycle-N.json`` and ``memory-cycle-N.json``).
+    """
 
     cycle: int
     job_id: str
-    result: str  # "committed" | "abandoned" | "no-checkpoint"
+    result: str  # "committed" | "abandoned" | "no-checkpoint" | "ray-train" | "failed"
     notices: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
     plan_table: str = ""
     reports: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # processes that sent no report
-    committed: dict[str, Any] | None = None  # {"step", "path"} written this cycle
+    committed: dict[str, Any] | None = None  # {"step", "path"}, or the memory tier's, at commit
     resume_from: dict[str, Any] | None = None  # the committed checkpoint a restart loads
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds from the first notice
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # shards a backup saved
-    # Memory tier: when the background copy to checkpoint_dir landed ({"path", "at"}), or why
-    # it did not ({"error"}); None until then (Coordinator.wait_durable waits for it).
-    durable: dict[str, Any] | None = None
     # Warm restart: who rejoins as which rank, which spare took which slot, the resume step -
     # or why every survivor was told to leave (coordinator/warm.py). None without one.
     warm: dict[str, Any] | None = None
@@ -82,6 +85,20 @@ class TerminationOutcome:
         except OSError as exc:
             logger.error("ray_graceful: could not write the outcome under %s: %s", report_dir, exc)
             return None
+
+
+def publish_record(report_dir: str, job_id: str, name: str, record: dict[str, Any]) -> None:
+    """A record beside the outcomes (the memory tier's ``durable-cycle-N``, ``memory-cycle-N``),
+    replaced whole and atomically each time it changes."""
+    directory = os.path.join(report_dir, job_id or "no-job")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{name}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(directory, f"{name}.json"))
+    except OSError as exc:
+        logger.error("ray_graceful: could not write %s under %s: %s", name, report_dir, exc)
 
 
 class OutcomeMetrics:

@@ -20,18 +20,29 @@ version with a reason (a worker of an older ray_graceful registering with a newe
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
+from .config import GracefulConfig
 from .health import HealthReport
 
 PROTOCOL_VERSION = 1
+DEFAULT_NAME = "ray_graceful_coordinator"  # + "-<job id>": one coordinator per job
 
 RankKey = tuple[str, int]
 
 
 class ProtocolError(ValueError):
     """A message is malformed; the message says which field and what is allowed."""
+
+
+def coordinator_name(config: GracefulConfig, job_id: str) -> str:
+    """The coordinator's actor name - where a rank finds it: the configured one, else one per
+    Ray job, so that a second job on the same cluster never registers with, or is stopped by,
+    the first job's coordinator."""
+    return config.coordinator_name or f"{DEFAULT_NAME}-{job_id}"
 
 
 def shard_key(group: str, label: str) -> str:
@@ -320,3 +331,73 @@ class Rejoined:
     @property
     def joined(self) -> bool:
         return self.action == "joined"
+
+
+# How a process left: Ray's intended exit (status 0); Ray's kill of the actor, for a task that
+# could not return (still recorded INTENDED_SYSTEM_EXIT, status 1); os._exit (outside Ray, or
+# both of those failed); the deadline's watchdog; a second SIGTERM.
+ExitPath = Literal["ray_intended", "ray_kill", "hard", "watchdog", "second-signal"]
+
+
+@dataclass
+class StepRecord:
+    """One teardown step: what happened and when (seconds from the teardown's start)."""
+
+    name: str
+    status: str  # "ran" | "skipped" | "failed" | "running" | "interrupted"
+    detail: str = ""
+    started_s: float = 0.0
+    duration_s: float = 0.0
+
+
+@dataclass
+class TeardownReport:
+    """What one process's teardown did; JSON in ``report_dir`` and one log line."""
+
+    pid: int
+    hostname: str
+    node_id: str
+    job_id: str
+    ranks: list[dict[str, Any]]
+    trigger: str
+    cycle: int
+    started_at: float
+    deadline: float
+    steps: list[StepRecord] = field(default_factory=list)
+    saved: list[dict[str, Any]] = field(default_factory=list)
+    last_step: int | None = None  # the last step boundary the training loop reported
+    exit_path: ExitPath | None = None
+    exit_code: int | None = None
+    finished_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["steps"] = [asdict(s) for s in list(self.steps)]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TeardownReport:
+        values = dict(data)
+        values["steps"] = [StepRecord(**s) for s in data.get("steps", [])]
+        return cls(**values)
+
+    def step(self, name: str) -> StepRecord:
+        for record in self.steps:
+            if record.name == name:
+                return record
+        raise KeyError(f"no step {name!r} in this report; steps: {[s.name for s in self.steps]}")
+
+    def save_failure(self) -> str:
+        """Why the save step saved nothing (or only part): its detail, else the exit path."""
+        for record in self.steps:
+            if record.name == "save":
+                return f"save {record.status}: {record.detail}"[:300]
+        return f"no save step ran (exit: {self.exit_path})"
+
+    def summary(self) -> str:
+        ranks = ",".join(f"{r['group']}/{r['rank']}" for r in self.ranks) or "-"
+        steps = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.steps)
+        return f"pid={self.pid} ranks={ranks} trigger={self.trigger} {steps} exit={self.exit_path}"

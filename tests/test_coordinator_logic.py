@@ -7,6 +7,7 @@ Ray's drain state and actor table come in through the injected sources (as Ray T
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
 import time
@@ -113,7 +114,7 @@ def test_a_notice_plans_orders_and_commits(config):
     outcome, coord = run(scenario())
     assert outcome.result == "committed" and outcome.committed["step"] == 7
     assert latest_committed(config.checkpoint_dir).step == 7
-    assert coord.cycle.number == 1
+    assert coord.machine.cycle.number == 1
 
 
 def test_another_jobs_ranks_and_orders_are_refused(config):
@@ -163,10 +164,12 @@ def test_the_drain_watcher_survives_bad_answers_and_errors(config):
 
     coord, drains, calls = run(scenario())
     assert drains.calls > calls, "the watcher kept polling after an error"
-    rejected = coord.cycle.rejected
+    rejected = coord.machine.cycle.rejected
     assert any("not milliseconds" in r["reason"] for r in rejected), rejected
     assert any("KeyError" in r["reason"] for r in rejected), "the error is on record"
-    assert "drain" in [n.source for n in coord.cycle.notices], "the good drain became a notice"
+    assert "drain" in [n.source for n in coord.machine.cycle.notices], (
+        "the good drain became a notice"
+    )
 
 
 def test_a_rank_lost_mid_teardown_ends_the_wait(config):
@@ -216,7 +219,7 @@ def test_a_spare_is_handed_one_slot_only(config):
     assert first["assigned"] == "s1"
     assert second["assigned"] is None, "the second order would go where nobody polls"
     assert order.action == "assigned" and order.rank == 0
-    assert "s1" not in coord.registry.spares
+    assert "s1" not in coord.spares.spares
 
 
 def test_malformed_notices_and_receipt_times_are_rejected_not_raised(config):
@@ -243,8 +246,9 @@ def test_outcome_is_published_where_the_config_says(config):
         await coord.report_teardown("p0", report(0))
         return await coord.wait_outcome(0, 10)
 
-    run(scenario())
-    assert os.path.exists(os.path.join(config.report_dir, "job-a", "outcome-cycle-0.json"))
+    outcome = run(scenario())
+    with open(os.path.join(config.report_dir, "job-a", "outcome-cycle-0.json")) as f:
+        assert json.load(f) == json.loads(outcome.to_json()), "the file says what the API returns"
 
 
 def test_an_order_is_delivered_until_it_is_acknowledged(config):
@@ -276,9 +280,9 @@ def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
         await register(coord)
         await coord.notify({"node_id": "n0", "reason": "test"})
         await asyncio.sleep(0.05)
-        order = coord.registry.processes["p0"].order
+        order = coord.machine.registry.processes["p0"].order
         old_ack = await coord.ack(Ack("p0", 0, order.order_id, version=99))
-        return refused, old_ack, coord.registry.processes["p0"].acked
+        return refused, old_ack, coord.machine.registry.processes["p0"].acked
 
     refused, old_ack, acked = run(scenario())
     assert not refused.accepted and "protocol version 99" in refused.reason
@@ -303,8 +307,8 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
         return coord
 
     coord = run(scenario())
-    assert coord.cycle.number == 3
-    assert coord.registry.processes == {} and coord.registry.ranks == {}
+    assert coord.machine.cycle.number == 3
+    assert coord.machine.registry.processes == {} and coord.machine.registry.ranks == {}
     assert sorted(coord.outcomes) == [0, 1, 2]
 
 
@@ -393,10 +397,15 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
         started = time.monotonic()
         await coord.report_sigterm(SigtermSeen("p0", 0, time.time()))
         await asyncio.sleep(0.3)
-        after_one = coord.cycle.phase
+        after_one = coord.machine.cycle.phase
         await coord.report_sigterm(SigtermSeen("p1", 0, time.time()))
         await asyncio.sleep(0.05)
-        return after_one, coord.cycle.phase, time.monotonic() - started, coord.cycle.notices
+        return (
+            after_one,
+            coord.machine.cycle.phase,
+            time.monotonic() - started,
+            coord.machine.cycle.notices,
+        )
 
     after_one, after_both, took, notices = run(scenario())
     assert after_one.value == "gathering", "p1 on the same node has no notice yet"
@@ -409,7 +418,7 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
         await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
         await asyncio.sleep(0.05)
-        return coord.cycle.phase
+        return coord.machine.cycle.phase
 
     assert run(drained()).value == "gathering", "a drain keeps the window open"
 
@@ -488,6 +497,6 @@ def test_rejected_notices_are_kept_small_whatever_they_were(config):
     assert all(len(r.reason) <= 500 for r in replies), [len(r.reason) for r in replies]
     assert "node_id 'nnnnn" in replies[0].reason and "at most 200 characters" in replies[0].reason
     assert "the rank from 0 to 16777215" in replies[8].reason
-    assert len(pickle.dumps(coord.cycle.rejected)) < 50_000
+    assert len(pickle.dumps(coord.machine.cycle.rejected)) < 50_000
     assert len(pickle.dumps(status)) < 50_000
-    assert coord.cycle.notices == []
+    assert coord.machine.cycle.notices == []

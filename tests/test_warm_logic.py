@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ray_graceful import GracefulConfig
-from ray_graceful.coordinator.registry import Spare
+from ray_graceful.coordinator.spares import SpareRecord as Spare
 from ray_graceful.coordinator.warm import Survivor, WarmRestarts
 from ray_graceful.protocol import RankSpec, Rejoined
 

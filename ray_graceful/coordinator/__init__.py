@@ -1,9 +1,17 @@
 """The coordinator side: one actor per job that turns notices into a bounded, reported end.
 
-- ``actor.py``    the actor: registration, the long poll (fan-out), notices, transitions
-- ``cycle.py``    one cycle's state machine and its conclusion (commit, outcome)
-- ``registry.py`` the processes, ranks and spares it knows
-- ``handle.py``   the driver's handle: ``Coordinator.start``/``connect``/``notify``/...
+- ``events.py``     what goes into the cycle machine (events) and what comes out (decisions)
+- ``machine.py``    the cycle machine: every rule, no Ray, no I/O, no futures
+- ``cycle.py``      one cycle's phases and what it saw
+- ``conclusion.py`` what to commit, committing it (on a thread), the outcome record
+- ``registry.py``   the processes and ranks it knows
+- ``spares.py``     the spares and standbys waiting for their word
+- ``warm.py``       warm restarts: who rejoins, which spare takes which slot
+- ``actor.py``      the Ray actor: a thin shell that owns futures, tasks and I/O, and these parts:
+- ``watch.py``      Ray's drain state and lost ranks, polled from injected sources
+- ``memory.py``     the memory tier: keepers (from an injected factory), hand-on, durable copy
+- ``backups.py``    backup savers waiting on their saver's fate
+- ``handle.py``     the driver's handle: ``Coordinator.start``/``connect``/``notify``/...
 """
 
 from .actor import CoordinatorActor

@@ -1,18 +1,23 @@
-"""The coordinator actor: one async Ray actor per job that turns notices into a bounded end.
+"""The coordinator actor: a thin Ray shell around the cycle machine.
 
-Workers register their ranks (``Register``) and hold a long poll open (``poll``); when a cycle's
-plan is made, every pending poll is answered at once with that process's ``Order`` - the
-fan-out - so an order reaches a rank whose training thread is stuck in a collective. An order
-is answered to every poll until the process acknowledges it (``ack``): delivery is at least
-once, and the worker side handles it once. Notices come from Ray's drain state and the actor
-table (both through injected sources, ``ray_adapter`` by default), from workers' SIGTERM
-listeners, from ``notify`` (the CLI) and from health verdicts that turn FAULTY.
+One async Ray actor per job. Its methods are what workers, the driver and the CLI call; each
+turns the call into an event for the cycle machine (``machine.py``, no Ray, no I/O) and carries
+out the decisions that come back (``events.py``). The shell owns everything the machine must
+not: the futures of held polls (the fan-out - an order reaches a rank whose training thread is
+stuck in a collective, because its control thread's poll is answered), each cycle's task and
+its timers, the commit on a thread, publishing outcomes, metrics, and the parts that talk to
+the world - the watcher (``watch.py``: drain state and lost ranks from injected sources), the
+memory tier (``memory.py``: keepers from an injected factory), the backups' waits
+(``backups.py``) and the spares' polls.
 
-The cycle's state machine is in ``cycle.py``; each transition is one method here:
-``_on_notices`` (IDLE -> GATHERING), ``_plan_and_order`` (GATHERING -> TEARING_DOWN),
-``_conclude`` (TEARING_DOWN -> CONCLUDED) and ``_open_next_cycle``. Background work (the drain
-and lost-rank watcher, each cycle's teardown) is supervised: an error is logged and either
-restarts the watcher or concludes the cycle as failed, with the reason in the outcome.
+::
+
+    notice ─> machine.step ─> orders ─> polls answered ─> reports ─> machine.step ─> Commit
+                                                                           │ (thread)
+          outcome published <─ Concluded <─ machine.step(CommitDone) <─────┘
+
+A cycle always concludes: an error on the way becomes a "failed" outcome with the reason, and
+the next cycle opens all the same.
 """
 
 from __future__ import annotations
@@ -22,59 +27,51 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from .. import ray_adapter
 from ..config import GracefulConfig
-from ..health import FAULTY, UNKNOWN, HealthReport
-from ..memory.commit import MemoryCheckpoint
+from ..memory.keeper import start_keeper
 from ..notices import EvictionNotice, NoticeError, short
-from ..outcome import OutcomeMetrics, TerminationOutcome
-from ..plan import RankInfo, RankOrder, TerminationPlan, incomplete_groups, plan_termination
+from ..outcome import OutcomeMetrics, TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
-    Order,
     PollAnswer,
     PollState,
-    ProtocolError,
     Register,
     Rejoined,
     Rendezvous,
     Reply,
-    SaveAssignment,
+    SaveResult,
+    SaveTurn,
     SigtermSeen,
-    check_version,
-    shard_key,
+    SpareOrder,
+    TeardownReport,
 )
 from ..rendezvous import host_store
-from ..worker.report import TeardownReport
-from .cycle import Cycle, Phase, conclude, failed
-from .fallback import FallbackMixin
-from .memory import MemoryTierMixin
-from .registry import Process, Registry, poll_timeout
-from .spares import SparesMixin
+from . import events as ev
+from .backups import BackupTurns
+from .conclusion import carry_out
+from .machine import CycleMachine
+from .memory import KeeperFactory, MemoryTier
+from .registry import poll_timeout
+from .spares import SparePool
 from .warm import StoreFactory, WarmRestarts
-from .watch import WatcherMixin
+from .watch import DrainSource, LostSource, Watcher
 
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 KEEP_OUTCOMES = 16  # concluded cycles whose outcome wait_outcome() can still return
-KEEP_REJECTED = 200  # rejected messages remembered per cycle (status shows the last 20)
-MAX_REASON = 500  # characters of a rejection's reason kept and echoed back
-
-DrainSource = Callable[[], dict[str, int]]  # {node_id_hex: deadline_ms}
-LostSource = Callable[[set[str]], set[str]]  # actor ids -> the dead ones
 
 
-class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin):
+class CoordinatorActor:
     """The actor's implementation (started through ``Coordinator.start``).
 
-    Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``
-    (default: ``ray_adapter``), as Ray Train's ``PreemptionWatcher`` takes its drain source:
-    the logic runs, and is unit-tested, without a cluster.
+    Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``, and
+    keepers through ``keeper_factory`` (default: ``ray_adapter`` and real keeper actors): the
+    logic runs, and is unit-tested, without a cluster.
     """
 
     def __init__(
@@ -84,344 +81,194 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         drain_source: DrainSource | None = None,
         lost_source: LostSource | None = None,
         store_factory: StoreFactory | None = None,
+        keeper_factory: KeeperFactory | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
-        self.drain_source = drain_source or ray_adapter.draining_nodes
-        self.lost_source = lost_source or ray_adapter.dead_actors
-        self.registry = Registry()
         self.warm = WarmRestarts(config, store_factory or host_store)
         self.warm.prepare()
-        self.cycle = Cycle(0)
-        self.job_state = "running"
+        self.spares = SparePool()
+        self.memory = MemoryTier(
+            config,
+            job_id,
+            uuid.uuid4().hex[:8],
+            keeper_factory or self._start_keeper,
+            home_node=ray_adapter.current_node_id(),
+            publish=self._publish_record,
+            before_persist=self._rejoin_done,
+        )
+        self.machine = CycleMachine(config, job_id, self.warm, self.spares, self.memory)
+        self.watcher = Watcher(
+            drain_source or ray_adapter.draining_nodes,
+            lost_source or ray_adapter.dead_actors,
+            config.drain_poll_interval_s,
+            self.machine.watched_actors,
+            self._take,
+        )
+        self.backups = BackupTurns()
+        self.polls: dict[str, asyncio.Future] = {}  # process id -> its held long poll
+        self.spare_polls: dict[str, asyncio.Future] = {}
+        self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
+        self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes: dict[int, TerminationOutcome] = {}
         self.outcome_events: dict[int, asyncio.Event] = {}
-        self.save_times: dict[tuple[str, str], float] = {}
-        self.drains_seen: dict[str, int] = {}
-        self.failures: list[str] = []  # errors of background work, shown in status()
-        self.polls_served = 0
-        self.instance_id = uuid.uuid4().hex[:8]  # names this coordinator's keepers
-        self.keepers: dict[str, Any] = {}  # node id -> its keeper (memory tier)
-        self.memory_checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
-        self.leaving: dict[str, float] = {}  # keeper nodes being evicted -> their deadline
-        self.durable_events: dict[int, asyncio.Event] = {}
-        self.background: set[asyncio.Task] = set()
-        self._watcher: asyncio.Task | None = None
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
         except Exception:  # metrics are a courtesy (and need Ray); it works without them
             self.metrics = None
 
-    # --- registration ------------------------------------------------------------------------
+    def _start_keeper(self, name: str, node_id: str) -> Any:
+        namespace, budget = self.config.coordinator_namespace, self.config.memory_budget_mb << 20
+        return start_keeper(name, namespace, self.job_id, node_id, budget)
+
+    # --- the one way in: an event to the machine, its decisions carried out ---------------------
+
+    def _step(self, event: ev.Event) -> list[ev.Decision]:
+        """Step the machine and carry out every decision: one that fails (a keeper that cannot
+        start, a metrics agent away) is logged and recorded, and never keeps the others - the
+        orders above all - from going out."""
+        decisions = self.machine.step(event)
+        for decision in decisions:
+            try:
+                self._carry_out(decision)
+            except Exception as exc:
+                logger.exception("ray_graceful coordinator: could not carry out %s", decision)
+                self.watcher.record_failure(f"{type(decision).__name__}: {exc!r}"[:500])
+        return decisions
+
+    def _take(self, event: ev.Event) -> Any:
+        """Step the machine; the answer for the caller (a ``Reply`` or ``PollAnswer``), if any."""
+        return ev.reply_of(self._step(event))
+
+    def _carry_out(self, decision: ev.Decision) -> None:
+        match decision:
+            case ev.OrderOut(process_id, answer):
+                future = self.polls.get(process_id)
+                if future is not None and not future.done():
+                    future.set_result(answer)
+            case ev.CycleOpened(cycle):
+                task = asyncio.get_running_loop().create_task(self._run_cycle(cycle))
+                self.cycle_tasks.add(task)
+                task.add_done_callback(self.cycle_tasks.discard)
+            case ev.Gathered(cycle):
+                self._event(cycle, "gathered").set()
+            case ev.AllReported(cycle):
+                self._event(cycle, "reported").set()
+            case ev.SaveResolved():
+                self.backups.resolved(decision)
+            case ev.KeeperNeeded(node_id):
+                self.memory.ensure_keeper(node_id)
+            case ev.NodeLeaving(node_id, deadline):
+                self.memory.node_leaving(node_id, deadline)
+            case ev.SpareTold(spare_id):
+                future = self.spare_polls.get(spare_id)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            case ev.Rejected(summary, reason):
+                logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
+                if self.metrics is not None:
+                    self.metrics.rejected.inc()
+            case ev.NoticeAccepted(source):
+                if self.metrics is not None:
+                    self.metrics.notices.inc(tags={"source": source})
+            case ev.Concluded():
+                self._publish(decision)
+            case _:
+                pass  # Replied, HoldPoll, AwaitSaver, Commit: the caller's to act on
+
+    def _event(self, cycle: int, what: str) -> asyncio.Event:
+        return self.cycle_events.setdefault((cycle, what), asyncio.Event())
+
+    # --- registration and the long poll (the fan-out) -------------------------------------------
 
     async def register(self, message: Register) -> Reply:
         """A worker process registers its ranks; the reply names the cycle it belongs to."""
-        self._ensure_background()
-        try:
-            message.check()
-        except (ProtocolError, AttributeError) as exc:
-            return self._reject({"register": short(message)}, f"malformed registration: {exc}")
-        if self.job_id and message.job_id != self.job_id and not self.config.coordinator_name:
-            return self._reject(
-                {"process": message.process_id, "job_id": message.job_id},
-                f"this coordinator belongs to job {self.job_id}, not to job "
-                f"{message.job_id or '?'}; each job starts its own (or set the same "
-                "coordinator_name in every job that should share one)",
-            )
-        if self.cycle.tearing_down:
-            # The previous group is still leaving: its ranks are what this cycle plans for.
-            # The worker's control thread registers again until the next cycle accepts it.
-            return Reply.refused(
-                f"cycle {self.cycle.number} is being torn down; registering again once it ended",
-                self.cycle.number,
-                retry=True,
-            )
-        if self.job_state != "running":
-            return Reply.refused(f"the job is {self.job_state}", self.cycle.number)
-        self.registry.register(message, self.cycle.number)
-        self._ensure_keeper(message.node_id)
-        return Reply.ok(self.cycle.number)
-
-    # --- the long poll (the fan-out) ---------------------------------------------------------
+        self.watcher.ensure_running()
+        return self._take(ev.Registration(message))
 
     async def poll(
         self, process_id: str, cycle: int, state: PollState, wait_s: float
     ) -> PollAnswer:
         """Held open by each worker process; answered with its order, or "idle" after wait_s."""
-        self._ensure_background()
-        self.polls_served += 1
-        process = self.registry.processes.get(process_id)
-        if process is None:
-            return PollAnswer("unknown", reason="this process is not registered")
-        if cycle != self.cycle.number or process.cycle != self.cycle.number:
-            reason = self._stale(cycle)
-            self._reject({"process": process_id, "cycle": cycle}, reason)
-            return PollAnswer("stale", reason=reason)
-        process.last_seen = time.time()
-        if isinstance(state, PollState):
-            if state.last_step is not None:
-                process.last_step = state.last_step
-            if isinstance(state.health, HealthReport):
-                await self._update_health(process, state.health)
-        if process.order is not None and not process.acked:
-            return PollAnswer("order", process.order)  # (again) until acknowledged
+        self.watcher.ensure_running()
+        answer = self._take(ev.Polled(process_id, cycle, state))
+        if answer is not None:
+            return answer
         future = asyncio.get_running_loop().create_future()
-        process.waiter = future
+        self.polls[process_id] = future
         try:
             return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
         except asyncio.TimeoutError:
             return PollAnswer("idle")
         finally:
-            if process.waiter is future:
-                process.waiter = None
+            if self.polls.get(process_id) is future:
+                del self.polls[process_id]
 
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it is not sent again."""
-        try:
-            check_version(message)
-        except (ProtocolError, AttributeError) as exc:
-            return self._reject({"ack": short(message)}, str(exc))
-        process = self.registry.processes.get(message.process_id)
-        if process is None or process.order is None or process.order.order_id != message.order_id:
-            return Reply.refused("no such order", self.cycle.number)
-        process.acked = True
-        return Reply.ok(self.cycle.number)
+        return self._take(ev.Acked(message))
 
-    async def _update_health(self, process: Process, report: HealthReport) -> None:
-        was = process.health.verdict if process.health else UNKNOWN
-        process.health = report
-        if report.verdict == FAULTY and was != FAULTY:
-            notices = [
-                EvictionNotice(
-                    "health", f"GPU FAULTY: {report.summary()}", self.cycle.number, rank=key
-                )
-                for key in process.keys
-            ]
-            await self._on_notices(notices)
-
-    # --- notices -----------------------------------------------------------------------------
-
-    def _stale(self, cycle: Any) -> str:
-        return f"stale: cycle {short(cycle)} is not the current cycle {self.cycle.number}"
-
-    def _reject(self, what: dict[str, Any], reason: str) -> Reply:
-        # Kept as a bounded summary, never the message itself: a rejected message may be
-        # anything a caller sent (ten 20 MB notices once grew the coordinator by 840 MB).
-        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
-        summary = short(what, 300)
-        self.cycle.rejected.append({"at": time.time(), "reason": reason, "what": summary})
-        del self.cycle.rejected[:-KEEP_REJECTED]
-        logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
-        if self.metrics is not None:
-            self.metrics.rejected.inc()
-        return Reply.refused(reason, self.cycle.number)
+    # --- notices ----------------------------------------------------------------------------
 
     async def report_sigterm(self, message: SigtermSeen) -> Reply:
         """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
-        try:
-            message.check()
-        except (ProtocolError, AttributeError) as exc:
-            return self._reject({"sigterm": short(message)}, str(exc))
-        process = self.registry.processes.get(message.process_id)
-        if process is None:
-            return self._reject(
-                {"process": message.process_id}, "SIGTERM from an unregistered process"
-            )
-        if message.cycle != self.cycle.number:
-            return self._reject(
-                {"process": message.process_id, "cycle": message.cycle}, self._stale(message.cycle)
-            )
-        notices = [
-            EvictionNotice(
-                "sigterm",
-                "SIGTERM",
-                message.cycle,
-                0.0,
-                rank=key,
-                received_at=message.received_at,
-            )
-            for key in process.keys
-        ]
-        return await self._on_notices(notices)
+        return self._take(ev.SigtermIn(message))
 
     async def notify(self, data: dict[str, Any]) -> Reply:
         """An explicit notice (CLI, API): untrusted input; ``cycle`` defaults to the current."""
-        self._ensure_background()
+        self.watcher.ensure_running()
         if not isinstance(data, dict):
-            return self._reject({"notice": short(data)}, "a notice is a mapping of notice fields")
+            why = "a notice is a mapping of notice fields"
+            return self._take(ev.Malformed({"notice": short(data)}, why))
         values = dict(data)
-        values.setdefault("cycle", self.cycle.number)
+        values.setdefault("cycle", self.machine.cycle.number)
         values.setdefault("source", "api")
         try:
             notice = EvictionNotice.parse(values)
         except NoticeError as exc:
-            return self._reject(values, str(exc))
-        return await self._on_notices([notice])
+            return self._take(ev.Malformed(values, str(exc)))
+        return self._take(ev.NoticesIn((notice,)))
 
-    def _check_target(self, notice: EvictionNotice) -> str | None:
-        if notice.cycle != self.cycle.number:
-            return self._stale(notice.cycle)
-        if notice.node_id is not None and not self.registry.has_node(
-            notice.node_id, self.cycle.number
-        ):
-            return f"no rank of this job runs on node {notice.node_id}"
-        if notice.rank is not None and notice.rank not in self.registry.ranks:
-            return f"rank {notice.rank[0]}/{notice.rank[1]} is not registered"
-        return None
+    # --- a cycle, from its first notice to its outcome ----------------------------------------
 
-    # --- transitions -------------------------------------------------------------------------
-
-    async def _on_notices(self, notices: Iterable[EvictionNotice]) -> Reply:
-        """Take notices: the first opens the cycle's teardown (IDLE -> GATHERING)."""
-        accepted, reasons = 0, []
-        cycle = self.cycle
-        for notice in notices:
-            reason = self._check_target(notice)
-            if reason is not None:
-                reasons.append(self._reject(notice.to_dict(), reason).reason)
-                continue
-            accepted += 1
-            if self.metrics is not None:
-                self.metrics.notices.inc(tags={"source": notice.source})
-            if cycle.phase is Phase.IDLE:
-                cycle.phase, cycle.first_notice_at = Phase.GATHERING, time.time()
-                cycle.notices.append(notice)
-                cycle.cover(notice, self.registry)
-                cycle.task = asyncio.get_running_loop().create_task(self._run_cycle(cycle))
-            elif cycle.phase is Phase.GATHERING:
-                cycle.notices.append(notice)  # still gathering: it goes into the plan
-                cycle.cover(notice, self.registry)
-            else:
-                cycle.late_notices.append(notice)
-        if not accepted:
-            return Reply.refused("; ".join(reasons), cycle.number)
-        return Reply.ok(cycle.number, teardown=True)
-
-    async def _run_cycle(self, cycle: Cycle) -> None:
+    async def _run_cycle(self, cycle: int) -> None:
         """GATHERING -> TEARING_DOWN -> CONCLUDED -> the next cycle, whatever fails."""
         try:
             try:
-                await asyncio.wait_for(cycle.gathered.wait(), self.config.notice_gather_s)
+                await asyncio.wait_for(
+                    self._event(cycle, "gathered").wait(), self.config.notice_gather_s
+                )
             except asyncio.TimeoutError:
                 pass  # the window closed with some touched node not fully covered
-            self._plan_and_order(cycle)
-            await self._await_reports(cycle)
-            outcome = await asyncio.to_thread(self._conclude, cycle)
+            self._take(ev.GatheringClosed(cycle))
+            plan = self.machine.cycle.plan
+            if plan is not None:
+                logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle, plan.table())
+                last = max((o.deadline for o in plan.orders), default=time.time())
+                try:
+                    await asyncio.wait_for(
+                        self._event(cycle, "reported").wait(),
+                        timeout=max(last - time.time(), 0) + REPORT_GRACE_S,
+                    )
+                except asyncio.TimeoutError:
+                    pass  # the missing ones are named in the outcome
+            decisions = self._step(ev.ReportsClosed(cycle))
+            commit = next(d for d in decisions if isinstance(d, ev.Commit))
+            landed = await asyncio.to_thread(carry_out, commit.request)  # the disk, nothing else
+            self._take(ev.CommitDone(cycle, landed))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("ray_graceful coordinator: cycle %s failed", cycle.number)
-            outcome = failed(cycle, self.job_id, exc)
-        self._open_next_cycle(outcome)
+            logger.exception("ray_graceful coordinator: cycle %s failed", cycle)
+            self._take(ev.CycleFailed(cycle, f"{type(exc).__name__}: {exc}"))
+        finally:
+            for key in [k for k in self.cycle_events if k[0] <= cycle]:
+                del self.cycle_events[key]
+            self.backups.forget_before(cycle + 1)
 
-    def _plan_and_order(self, cycle: Cycle) -> None:
-        """GATHERING -> TEARING_DOWN: plan, then answer every process's poll with its order."""
-        topology, health, notes = [], {}, {}
-        for spec, process in self.registry.ranks_of(cycle.number):
-            topology.append(RankInfo.of(spec, process.node_id))
-            if process.health is not None:
-                health[spec.key] = process.health.verdict
-                notes[spec.key] = process.health.summary()
-            cycle.cooperative = cycle.cooperative or spec.cooperative
-        cycle.plan = plan = plan_termination(
-            topology,
-            cycle.notices,
-            health,
-            self.config,
-            expected_save_s=self.save_times,
-            health_notes=notes,
-            destination=self._destination(cycle),
-        )
-        cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
-        logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle.number, plan.table())
-        by_process: dict[str, list] = {}
-        for rank_order in plan.orders:
-            process = self.registry.process_of((rank_order.group, rank_order.rank))
-            if process is not None:
-                by_process.setdefault(process.process_id, []).append(rank_order)
-        for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
-            if notice.node_id is not None:
-                self._keeper_node_leaving(
-                    notice.node_id, notice.effective_deadline(self.config.teardown_timeout_s)
-                )
-        survivors = self._surviving_keepers(plan)
-        rejoiners = self.warm.choose_survivors(
-            plan, self.registry.active(cycle.number), cycle.cooperative
-        )
-        spare_nodes = self.warm.spare_nodes(plan, self.registry.spares.values())
-        trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
-        for process_id, orders in by_process.items():
-            process = self.registry.processes[process_id]
-            process.order = Order(
-                job_id=self.job_id,
-                cycle=cycle.number,
-                order_id=uuid.uuid4().hex,
-                deadline=min(o.deadline for o in orders),
-                trigger=trigger,
-                saves=tuple(
-                    self._assignment(plan, o, survivors, spare_nodes)
-                    for o in orders
-                    if o.action != "leave"
-                ),
-                skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
-                save_budget_s=self.config.save_budget_s,
-                rejoin=process_id in rejoiners,
-            )
-            process.wake(PollAnswer("order", process.order))
-        cycle.orders_at = time.time()
-        if not by_process:
-            cycle.all_reported.set()
-        self._check_all_reported()
-
-    def _destination(self, cycle: Cycle) -> str | None:
-        """Where savers write: Ray Train, the checkpoint directory, or only keepers' memory."""
-        if cycle.cooperative:
-            return "ray-train"
-        if self.config.checkpoint_dir is None and self.config.memory_replicas > 0:
-            return "memory"
-        return self.config.checkpoint_dir
-
-    def _assignment(
-        self,
-        plan: TerminationPlan,
-        order: RankOrder,
-        survivors: list[str],
-        spare_nodes: dict[str, list[str]],
-    ) -> SaveAssignment:
-        backup_for = None
-        if order.action == "backup":
-            backup_for = plan.savers[(order.group, order.shard)][1]
-        key = shard_key(order.group, order.shard)
-        return SaveAssignment(
-            order.group,
-            order.rank,
-            key,
-            self.config.checkpoint_dir or "",
-            backup_for=backup_for,
-            start_by=order.start_by,
-            keepers=self._holders_for(key, order.node_id, survivors, spare_nodes.get(key, ())),
-        )
-
-    async def _await_reports(self, cycle: Cycle) -> None:
-        assert cycle.plan is not None
-        last_deadline = max((o.deadline for o in cycle.plan.orders), default=time.time())
-        try:
-            await asyncio.wait_for(
-                cycle.all_reported.wait(),
-                timeout=max(last_deadline - time.time(), 0) + REPORT_GRACE_S,
-            )
-        except asyncio.TimeoutError:
-            pass  # the missing ones are named in the outcome
-
-    def _conclude(self, cycle: Cycle) -> TerminationOutcome:
-        """TEARING_DOWN -> CONCLUDED: commit if every shard was saved at one step."""
-        involved = [p for p in self.registry.active(cycle.number) if p.order is not None]
-        return conclude(cycle, involved, self.config, self.job_id, self.save_times)
-
-    def _open_next_cycle(self, outcome: TerminationOutcome) -> None:
-        """Publish the outcome; the next cycle opens (a restarted group registers into it)."""
-        self.cycle.phase = Phase.CONCLUDED
-        self.warm.after_cycle(self.cycle, outcome, self.registry)
+    def _publish(self, concluded: ev.Concluded) -> None:
+        """The outcome: its file and log line, metrics, and the wait for it ends."""
+        outcome = concluded.outcome
         try:
             outcome.publish(self.config.report_dir)
         except Exception:
@@ -433,13 +280,44 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         self.outcomes[outcome.cycle] = outcome
         self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
-        if self.keepers:
-            self._after_memory_commit(outcome.cycle, self.cycle.memory_checkpoint)
+        self.memory.after_commit(outcome.cycle, concluded.memory)
         for old in [c for c in self.outcomes if c < outcome.cycle - KEEP_OUTCOMES]:
             del self.outcomes[old]  # each holds every rank's report: keep the recent ones
             self.outcome_events.pop(old, None)
-        self.cycle = Cycle(outcome.cycle + 1)
-        self.registry.forget_before(self.cycle.number)
+
+    def _publish_record(self, name: str, record: dict[str, Any]) -> None:
+        publish_record(self.config.report_dir, self.job_id, name, record)
+
+    async def _rejoin_done(self, cycle: int) -> None:
+        """Until the warm restart out of ``cycle`` (if any) heard from every member."""
+        record = self.warm.records.get(cycle + 1)
+        if record is not None:
+            await record.done.wait()
+
+    # --- reports and backups ----------------------------------------------------------------
+
+    async def report_teardown(self, process_id: str, report: TeardownReport) -> Reply:
+        """A worker's TeardownReport, sent before it exits."""
+        return self._take(ev.ReportIn(process_id, report))
+
+    async def save_result(self, message: SaveResult) -> Reply:
+        """A saver's save step ended: its backups are told at once."""
+        return self._take(ev.SaveResultIn(message))
+
+    async def save_turn(self, message: SaveTurn, wait_s: float) -> Reply:
+        """A backup asks whether it must save; answered once the saver's fate is known."""
+        decisions = self._step(ev.TurnAsked(message))
+        wait = next((d for d in decisions if isinstance(d, ev.AwaitSaver)), None)
+        if wait is None:
+            return ev.reply_of(decisions)
+        fate = await self.backups.wait(wait.cycle, wait.shard_key, wait_s)
+        if fate is None:
+            why = f"the saver had not reported by the backup's last start ({wait_s:.1f}s)"
+            return Reply.ok(wait.cycle, save=False, why=why)
+        saved, why = fate
+        if not saved:
+            self._take(ev.BackupSaves(wait.cycle, wait.shard_key, why))
+        return Reply.ok(wait.cycle, save=not saved, why=why)
 
     # --- warm restart (coordinator/warm.py) --------------------------------------------------
 
@@ -449,21 +327,7 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
 
     async def rejoined(self, result: Rejoined) -> Reply:
         """A member says what it did; one that could not join ends the others cleanly."""
-        if not isinstance(result, Rejoined):
-            return self._reject({"rejoined": short(result)}, "a result is a Rejoined")
-        failed_record = self.warm.joined(result)
-        if failed_record is not None:
-            keys = [
-                key
-                for p in self.registry.active(self.cycle.number)
-                if p.process_id in failed_record.members
-                for key in p.keys
-            ]
-            reason = f"warm restart failed: {failed_record.reason}"[:500]
-            await self._on_notices(
-                [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
-            )
-        return Reply.ok(self.cycle.number)
+        return self._take(ev.RejoinedIn(result))
 
     async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
@@ -476,52 +340,71 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
             pass
         return record.to_dict()
 
-    # --- reports -----------------------------------------------------------------------------
+    # --- spares and standbys (coordinator/spares.py) ------------------------------------------
 
-    async def report_teardown(self, process_id: str, report: TeardownReport) -> Reply:
-        """A worker's TeardownReport, sent before it exits."""
-        process = self.registry.processes.get(process_id)
-        if not isinstance(report, TeardownReport):
-            return self._reject({"process": process_id}, "a report is a TeardownReport")
-        if process is None or report.cycle != self.cycle.number:
-            return self._reject(
-                {"process": process_id, "cycle": report.cycle}, self._stale(report.cycle)
-            )
-        process.report = report
-        self._resolve_saves(process, {s.get("shard") for s in report.saved}, report.save_failure())
-        self._check_all_reported()
-        return Reply.ok(self.cycle.number)
+    async def register_spare(self, spare_id: str, role: str, node_id: str, pid: int) -> Reply:
+        return self._take(ev.SpareArrived(spare_id, role, node_id, pid))
 
-    def _check_all_reported(self) -> None:
-        """Every process that got an order has reported, or died without a notice."""
-        cycle = self.cycle
-        if cycle.phase is Phase.TEARING_DOWN and all(
-            p.report is not None or p.lost
-            for p in self.registry.active(cycle.number)
-            if p.order is not None
-        ):
-            cycle.all_reported.set()
+    async def poll_spare(self, spare_id: str, wait_s: float) -> SpareOrder | None:
+        if spare_id not in self.spares.spares:
+            return SpareOrder("exit", "this spare is not registered")
+        word = self.spares.take(spare_id)
+        if word is not None:
+            return word
+        future = asyncio.get_running_loop().create_future()
+        self.spare_polls[spare_id] = future
+        try:
+            await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if self.spare_polls.get(spare_id) is future:
+                del self.spare_polls[spare_id]
+        return self.spares.take(spare_id)
+
+    async def leave_spare(self, spare_id: str, reason: str) -> Reply:
+        """A spare or standby is going away (SIGTERM): never hand it a slot."""
+        return Reply(self.spares.leave(spare_id), reason)
+
+    async def job_finished(self, success: bool = True, permanent: bool = True) -> dict:
+        """The job is over (success, or closed for good): every spare and standby exits 0."""
+        answer = self._take(ev.JobFinished(success, permanent))
+        return dict(answer.details) if isinstance(answer, Reply) else {}
+
+    async def assign_spare(self, group: str, rank: int) -> dict:
+        """Hand a waiting spare the slot of ``group/rank`` for the next cycle (once)."""
+        answer = self._take(ev.SpareWanted(group, rank))
+        if isinstance(answer, Reply) and answer.accepted:
+            return {**answer.details, "cycle": answer.cycle}
+        return {"assigned": None, "reason": answer.reason if answer else ""}
+
+    # --- the memory tier (coordinator/memory.py) ----------------------------------------------
+
+    async def memory_checkpoint(self, shard_key: str) -> dict[str, Any] | None:
+        """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}."""
+        return await self.memory.checkpoint_for(shard_key)
+
+    async def memory_record(self, cycle: int) -> dict[str, Any] | None:
+        """What cycle ``cycle``'s memory checkpoint holds and went through, as of now."""
+        return self.memory.record(cycle)
+
+    async def wait_durable(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """The durable copy's record once the background copy of ``cycle`` ended (or None)."""
+        return await self.memory.wait_durable(cycle, timeout)
+
+    async def keeper_stats(self) -> dict[str, Any]:
+        """Every keeper's budget, use and shards (the demo and the CLI show them)."""
+        return await self.memory.keeper_stats()
 
     # --- reading -----------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        self._ensure_background()
-        last = self.outcomes.get(self.cycle.number - 1)
-        topology = [RankInfo.of(s, p.node_id) for s, p in self.registry.ranks_of(self.cycle.number)]
+        self.watcher.ensure_running()
+        last = self.outcomes.get(self.machine.cycle.number - 1)
         return {
-            "incomplete_groups": incomplete_groups(topology),
-            "cycle": self.cycle.number,
-            "phase": self.cycle.phase.value,
-            "job_id": self.job_id,
-            "job_state": self.job_state,
-            "tearing_down": self.cycle.tearing_down,
-            "failures": list(self.failures),
-            "ranks": self.registry.describe_ranks(self.cycle.number),
-            "spares": self.registry.describe_spares(),
-            "notices": [n.to_dict() for n in self.cycle.notices],
-            "rejected": self.cycle.rejected[-20:],
+            **self.machine.describe(),
+            "failures": list(self.watcher.failures),
             "last_outcome": last.to_dict() if last else None,
-            "plan_table": self.cycle.plan.table() if self.cycle.plan else None,
         }
 
     async def wait_outcome(self, cycle: int | None, timeout: float) -> TerminationOutcome | None:
@@ -532,8 +415,8 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         eviction's outcome, not the next one's).
         """
         if cycle is None:
-            in_flight = self.cycle.tearing_down or not self.outcomes
-            cycle = self.cycle.number if in_flight else max(self.outcomes)
+            in_flight = self.machine.cycle.tearing_down or not self.outcomes
+            cycle = self.machine.cycle.number if in_flight else max(self.outcomes)
         if cycle in self.outcomes:
             return self.outcomes[cycle]
         event = self.outcome_events.setdefault(cycle, asyncio.Event())
@@ -544,19 +427,15 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         return self.outcomes[cycle]
 
     async def stats(self) -> dict[str, Any]:
-        """Cheap counters (the fan-out benchmark reads them while thousands of polls wait)."""
+        """Diagnostics: cheap counters (the fan-out harness reads them while polls wait)."""
         return {
             "pid": os.getpid(),
             "node_id": ray_adapter.current_node_id(),
-            "cycle": self.cycle.number,
-            "phase": self.cycle.phase.value,
-            "processes": len(self.registry.active(self.cycle.number)),
-            "pending_polls": sum(
-                1
-                for p in self.registry.processes.values()
-                if p.waiter is not None and not p.waiter.done()
-            ),
-            "polls_served": self.polls_served,
+            "cycle": self.machine.cycle.number,
+            "phase": self.machine.cycle.phase.value,
+            "processes": len(self.machine.active()),
+            "pending_polls": sum(1 for f in self.polls.values() if not f.done()),
+            "polls_served": self.machine.polls_served,
         }
 
     async def checkpoint_dir(self) -> str | None:
@@ -564,5 +443,5 @@ class CoordinatorActor(WatcherMixin, SparesMixin, FallbackMixin, MemoryTierMixin
         return self.config.checkpoint_dir
 
     async def ping(self) -> str:
-        self._ensure_background()
+        self.watcher.ensure_running()
         return "ok"

@@ -12,19 +12,8 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..outcome import TerminationOutcome
-from ..protocol import Reply
+from ..protocol import DEFAULT_NAME, Reply, coordinator_name
 from .actor import MAX_CONCURRENCY, CoordinatorActor
-
-DEFAULT_NAME = "ray_graceful_coordinator"  # + "-<job id>": one coordinator per job
-
-
-def coordinator_name(config: GracefulConfig, job_id: str) -> str:
-    """The coordinator's actor name: the configured one, else one per Ray job.
-
-    Per job by default, so that a second job on the same cluster never registers with, or is
-    stopped by, the first job's coordinator (issue: one job cannot stop another).
-    """
-    return config.coordinator_name or f"{DEFAULT_NAME}-{job_id}"
 
 
 class CoordinatorExists(RuntimeError):
@@ -195,6 +184,20 @@ class Coordinator:
             self.handle.wait_durable.remote(cycle, timeout), timeout=timeout + 10
         )
         return durable
+
+    def memory_record(self, cycle: int, timeout: float = 10.0) -> dict[str, Any] | None:
+        """Memory tier: what cycle ``cycle``'s memory checkpoint holds and went through, now.
+
+        ``holders`` per shard, ``handed_on`` (moved off a leaving node), ``lost`` (why it can no
+        longer be restored from memory), ``durable_path``; None if that cycle committed nothing
+        in memory. The outcome keeps what was committed at the time; this is its later life.
+        """
+        import ray
+
+        record: dict[str, Any] | None = ray.get(
+            self.handle.memory_record.remote(cycle), timeout=timeout
+        )
+        return record
 
     def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """Warm restart into ``cycle``: who joined as what, loaded from where, how long.

@@ -5,15 +5,20 @@ With ``memory_replicas > 0`` the coordinator starts a keeper on every node that 
 plan is made, each save assignment names the keepers to hand the shard to - surviving, not
 FAULTY nodes (``memory/placement.py``). A cycle whose shards are all held commits in memory
 (``memory/commit.py``); the keepers then write the shards to ``checkpoint_dir`` in the
-background and the manifest goes last, with today's guarantees, and the outcome's ``durable``
-says when it landed. An older memory checkpoint is released once a newer one is durable; the
-shards of a cycle that did not commit are released at once.
+background and the manifest goes last, with today's guarantees. The copy landing is a record
+of its own (``wait_durable``, ``durable-cycle-N.json``): the cycle's outcome is never rewritten.
+An older memory checkpoint is released once a newer one is durable; the shards of a cycle that
+did not commit are released at once.
 
 A keeper's own node can be evicted later (a drain, a notice naming it, a plan evicting its
 ranks): what it holds is handed on to a keeper that stays, before that node's deadline, and no
 new shard goes there. Where no keeper can take a shard, the durable copy has to land first; a
 shard left with no holder and no durable copy ends the memory checkpoint (``lost``), so a
-restart never mixes its step with an older one.
+restart never mixes its step with an older one. What the memory checkpoint went through (handed
+on, lost) is its record (``record``, ``memory-cycle-N.json``), rewritten as it changes.
+
+An owned part of the coordinator, free of Ray: keepers come from an injected factory and are
+called through ``memory/keeper.py``'s ``RemoteKeeper`` shape, so the unit tests give it fakes.
 """
 
 from __future__ import annotations
@@ -24,106 +29,140 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
-from .. import ray_adapter
 from ..checkpoint import CheckpointError, ShardRecord, commit
-from ..health import FAULTY
+from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint
-from ..memory.keeper import Keeper, keeper_name
+from ..memory.keeper import keeper_name
 from ..memory.placement import choose_holders
-from ..plan import TerminationPlan
-
-if TYPE_CHECKING:
-    from .actor import CoordinatorActor
+from ..protocol import Reply
 
 logger = logging.getLogger(__name__)
 
-KEEPER_CONCURRENCY = 32
 KEEPER_PING_S = 5.0  # a keeper that does not answer a ping in this long cannot serve a restart
 HOLDERS_FRESH_S = 5.0  # a restarted group's ranks ask at once: one check serves them all
 
 
-class MemoryTierMixin:
-    """The memory tier's part of ``CoordinatorActor``."""
+class KeeperClient(Protocol):
+    """What the tier calls on a keeper (``memory/keeper.py``: ``RemoteKeeper``)."""
 
-    def _ensure_keeper(self: CoordinatorActor, node_id: str) -> None:
-        """Start this node's keeper, once (no wait: it is up long before any eviction).
+    async def hold(self, *args: Any) -> Reply: ...
+
+    async def fetch(self, step: int, shard_key: str) -> list[Any] | None: ...
+
+    async def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]: ...
+
+    def release(self, below_step: int | None = None, cycle: int | None = None) -> None: ...
+
+    async def ping(self) -> str: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+KeeperFactory = Callable[[str, str], KeeperClient]  # (keeper name, node id) -> a started keeper
+Publish = Callable[[str, dict[str, Any]], None]  # (record name, record) -> written
+BeforePersist = Callable[[int], Awaitable[None]]  # cycle -> wait until its copy may start
+
+
+class MemoryTier:
+    """The memory tier's coordinator side; see the module docstring."""
+
+    def __init__(
+        self,
+        config: GracefulConfig,
+        job_id: str,
+        instance_id: str,
+        start_keeper: KeeperFactory,
+        home_node: str = "",
+        publish: Publish | None = None,
+        before_persist: BeforePersist | None = None,
+    ) -> None:
+        self.config = config
+        self.job_id = job_id
+        self.instance_id = instance_id  # names this coordinator's keepers
+        self.start_keeper = start_keeper
+        self.home_node = home_node
+        self.publish = publish or (lambda name, record: None)
+        self.before_persist = before_persist
+        self.keepers: dict[str, KeeperClient] = {}  # node id -> its keeper
+        self.checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
+        self.by_cycle: dict[int, MemoryCheckpoint] = {}  # cycle -> its memory checkpoint
+        self.leaving: dict[str, float] = {}  # keeper nodes being evicted -> their deadline
+        self.durable: dict[int, dict[str, Any]] = {}  # cycle -> {"path", "at"} | {"error"}
+        self.durable_events: dict[int, asyncio.Event] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    # --- placement (the cycle machine's view) -------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        """Nodes with a keeper that is not leaving."""
+        return [node for node in self.keepers if node not in self.leaving]
+
+    def names(self, nodes: Sequence[str]) -> tuple[str, ...]:
+        return tuple(keeper_name(self.job_id, self.instance_id, node) for node in nodes)
+
+    def ensure_keeper(self, node_id: str) -> None:
+        """Start this node's keeper, once.
 
         The coordinator's own node gets one too: it runs no ranks, but it is the node least
         likely to be evicted (the driver's, usually the head).
         """
         if self.config.memory_replicas <= 0 or not node_id or node_id in self.keepers:
             return
-        import ray
-
-        own = ray_adapter.current_node_id()
+        own = self.home_node
         if own and own not in self.keepers and own != node_id:
-            self._ensure_keeper(own)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+            self.ensure_keeper(own)
         name = keeper_name(self.job_id, self.instance_id, node_id)
-        self.keepers[node_id] = (
-            ray.remote(Keeper)
-            .options(
-                name=name,
-                namespace=self.config.coordinator_namespace,
-                num_cpus=0,
-                max_concurrency=KEEPER_CONCURRENCY,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            )
-            .remote(self.job_id, node_id, self.config.memory_budget_mb << 20)
-        )
+        self.keepers[node_id] = self.start_keeper(name, node_id)
 
-    def _surviving_keepers(self: CoordinatorActor, plan: TerminationPlan) -> list[str]:
-        """Nodes with a keeper that are neither being evicted nor FAULTY in this plan."""
-        out = {o.node_id for o in plan.orders if o.evicted or o.health == FAULTY}
-        return [node for node in self.keepers if node not in out and node not in self.leaving]
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-    def _holders_for(
-        self: CoordinatorActor,
-        shard: str,
-        saver_node: str,
-        survivors: list[str],
-        preferred: Sequence[str] = (),
-    ) -> tuple[str, ...]:
-        nodes = choose_holders(shard, saver_node, survivors, self.config.memory_replicas, preferred)
-        return tuple(keeper_name(self.job_id, self.instance_id, node) for node in nodes)
+    def _changed(self, memory: MemoryCheckpoint) -> None:
+        self.publish(f"memory-cycle-{memory.cycle}", memory.describe())
+
+    def record(self, cycle: int) -> dict[str, Any] | None:
+        """What the memory checkpoint of ``cycle`` holds and went through, as it is now."""
+        memory = self.by_cycle.get(cycle)
+        return memory.describe() if memory is not None else None
 
     # --- after a cycle concluded ----------------------------------------------------------
 
-    def _after_memory_commit(
-        self: CoordinatorActor, cycle_number: int, memory: MemoryCheckpoint | None
-    ) -> None:
+    def after_commit(self, cycle: int, memory: MemoryCheckpoint | None) -> None:
         """Start the durable copy of a memory commit; release what a failed cycle handed over."""
+        if not self.keepers:
+            return
         if memory is None:
             for keeper in self.keepers.values():
-                keeper.release.remote(cycle=cycle_number)
+                keeper.release(cycle=cycle)
             return
-        self.memory_checkpoints[memory.step] = memory
+        self.checkpoints[memory.step] = memory
+        self.by_cycle[memory.cycle] = memory
+        for old in [c for c in self.by_cycle if c < cycle - 16]:
+            del self.by_cycle[old]
+        self._changed(memory)
         if self.config.checkpoint_dir is None:
             return  # nowhere durable: it lives in memory only (the outcome says so)
-        task = asyncio.get_running_loop().create_task(self._persist(memory))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self._spawn(self._persist(memory))
 
-    async def _persist(self: CoordinatorActor, memory: MemoryCheckpoint) -> None:
+    async def _persist(self, memory: MemoryCheckpoint) -> None:
         """Keepers write their shards; the manifest goes last; older memory is released.
 
         Where a warm restart from this checkpoint is under way, its members load first (from
-        these keepers): the durable copy waits until every member spoke, at most
+        these keepers): ``before_persist`` waits until every member spoke, at most
         ``rejoin_timeout_s``, instead of taking the keepers' CPU and memory bandwidth from it.
         """
-        import ray
-
         root = self.config.checkpoint_dir
         assert root is not None
-        rejoining = self.warm.records.get(memory.cycle + 1)
-        if rejoining is not None and not rejoining.done.is_set():
+        if self.before_persist is not None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(rejoining.done.wait(), self.config.rejoin_timeout_s)
+                await asyncio.wait_for(
+                    self.before_persist(memory.cycle), self.config.rejoin_timeout_s
+                )
         try:
             records: list[ShardRecord] = []
             calls = {}
@@ -145,24 +184,23 @@ class MemoryTierMixin:
             )
             memory.durable_path, memory.durable_at = os.path.dirname(path), time.time()
             durable = {"path": memory.durable_path, "at": memory.durable_at}
-            for older in [s for s in self.memory_checkpoints if s < memory.step]:
-                del self.memory_checkpoints[older]
+            for older in [s for s in self.checkpoints if s < memory.step]:
+                del self.checkpoints[older]
             for keeper in self.keepers.values():
-                keeper.release.remote(below_step=memory.step)
-        except (CheckpointError, ray.exceptions.RayError, OSError, KeyError) as exc:
+                keeper.release(below_step=memory.step)
+        except Exception as exc:  # a keeper's error, a dead keeper, the disk: all say why
             memory.durable_error = f"{type(exc).__name__}: {exc}"
             durable = {"error": memory.durable_error}
             logger.error(
                 "ray_graceful coordinator: durable copy of step %s failed: %s", memory.step, exc
             )
-        outcome = self.outcomes.get(memory.cycle)
-        if outcome is not None:
-            outcome.durable = durable
-            outcome.committed = memory.describe()
+        self.durable[memory.cycle] = durable
+        self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
+        self._changed(memory)
         self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
 
     async def _persist_one(
-        self: CoordinatorActor, root: str, step: int, key: str, holders: tuple[str, ...]
+        self, root: str, step: int, key: str, holders: tuple[str, ...]
     ) -> dict[str, Any]:
         """Ask the shard's holders in turn until one has written it."""
         errors = []
@@ -172,14 +210,14 @@ class MemoryTierMixin:
                 errors.append(f"no keeper on {node[:12]}")
                 continue
             try:
-                return await keeper.persist.remote(root, step, key)
+                return await keeper.persist(root, step, key)
             except Exception as exc:
                 errors.append(f"keeper on {node[:12]}: {type(exc).__name__}: {exc}")
         raise CheckpointError(f"no keeper could write {key}: {'; '.join(errors)}")
 
     # --- a keeper's node is leaving ------------------------------------------------------
 
-    def _keeper_node_leaving(self: CoordinatorActor, node_id: str, deadline: float) -> None:
+    def node_leaving(self, node_id: str, deadline: float) -> None:
         """``node_id`` is being evicted: its keeper's shards move before ``deadline``.
 
         Once per node, in the background (the cycle's own teardown does not wait for it). From
@@ -190,13 +228,11 @@ class MemoryTierMixin:
         if not deadline:
             deadline = time.time() + self.config.teardown_timeout_s
         self.leaving[node_id] = deadline
-        task = asyncio.get_running_loop().create_task(self._evacuate(node_id, deadline))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self._spawn(self._evacuate(node_id, deadline))
 
-    async def _evacuate(self: CoordinatorActor, node_id: str, deadline: float) -> None:
+    async def _evacuate(self, node_id: str, deadline: float) -> None:
         """Hand on every shard the leaving keeper holds, newest checkpoint first."""
-        for memory in sorted(self.memory_checkpoints.values(), key=lambda m: -m.step):
+        for memory in sorted(self.checkpoints.values(), key=lambda m: -m.step):
             orphans = []
             for key, record in list(memory.shards.items()):
                 if record.tier != "memory" or node_id not in record.holders:
@@ -212,12 +248,10 @@ class MemoryTierMixin:
                     orphans.append(key)
             if orphans:
                 await self._orphaned(memory, orphans, node_id, deadline)
-            outcome = self.outcomes.get(memory.cycle)
-            if outcome is not None:
-                outcome.committed = memory.describe()
+            self._changed(memory)
 
     async def _hand_on(
-        self: CoordinatorActor,
+        self,
         memory: MemoryCheckpoint,
         record: ShardRecord,
         node_id: str,
@@ -230,17 +264,17 @@ class MemoryTierMixin:
             if left <= 0:
                 break
             try:
-                boxed = await asyncio.wait_for(
-                    self.keepers[node_id].fetch.remote(memory.step, record.shard), left
+                shard_ref = await asyncio.wait_for(
+                    self.keepers[node_id].fetch(memory.step, record.shard), left
                 )
-                if boxed is None:
+                if shard_ref is None:
                     return None  # the leaving keeper does not hold it (any more)
                 reply = await asyncio.wait_for(
-                    self.keepers[target].hold.remote(
+                    self.keepers[target].hold(
                         memory.cycle,
                         memory.step,
                         record.shard,
-                        boxed,
+                        shard_ref,
                         record.bytes,
                         record.group,
                         record.rank,
@@ -270,7 +304,7 @@ class MemoryTierMixin:
         return None
 
     async def _orphaned(
-        self: CoordinatorActor,
+        self,
         memory: MemoryCheckpoint,
         shards: list[str],
         node_id: str,
@@ -291,13 +325,11 @@ class MemoryTierMixin:
             "the durable copy landed and no other keeper could take it",
         )
 
-    def _forget(self: CoordinatorActor, memory: MemoryCheckpoint, why: str) -> None:
+    def _forget(self, memory: MemoryCheckpoint, why: str) -> None:
         """A memory checkpoint that can no longer be restored whole is no longer offered."""
         memory.lost = why
-        self.memory_checkpoints.pop(memory.step, None)
-        outcome = self.outcomes.get(memory.cycle)
-        if outcome is not None:
-            outcome.committed = memory.describe()
+        self.checkpoints.pop(memory.step, None)
+        self._changed(memory)
         logger.error(
             "ray_graceful coordinator: the memory checkpoint of step %s is lost: %s; restarts "
             "resume from the newest durable checkpoint",
@@ -305,7 +337,7 @@ class MemoryTierMixin:
             why,
         )
 
-    async def _check_holders(self: CoordinatorActor, memory: MemoryCheckpoint) -> None:
+    async def _check_holders(self, memory: MemoryCheckpoint) -> None:
         """Drop holders whose keeper is gone; a shard with none left ends the checkpoint.
 
         Asked before a restart is told where to load from, so every rank of the restarted
@@ -328,22 +360,22 @@ class MemoryTierMixin:
             lost = ", ".join(n[:12] for n in sorted(gone))
             self._forget(memory, f"{', '.join(orphans)} had no keeper left (gone: {lost})")
 
-    async def _keeper_answers(self: CoordinatorActor, node_id: str) -> bool:
+    async def _keeper_answers(self, node_id: str) -> bool:
         keeper = self.keepers.get(node_id)
         if keeper is None:
             return False
         try:
-            await asyncio.wait_for(keeper.ping.remote(), KEEPER_PING_S)
+            await asyncio.wait_for(keeper.ping(), KEEPER_PING_S)
             return True
         except Exception:
             return False
 
     # --- queries ----------------------------------------------------------------------------
 
-    async def memory_checkpoint(self: CoordinatorActor, shard_key: str) -> dict[str, Any] | None:
+    async def checkpoint_for(self, shard_key: str) -> dict[str, Any] | None:
         """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}."""
-        for step in sorted(self.memory_checkpoints, reverse=True):
-            memory = self.memory_checkpoints[step]
+        for step in sorted(self.checkpoints, reverse=True):
+            memory = self.checkpoints[step]
             await self._check_holders(memory)
             if memory.lost:
                 continue
@@ -351,31 +383,25 @@ class MemoryTierMixin:
             if record is not None and record.tier == "memory":
                 return {
                     "step": step,
-                    "holders": {
-                        node: keeper_name(self.job_id, self.instance_id, node)
-                        for node in record.holders
-                    },
+                    "holders": dict(zip(record.holders, self.names(record.holders), strict=True)),
                 }
         return None
 
-    async def wait_durable(
-        self: CoordinatorActor, cycle: int, timeout: float
-    ) -> dict[str, Any] | None:
-        """The outcome's ``durable`` once the background copy of ``cycle`` ended (or None)."""
+    async def wait_durable(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """The durable copy's record once the background copy of ``cycle`` ended (or None)."""
         event = self.durable_events.setdefault(cycle, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout=timeout)
         except asyncio.TimeoutError:
             return None
-        outcome = self.outcomes.get(cycle)
-        return outcome.durable if outcome is not None else None
+        return self.durable.get(cycle)
 
-    async def keeper_stats(self: CoordinatorActor) -> dict[str, Any]:
+    async def keeper_stats(self) -> dict[str, Any]:
         """Every keeper's budget, use and shards (the demo and the CLI show them)."""
         out: dict[str, Any] = {}
         for node, keeper in self.keepers.items():
             try:
-                out[node] = await asyncio.wait_for(keeper.stats.remote(), timeout=10)
+                out[node] = await asyncio.wait_for(keeper.stats(), timeout=10)
             except Exception as exc:
                 out[node] = {"error": repr(exc)}
         return out

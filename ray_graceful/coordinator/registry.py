@@ -1,19 +1,17 @@
-"""Who is registered: worker processes, their ranks, and spares - the coordinator's bookkeeping.
+"""Who is registered: worker processes and their ranks - the cycle machine's bookkeeping.
 
 A worker process holds one or more ranks (verl colocates roles) and belongs to the cycle it
 registered in. A rank that registers again from another process (an actor restart) moves: the
-newest registration wins. Spares and standbys wait in a pool until they are told to exit or
-handed a slot, and leave the pool when they get their word.
+newest registration wins. Plain state: the polls a process holds open are the actor's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
 from ..health import UNKNOWN, HealthReport
-from ..protocol import Order, RankKey, RankSpec, Register, SpareOrder
+from ..protocol import Order, RankKey, RankSpec, Register
 
 MAX_POLL_S = 60.0
 
@@ -33,7 +31,6 @@ class Process:
     last_seen: float = field(default_factory=time.time)
     last_step: int | None = None
     health: HealthReport | None = None
-    waiter: asyncio.Future | None = None  # its pending long poll
     order: Order | None = None  # this cycle's order, re-sent until acknowledged
     acked: bool = False
     report: object | None = None  # its TeardownReport, once sent
@@ -55,30 +52,13 @@ class Process:
     def name(self) -> str:
         return f"{self.registration.hostname}:{self.registration.pid}"
 
-    def wake(self, answer: object) -> None:
-        """Answer the pending poll, if one is held open."""
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(answer)
-
-
-@dataclass
-class Spare:
-    spare_id: str
-    role: str  # "spare" | "standby"
-    node_id: str
-    pid: int
-    waiter: asyncio.Future | None = None
-    order: SpareOrder | None = None
-    assigned: bool = False  # handed a slot: never handed another
-
 
 class Registry:
-    """The processes, ranks and spares the coordinator knows, and lookups over them."""
+    """The processes and ranks the coordinator knows, and lookups over them."""
 
     def __init__(self) -> None:
         self.processes: dict[str, Process] = {}
         self.ranks: dict[RankKey, tuple[RankSpec, str]] = {}  # key -> (spec, process id)
-        self.spares: dict[str, Spare] = {}
 
     def register(self, message: Register, cycle: int) -> Process:
         keys = []
@@ -146,23 +126,3 @@ class Registry:
             }
             for spec, process in sorted(self.ranks_of(cycle), key=lambda sp: sp[0].key)
         ]
-
-    # --- spares ------------------------------------------------------------------------------
-
-    def describe_spares(self) -> list[dict[str, object]]:
-        return [
-            {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
-            for s in self.spares.values()
-        ]
-
-    def waiting_spare(self) -> Spare | None:
-        for spare in self.spares.values():
-            if spare.role == "spare" and spare.order is None and not spare.assigned:
-                return spare
-        return None
-
-    def tell_spare(self, spare: Spare, order: SpareOrder) -> None:
-        if spare.waiter is not None and not spare.waiter.done():
-            spare.waiter.set_result(order)
-        else:
-            spare.order = order

@@ -3,79 +3,82 @@
 A spare can be handed an evicted rank's slot for the next cycle - once: it leaves the pool with
 its order; a standby only waits for the job to end. When the driver says the job is over
 (``Coordinator.job_finished``) every one of them is told to exit 0 (NVIDIA's resiliency PR 266).
+
+Plain state: a spare's word waits here (``SpareRecord.word``) until its long poll takes it; the
+actor holds the polls and wakes one when the pool says a word is ready.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from ..notices import short
-from ..protocol import Reply, SpareOrder
-from .registry import Spare, poll_timeout
+from ..protocol import SpareOrder
 
-if TYPE_CHECKING:
-    from .actor import CoordinatorActor
+ROLES = ("spare", "standby")
 
 
-class SparesMixin:
-    """The spares' part of ``CoordinatorActor``."""
+@dataclass
+class SpareRecord:
+    """One waiting spare or standby."""
 
-    # --- spares and standbys -----------------------------------------------------------------
+    spare_id: str
+    role: str  # "spare" | "standby"
+    node_id: str
+    pid: int
+    word: SpareOrder | None = None  # its word, until its poll takes it
+    assigned: bool = False  # handed a slot: never handed another
 
-    async def register_spare(
-        self: CoordinatorActor, spare_id: str, role: str, node_id: str, pid: int
-    ) -> Reply:
-        if role not in ("spare", "standby"):
-            return Reply.refused(f"role {short(role)}: one of 'spare', 'standby'")
-        spare = Spare(spare_id, role, node_id, pid)
-        self.registry.spares[spare_id] = spare
-        if self.job_state != "running":
-            spare.order = SpareOrder("exit", f"job {self.job_state}")
-        elif role == "spare":  # the copy of the shard it will load can wait on its own node
-            self._ensure_keeper(node_id)
-        return Reply.ok(self.cycle.number)
 
-    async def poll_spare(self: CoordinatorActor, spare_id: str, wait_s: float) -> SpareOrder | None:
-        spare = self.registry.spares.get(spare_id)
-        if spare is None:
-            return SpareOrder("exit", "this spare is not registered")
-        if spare.order is None:
-            future = asyncio.get_running_loop().create_future()
-            spare.waiter = future
-            try:
-                spare.order = await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-            except asyncio.TimeoutError:
-                return None
-            finally:
-                spare.waiter = None
-        order, spare.order = spare.order, None
-        self.registry.spares.pop(spare_id, None)  # it has its word: it leaves the pool
-        return order
+class SparePool:
+    """The spares and standbys waiting for their word."""
 
-    async def leave_spare(self: CoordinatorActor, spare_id: str, reason: str) -> Reply:
-        """A spare or standby is going away (SIGTERM): never hand it a slot."""
-        spare = self.registry.spares.pop(spare_id, None)
-        return Reply(spare is not None, reason)
+    def __init__(self) -> None:
+        self.spares: dict[str, SpareRecord] = {}
 
-    async def job_finished(
-        self: CoordinatorActor, success: bool = True, permanent: bool = True
-    ) -> dict:
-        """The job is over (success, or closed for good): every spare and standby exits 0."""
-        self.job_state = "succeeded" if success else "closed" if permanent else self.job_state
-        spares = list(self.registry.spares.values())
-        for spare in spares:
-            self.registry.tell_spare(spare, SpareOrder("exit", f"job {self.job_state}"))
-        return {"job_state": self.job_state, "spares_told": len(spares)}
+    def add(self, spare_id: str, role: str, node_id: str, pid: int) -> SpareRecord:
+        spare = SpareRecord(spare_id, role, node_id, pid)
+        self.spares[spare_id] = spare
+        return spare
 
-    async def assign_spare(self: CoordinatorActor, group: str, rank: int) -> dict:
-        """Hand a waiting spare the slot of ``group/rank`` for the next cycle (once)."""
-        spare = self.registry.waiting_spare()
-        if spare is None:
-            return {"assigned": None, "reason": "no spare is waiting"}
-        spare.assigned = True
-        order = SpareOrder(
-            "assigned", "given an evicted rank's slot", group, rank, self.cycle.number
-        )
-        self.registry.tell_spare(spare, order)
-        return {"assigned": spare.spare_id, "group": group, "rank": rank, "cycle": order.cycle}
+    def tell(self, spare: SpareRecord, word: SpareOrder) -> None:
+        """Give ``spare`` its word; its poll takes it (the caller wakes the poll)."""
+        spare.word = word
+
+    def take(self, spare_id: str) -> SpareOrder | None:
+        """The spare's word, if it has one: it leaves the pool with it."""
+        spare = self.spares.get(spare_id)
+        if spare is None or spare.word is None:
+            return None
+        del self.spares[spare_id]
+        return spare.word
+
+    def leave(self, spare_id: str) -> bool:
+        """A spare going away (SIGTERM): never hand it a slot."""
+        return self.spares.pop(spare_id, None) is not None
+
+    def waiting_spare(self) -> SpareRecord | None:
+        for spare in free_spares(self.spares.values()):
+            if spare.word is None:
+                return spare
+        return None
+
+    def tell_all(self, word: SpareOrder) -> list[str]:
+        """Every spare and standby gets ``word`` (the job is over): their ids."""
+        for spare in self.spares.values():
+            spare.word = word
+        return list(self.spares)
+
+    def describe(self) -> list[dict[str, object]]:
+        return [
+            {"id": s.spare_id, "role": s.role, "node_id": s.node_id, "pid": s.pid}
+            for s in self.spares.values()
+        ]
+
+
+def free_spares(
+    spares: Iterable[SpareRecord], leaving: frozenset[str] = frozenset()
+) -> list[SpareRecord]:
+    """Spares that can take a slot, in registration order: never a standby, never one handed a
+    slot already, never one on a node that is leaving."""
+    return [s for s in spares if s.role == "spare" and not s.assigned and s.node_id not in leaving]

@@ -31,11 +31,11 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..health import FAULTY
-from ..outcome import TerminationOutcome
 from ..plan import TerminationPlan
 from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder, shard_key
 from .cycle import Cycle
-from .registry import Process, Registry, Spare, poll_timeout
+from .registry import Process, Registry, poll_timeout
+from .spares import SpareRecord, free_spares
 
 StoreFactory = Callable[[], tuple[str, int]]  # hosts the long-lived store once: (host, port)
 
@@ -104,12 +104,6 @@ def _result_fields(result: Rejoined | None) -> dict[str, Any]:
     }
 
 
-def _free_spares(spares: Iterable[Spare], leaving: frozenset[str] = frozenset()) -> list[Spare]:
-    """Spares that can take a slot, in registration order: never a standby, never one handed a
-    slot already, never one on a node that is leaving."""
-    return [s for s in spares if s.role == "spare" and not s.assigned and s.node_id not in leaving]
-
-
 class WarmRestarts:
     """The coordinator's warm-restart part (see the module docstring)."""
 
@@ -156,7 +150,9 @@ class WarmRestarts:
                 )
         return set(self.survivors)
 
-    def spare_nodes(self, plan: TerminationPlan, spares: Iterable[Spare]) -> dict[str, list[str]]:
+    def spare_nodes(
+        self, plan: TerminationPlan, spares: Iterable[SpareRecord]
+    ) -> dict[str, list[str]]:
         """Per shard key, the nodes of the spares that ``decide`` will hand its evicted slots.
 
         ``decide`` hands the evicted slots of the survivors' groups, in (group, rank) order, to
@@ -166,7 +162,7 @@ class WarmRestarts:
         """
         groups = {s.spec.group for s in self.survivors.values()}
         staying = {(s.spec.group, s.spec.rank) for s in self.survivors.values()}
-        free = _free_spares(spares)
+        free = free_spares(spares)
         out: dict[str, list[str]] = {}
         for order in sorted(plan.orders, key=lambda o: (o.group, o.rank)):
             if order.group in groups and (order.group, order.rank) not in staying and free:
@@ -182,7 +178,7 @@ class WarmRestarts:
         committed: bool,
         reported: dict[str, bool],
         evicted_ranks: dict[str, dict[int, str]],
-        spares: list[Spare],
+        spares: list[SpareRecord],
         evicted_nodes: frozenset[str],
     ) -> WarmRecord | None:
         """The next cycle's membership, or every survivor told to leave (with the reason).
@@ -231,11 +227,11 @@ class WarmRestarts:
         self,
         record: WarmRecord,
         evicted_ranks: dict[str, dict[int, str]],
-        spares: list[Spare],
+        spares: list[SpareRecord],
         evicted_nodes: frozenset[str],
     ) -> str | None:
         """Fill ``record.members``; the reason when a group cannot continue."""
-        free = _free_spares(spares, evicted_nodes)
+        free = free_spares(spares, evicted_nodes)
         groups: dict[str, list[Survivor]] = {}
         for survivor in self.survivors.values():
             groups.setdefault(survivor.spec.group, []).append(survivor)
@@ -298,10 +294,18 @@ class WarmRestarts:
             was=was,
         )
 
-    def after_cycle(self, cycle: Cycle, outcome: TerminationOutcome, registry: Registry) -> None:
-        """``decide`` from what the concluded ``cycle`` left; tell the spares handed a slot."""
+    def after_cycle(
+        self,
+        cycle: Cycle,
+        step: int | None,
+        committed: bool,
+        registry: Registry,
+        spares: list[SpareRecord],
+    ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareOrder]]]:
+        """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
+        slot with its word (marked ``assigned``; the caller tells it)."""
         if not self.survivors:
-            return
+            return None, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
         evicted: dict[str, dict[int, str]] = {}
         for spec, process in registry.ranks_of(cycle.number):
@@ -309,25 +313,27 @@ class WarmRestarts:
                 evicted.setdefault(spec.group, {})[spec.rank] = spec.shard
         record = self.decide(
             cycle.number,
-            (outcome.committed or {}).get("step"),
-            outcome.result == "committed",
+            step,
+            committed,
             {p.process_id: p.report is not None for p in involved},
             evicted,
-            list(registry.spares.values()),
+            spares,
             # Nodes that go as a whole (a drain, a node's notice). A spare on a node only one
             # process of which was signalled stays: were the node going, it would be signalled
             # too, and leave the pool (worker/spares.py).
             frozenset(n.node_id for n in cycle.notices + cycle.late_notices if n.node_id),
         )
+        by_id = {s.spare_id: s for s in spares}
+        told = []
         for member, answer in record.members.items() if record else ():
-            spare = registry.spares.get(member)
+            spare = by_id.get(member)
             if spare is not None:
                 spare.assigned = True
                 why = f"warm restart: {answer.was}"
-                registry.tell_spare(
-                    spare, SpareOrder("assigned", why, answer.group, answer.rank, answer.cycle)
+                told.append(
+                    (spare, SpareOrder("assigned", why, answer.group, answer.rank, answer.cycle))
                 )
-        outcome.warm = record.to_dict() if record else None
+        return record, told
 
     # --- 3. the rendezvous -------------------------------------------------------------------
 

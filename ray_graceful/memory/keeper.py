@@ -173,3 +173,56 @@ class Keeper:
 
     def ping(self) -> str:
         return "ok"
+
+
+class RemoteKeeper:
+    """A keeper as the coordinator's memory tier sees it: awaitable calls on its actor.
+
+    The tier (``coordinator/memory.py``) is written against this shape only, so its unit tests
+    give it fake keepers; this one is the real actor, started by ``start_keeper``.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def hold(self, *args: Any) -> Reply:
+        return await self.handle.hold.remote(*args)
+
+    async def fetch(self, step: int, shard_key: str) -> list[Any] | None:
+        return await self.handle.fetch.remote(step, shard_key)
+
+    async def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
+        return await self.handle.persist.remote(root, step, shard_key)
+
+    def release(self, below_step: int | None = None, cycle: int | None = None) -> None:
+        self.handle.release.remote(below_step=below_step, cycle=cycle)  # no wait: best effort
+
+    async def ping(self) -> str:
+        return await self.handle.ping.remote()
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.handle.stats.remote()
+
+
+KEEPER_CONCURRENCY = 32
+
+
+def start_keeper(name: str, namespace: str, job_id: str, node_id: str, budget: int) -> RemoteKeeper:
+    """Start the keeper ``name`` pinned to ``node_id`` (no wait: it is up long before any
+    eviction); it lives as long as the coordinator that starts it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    handle = (
+        ray.remote(Keeper)
+        .options(
+            name=name,
+            namespace=namespace,
+            num_cpus=0,
+            max_concurrency=KEEPER_CONCURRENCY,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(job_id, node_id, budget)
+    )
+    return RemoteKeeper(handle)

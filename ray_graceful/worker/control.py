@@ -36,8 +36,9 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    TeardownReport,
+    coordinator_name,
 )
-from .report import TeardownReport
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ def find_coordinator(config: GracefulConfig) -> Any | None:
     """This job's coordinator, or None (not in Ray / none started for this job)."""
     try:
         import ray
-
-        from ..coordinator import coordinator_name
 
         if not ray.is_initialized():
             return None
@@ -89,8 +88,6 @@ class ControlChannel:
         done: Callable[[], bool],
     ) -> None:
         import ray
-
-        from ..coordinator import coordinator_name
 
         self.handle = handle
         self.config = config

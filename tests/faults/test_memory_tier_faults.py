@@ -9,6 +9,7 @@ committed, in either tier; a restart never mixes steps.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import time
@@ -115,8 +116,8 @@ def test_a_keeper_whose_node_is_drained_later_hands_its_shards_on(
         drain_node(nodes["a"], time.time() + 15)
 
         def handed_on():
-            committed = coordinator.wait_outcome(timeout=5, cycle=0).committed
-            return committed if len(committed["handed_on"]) == 2 else None
+            record = coordinator.memory_record(0)
+            return record if len(record["handed_on"]) == 2 else None
 
         committed = wait_for(handed_on, 30, "a's keeper to hand both shards on", every=0.5)
         assert committed["holders"] == {"trainer/0": [head], "trainer/1": [head]}, committed
@@ -284,8 +285,10 @@ def test_a_keeper_lost_before_its_durable_copy_leaves_nothing_torn(
             timeout=60,
         )
         assert [(x["tier"], x["step"]) for x in loaded] == [("disk", 1)] * 2, loaded
-        lost = coordinator.wait_outcome(timeout=5, cycle=0).committed["lost"]
-        assert lost and "trainer/0" in lost, lost
+        record = coordinator.memory_record(0)
+        assert record["lost"] and "trainer/0" in record["lost"], record
+        with open(os.path.join(config.report_dir, outcome.job_id, "memory-cycle-0.json")) as f:
+            assert json.load(f) == record, "the record on disk says what the API returns"
         kill_actors(*restarted)
         fault_log.record(
             "memory tier: a keeper lost before its durable copy",

@@ -1,0 +1,220 @@
+"""How a cycle concludes: what to commit, committing it, and the outcome record.
+
+Three steps, so that only the middle one touches the disk and none writes the coordinator's
+state from a thread:
+
+1. ``commit_request`` (pure, on the event loop): from the plan and the reports, what is to be
+   committed where - every shard of the plan at one step, to ``checkpoint_dir`` or in the
+   keepers' memory - or why nothing is;
+2. ``carry_out`` (I/O, on a thread): writes the manifest (``checkpoint.commit``) or checks the
+   memory commit, and reads back the newest committed checkpoint; returns a ``CommitResult``
+   and changes nothing else;
+3. ``outcome_of`` (pure, on the event loop): the cycle's ``TerminationOutcome``, an immutable
+   record - written once, and what the API returns is what the file says.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
+from ..config import GracefulConfig
+from ..memory.commit import MemoryCheckpoint, commit_in_memory
+from ..outcome import TerminationOutcome
+from ..protocol import TeardownReport, shard_key
+from .cycle import Cycle
+from .registry import Process
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """What the cycle saved and where it is to be committed; ``tier`` None: nothing to commit."""
+
+    cycle: int
+    job_id: str
+    tier: str | None  # "disk" | "memory" | None (then ``result`` and ``reason`` say why)
+    root: str | None
+    expected: tuple[str, ...]
+    records: tuple[ShardRecord, ...]
+    replicas: int = 0
+    evicted_nodes: frozenset[str] = frozenset()
+    result: str = ""
+    reason: str = ""
+    failures: tuple[str, ...] = ()  # the savers' own words, where a memory commit fails
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What landed: the result, what was committed, and what a restart resumes from."""
+
+    result: str  # "committed" | "abandoned" | "no-checkpoint" | "ray-train"
+    reason: str = ""
+    committed: dict[str, Any] | None = None
+    memory: MemoryCheckpoint | None = None
+    resume_from: dict[str, Any] | None = None
+
+
+def commit_request(
+    cycle: Cycle, involved: list[Process], config: GracefulConfig, job_id: str
+) -> CommitRequest:
+    """What to commit, from the plan and the reports of the processes that had an order."""
+    plan = cycle.plan
+    assert plan is not None
+    reports = [p.report for p in involved if p.report is not None]
+    records = tuple(ShardRecord.from_dict(s) for r in reports for s in r.saved)
+    expected = tuple(shard_key(g, s) for g, s in plan.savers)
+    root = config.checkpoint_dir
+
+    def nothing(result: str, reason: str) -> CommitRequest:
+        return CommitRequest(cycle.number, job_id, None, root, expected, records, 0, frozenset(),
+                             result, reason)  # fmt: skip
+
+    if plan.abandoned:
+        return nothing("abandoned", plan.abandoned)
+    if cycle.cooperative:
+        why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
+        return nothing("ray-train", why)
+    if any(r.tier == "memory" for r in records):
+        return CommitRequest(
+            cycle.number,
+            job_id,
+            "memory",
+            root,
+            expected,
+            records,
+            config.memory_replicas,
+            evicted_nodes(cycle, involved),
+            failures=tuple(failed_saves(reports)[:3]),
+        )
+    if root is None and config.memory_replicas > 0:
+        why = "; ".join(failed_saves(reports)[:3]) or "no saver reported a save"
+        return nothing(
+            "abandoned",
+            f"no shard is held in memory and no checkpoint_dir is configured (memory-only): {why}",
+        )
+    if root is None:
+        return nothing("no-checkpoint", "no checkpoint_dir is configured")
+    return CommitRequest(cycle.number, job_id, "disk", root, expected, records)
+
+
+def carry_out(request: CommitRequest) -> CommitResult:
+    """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
+    result, reason, committed, memory = request.result, request.reason, None, None
+    if request.tier == "memory":
+        try:
+            memory = commit_in_memory(
+                request.job_id,
+                request.cycle,
+                list(request.expected),
+                list(request.records),
+                request.replicas,
+                request.evicted_nodes,
+            )
+            result, committed = "committed", memory.describe()
+        except CheckpointError as exc:
+            result, reason = "abandoned", "; ".join([str(exc), *request.failures])
+    elif request.tier == "disk":
+        assert request.root is not None
+        step = request.records[0].step if request.records else -1
+        try:
+            path = commit(
+                request.root,
+                step,
+                list(request.expected),
+                list(request.records),
+                cycle=request.cycle,
+                extra={"job_id": request.job_id},
+            )
+            result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
+        except CheckpointError as exc:
+            result, reason = "abandoned", str(exc)
+    latest = latest_committed(request.root) if request.root else None
+    resume_from = {"step": latest.step, "path": latest.path} if latest else None
+    if memory is not None:
+        resume_from = {"step": memory.step, "tier": "memory"}
+    return CommitResult(result, reason, committed, memory, resume_from)
+
+
+def outcome_of(
+    cycle: Cycle,
+    involved: list[Process],
+    landed: CommitResult,
+    job_id: str,
+    warm: dict[str, Any] | None,
+) -> TerminationOutcome:
+    """The cycle's outcome record: notices, plan, every report, what was committed, timings."""
+    plan = cycle.plan
+    assert plan is not None
+    t0 = cycle.first_notice_at or cycle.plan_at or time.time()
+    reports = [p.report for p in involved if p.report is not None]
+    missing = [
+        p.name + (" (died without a notice)" if p.lost else "")
+        for p in involved
+        if p.report is None
+    ]
+    reason = landed.reason
+    if plan.incomplete and landed.result == "committed":
+        reason = "; ".join(
+            f"group {group} not in the checkpoint: {why}" for group, why in plan.incomplete.items()
+        )
+    report_times = [r.started_at + (r.finished_s or 0) for r in reports]
+    timings = {"plan": (cycle.plan_at or t0) - t0, "orders": (cycle.orders_at or t0) - t0}
+    if report_times:
+        timings["first_report"] = min(report_times) - t0
+        timings["last_report"] = max(report_times) - t0
+    timings["outcome"] = time.time() - t0
+    return TerminationOutcome(
+        cycle=cycle.number,
+        job_id=job_id,
+        result=landed.result,
+        notices=cycle.all_notices(),
+        rejected=list(cycle.rejected),
+        plan=plan.to_dict(),
+        plan_table=plan.table(now=cycle.plan_at),
+        reports=[r.to_dict() for r in reports],
+        missing=missing,
+        committed=landed.committed,
+        resume_from=landed.resume_from,
+        reason=reason,
+        timings=timings,
+        fallbacks=list(cycle.fallbacks),
+        warm=warm,
+    )
+
+
+def failed_saves(reports: list[TeardownReport]) -> list[str]:
+    """Each failed save step of these reports: who, and its own words for why."""
+    return [
+        f"{r.hostname}:{r.pid}: {step.detail}"[:300]
+        for r in reports
+        for step in r.steps
+        if step.name == "save" and step.status == "failed"
+    ]
+
+
+def evicted_nodes(cycle: Cycle, involved: list[Process]) -> frozenset[str]:
+    """Every node a notice of this cycle named, or whose process a rank notice named."""
+    notices = cycle.notices + cycle.late_notices
+    ranks = {n.rank for n in notices if n.rank is not None}
+    nodes = {n.node_id for n in notices if n.node_id is not None}
+    nodes |= {p.node_id for p in involved if any(k in ranks for k in p.keys)}
+    return frozenset(nodes)
+
+
+def failed(
+    cycle: Cycle, job_id: str, error: str, warm: dict[str, Any] | None = None
+) -> TerminationOutcome:
+    """The outcome of a cycle that could not conclude normally: it still concludes."""
+    return TerminationOutcome(
+        cycle=cycle.number,
+        job_id=job_id,
+        result="failed",
+        notices=cycle.all_notices(),
+        rejected=list(cycle.rejected),
+        plan=cycle.plan.to_dict() if cycle.plan else {},
+        reason=f"the coordinator failed while concluding: {error}",
+        warm=warm,
+    )

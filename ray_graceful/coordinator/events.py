@@ -1,0 +1,372 @@
+"""The cycle machine's vocabulary: the events that go in and the decisions that come out.
+
+The coordinator is a Ray-free machine (``machine.py``) inside a thin Ray actor (``actor.py``).
+Everything the world tells the coordinator - a registration, a poll, a notice, a report, a lost
+rank, a commit that landed - reaches the machine as one typed event; everything the machine
+wants done - answer a caller, wake a poll with its order, start a keeper, commit, publish an
+outcome - comes back as a typed decision that the actor carries out. The machine does no I/O,
+holds no futures and never waits; the actor owns every future, thread and Ray call. A unit
+test feeds events and reads decisions (``tests/test_machine.py``).
+
+::
+
+    notice ─┐
+    report ─┤                  ┌─> Replied / Rejected / HoldPoll
+    ack    ─┼─> CycleMachine ──┼─> CycleOpened / Gathered / OrderOut / AllReported
+    lost   ─┤    .step(e)      ├─> KeeperNeeded / NodeLeaving / SaveResolved / SpareTold
+    commit ─┘                  └─> Commit -> (the actor commits on a thread) -> Concluded
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..memory.commit import MemoryCheckpoint
+from ..notices import EvictionNotice
+from ..outcome import TerminationOutcome
+from ..protocol import (
+    Ack,
+    PollAnswer,
+    PollState,
+    Register,
+    Rejoined,
+    Reply,
+    SaveResult,
+    SaveTurn,
+    SigtermSeen,
+    TeardownReport,
+)
+from .conclusion import CommitRequest, CommitResult
+from .warm import WarmRecord
+
+# --- events: what happened ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A worker process registers its ranks."""
+
+    message: Register
+
+
+@dataclass(frozen=True)
+class Polled:
+    """A worker process's long poll arrived (with its last step and health)."""
+
+    process_id: str
+    cycle: object  # untrusted: checked against the current cycle
+    state: PollState
+
+
+@dataclass(frozen=True)
+class Acked:
+    """A worker process has its order."""
+
+    message: Ack
+
+
+@dataclass(frozen=True)
+class NoticesIn:
+    """Notices from the CLI or the API, already parsed."""
+
+    notices: tuple[EvictionNotice, ...]
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A message the actor could not even parse: refused with the reason, and kept (bounded)."""
+
+    what: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
+class SigtermIn:
+    """A worker's listener saw SIGTERM."""
+
+    message: SigtermSeen
+
+
+@dataclass(frozen=True)
+class DrainsSeen:
+    """Ray's drain state, as read: node id -> deadline in ms (untrusted values)."""
+
+    drains: Mapping[str, object]
+
+
+@dataclass(frozen=True)
+class DrainUnreadable:
+    """Ray's drain state could not be read (the error, for the record)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class RanksLost:
+    """Registered ranks' actors found dead without a notice."""
+
+    actor_ids: frozenset[str]
+
+
+@dataclass(frozen=True)
+class GatheringClosed:
+    """The gathering window of ``cycle`` closed (or every touched node was covered)."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class ReportIn:
+    """A worker process's teardown report."""
+
+    process_id: str
+    report: TeardownReport
+
+
+@dataclass(frozen=True)
+class SaveResultIn:
+    """A saver's save step ended."""
+
+    message: SaveResult
+
+
+@dataclass(frozen=True)
+class TurnAsked:
+    """A backup asks whether it must save."""
+
+    message: SaveTurn
+
+
+@dataclass(frozen=True)
+class BackupSaves:
+    """A backup was told to save: its saver could not (recorded in the outcome)."""
+
+    cycle: int
+    shard_key: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ReportsClosed:
+    """Every ordered process reported, or the last deadline (and its grace) passed."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class CommitDone:
+    """The actor carried out a ``Commit``: what landed where."""
+
+    cycle: int
+    result: CommitResult
+
+
+@dataclass(frozen=True)
+class CycleFailed:
+    """The cycle could not conclude normally (an error on the way): it concludes anyway."""
+
+    cycle: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RejoinedIn:
+    """A warm restart's member says what it did."""
+
+    result: Rejoined
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    """The driver says the job is over."""
+
+    success: bool
+    permanent: bool
+
+
+@dataclass(frozen=True)
+class SpareArrived:
+    """A spare or standby registers to wait."""
+
+    spare_id: str
+    role: str
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpareWanted:
+    """The driver hands a waiting spare the slot of ``group/rank`` for the next cycle."""
+
+    group: str
+    rank: int
+
+
+Event = (
+    Registration
+    | Polled
+    | Acked
+    | NoticesIn
+    | Malformed
+    | SigtermIn
+    | DrainsSeen
+    | DrainUnreadable
+    | RanksLost
+    | GatheringClosed
+    | ReportIn
+    | SaveResultIn
+    | TurnAsked
+    | BackupSaves
+    | ReportsClosed
+    | CommitDone
+    | CycleFailed
+    | RejoinedIn
+    | JobFinished
+    | SpareArrived
+    | SpareWanted
+)
+
+# --- decisions: what to do ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replied:
+    """Answer the caller of the event with this."""
+
+    answer: Reply | PollAnswer
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A message was refused (kept, bounded, in the cycle's ``rejected``): log and count it."""
+
+    summary: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class NoticeAccepted:
+    """A notice went into the cycle (metrics count them by source)."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class HoldPoll:
+    """Nothing to answer yet: hold the poll open until an order or its timeout."""
+
+    process_id: str
+
+
+@dataclass(frozen=True)
+class CycleOpened:
+    """The first notice opened ``cycle``'s gathering: run the cycle."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Every node the notices touched is covered: stop gathering now."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class OrderOut:
+    """Wake the process's held poll with its order."""
+
+    process_id: str
+    answer: PollAnswer
+
+
+@dataclass(frozen=True)
+class AllReported:
+    """Every ordered process of ``cycle`` reported or is lost: conclude without waiting."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class KeeperNeeded:
+    """The memory tier needs a keeper on this node."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class NodeLeaving:
+    """This node is being evicted: its keeper's shards move before ``deadline``."""
+
+    node_id: str
+    deadline: float
+
+
+@dataclass(frozen=True)
+class SaveResolved:
+    """The saver's fate for one shard is known: its backup (if one waits) is told."""
+
+    cycle: int
+    shard_key: str
+    saved: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class AwaitSaver:
+    """A backup's turn: answer it once the saver's fate is known, or at ``wait_s``."""
+
+    cycle: int
+    shard_key: str
+
+
+@dataclass(frozen=True)
+class SpareTold:
+    """A spare has its word (exit, or a slot): wake its held poll."""
+
+    spare_id: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Commit what the cycle saved (disk I/O: the actor runs it on a thread)."""
+
+    request: CommitRequest
+
+
+@dataclass(frozen=True)
+class Concluded:
+    """The cycle concluded: publish its outcome; the next cycle is open."""
+
+    outcome: TerminationOutcome
+    memory: MemoryCheckpoint | None
+    warm: WarmRecord | None
+
+
+Decision = (
+    Replied
+    | Rejected
+    | NoticeAccepted
+    | HoldPoll
+    | CycleOpened
+    | Gathered
+    | OrderOut
+    | AllReported
+    | KeeperNeeded
+    | NodeLeaving
+    | SaveResolved
+    | AwaitSaver
+    | SpareTold
+    | Commit
+    | Concluded
+)
+
+
+def reply_of(decisions: list[Any]) -> Reply | PollAnswer | None:
+    """The answer among ``decisions`` for the caller of the event, if there is one."""
+    for decision in decisions:
+        if isinstance(decision, Replied):
+            return decision.answer
+    return None

@@ -1,0 +1,235 @@
+"""What comes in from the ranks and the world, before any plan: registrations, polls, notices.
+
+Functions of the machine's ``CoordinatorState``, each appending its decisions to ``out``:
+
+- ``register`` - a worker process's ranks join the cycle in flight (refused, with ``retry``,
+  while the previous group is still leaving);
+- ``poll`` - a long poll: answered at once with the order until it is acknowledged, else held
+  (``HoldPoll``); it carries the process's last step and health (FAULTY is a notice);
+- ``take_notices`` - the first notice opens the cycle (IDLE -> GATHERING); gathering ends early
+  once every node the notices touched is covered (``Cycle.cover``); later ones are recorded as
+  late;
+- ``sigterm``, ``drains``, ``lost`` - the notices of a SIGTERM, of Ray's drain state and of
+  ranks that died without one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..health import FAULTY, UNKNOWN, HealthReport
+from ..notices import EvictionNotice, NoticeError, short
+from ..protocol import PollAnswer, PollState, ProtocolError, Reply, check_version
+from . import events as ev
+from .cycle import Phase
+from .registry import Process
+from .state import CoordinatorState
+
+
+def register(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
+    try:
+        message.check()
+    except (ProtocolError, AttributeError) as exc:
+        state.refuse(out, {"register": short(message)}, f"malformed registration: {exc}")
+        return
+    if state.job_id and message.job_id != state.job_id and not state.config.coordinator_name:
+        state.refuse(
+            out,
+            {"process": message.process_id, "job_id": message.job_id},
+            f"this coordinator belongs to job {state.job_id}, not to job "
+            f"{message.job_id or '?'}; each job starts its own (or set the same "
+            "coordinator_name in every job that should share one)",
+        )
+        return
+    number = state.cycle.number
+    if state.cycle.tearing_down:
+        # The previous group is still leaving: its ranks are what this cycle plans for. The
+        # worker's control thread registers again until the next cycle accepts it.
+        why = f"cycle {number} is being torn down; registering again once it ended"
+        out.append(ev.Replied(Reply.refused(why, number, retry=True)))
+        return
+    if state.job_state != "running":
+        out.append(ev.Replied(Reply.refused(f"the job is {state.job_state}", number)))
+        return
+    state.registry.register(message, number)
+    if state.config.memory_replicas > 0:
+        out.append(ev.KeeperNeeded(message.node_id))
+    out.append(ev.Replied(Reply.ok(number)))
+
+
+def poll(
+    state: CoordinatorState, process_id: str, cycle: object, told: Any, out: list[ev.Decision]
+) -> None:
+    state.polls_served += 1
+    process = state.registry.processes.get(process_id)
+    if process is None:
+        out.append(ev.Replied(PollAnswer("unknown", reason="this process is not registered")))
+        return
+    if cycle != state.cycle.number or process.cycle != state.cycle.number:
+        reason = state.stale(cycle)
+        state.reject(out, {"process": process_id, "cycle": cycle}, reason)
+        out.append(ev.Replied(PollAnswer("stale", reason=reason)))
+        return
+    process.last_seen = time.time()
+    if isinstance(told, PollState):
+        if told.last_step is not None:
+            process.last_step = told.last_step
+        if isinstance(told.health, HealthReport):
+            _update_health(state, process, told.health, out)
+    if process.order is not None and not process.acked:
+        out.append(ev.Replied(PollAnswer("order", process.order)))  # again, until acked
+    else:
+        out.append(ev.HoldPoll(process_id))
+
+
+def ack(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
+    try:
+        check_version(message)
+    except (ProtocolError, AttributeError) as exc:
+        state.refuse(out, {"ack": short(message)}, str(exc))
+        return
+    process = state.registry.processes.get(message.process_id)
+    if process is None or process.order is None or process.order.order_id != message.order_id:
+        out.append(ev.Replied(Reply.refused("no such order", state.cycle.number)))
+        return
+    process.acked = True
+    out.append(ev.Replied(Reply.ok(state.cycle.number)))
+
+
+def _update_health(
+    state: CoordinatorState, process: Process, report: HealthReport, out: list[ev.Decision]
+) -> None:
+    was = process.health.verdict if process.health else UNKNOWN
+    process.health = report
+    if report.verdict == FAULTY and was != FAULTY:
+        summary = f"GPU FAULTY: {report.summary()}"
+        number = state.cycle.number
+        notices = [EvictionNotice("health", summary, number, rank=k) for k in process.keys]
+        take_notices(state, notices, out, answer=False)
+
+
+def sigterm(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
+    """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
+    try:
+        message.check()
+    except (ProtocolError, AttributeError) as exc:
+        state.refuse(out, {"sigterm": short(message)}, str(exc))
+        return
+    process = state.registry.processes.get(message.process_id)
+    if process is None:
+        state.refuse(out, {"process": message.process_id}, "SIGTERM from an unregistered process")
+        return
+    if message.cycle != state.cycle.number:
+        what = {"process": message.process_id, "cycle": message.cycle}
+        state.refuse(out, what, state.stale(message.cycle))
+        return
+    notices = [
+        EvictionNotice(
+            "sigterm", "SIGTERM", message.cycle, 0.0, rank=k, received_at=message.received_at
+        )
+        for k in process.keys
+    ]
+    take_notices(state, notices, out)
+
+
+def _check_target(state: CoordinatorState, notice: EvictionNotice) -> str | None:
+    if notice.cycle != state.cycle.number:
+        return state.stale(notice.cycle)
+    if notice.node_id is not None and not state.registry.has_node(
+        notice.node_id, state.cycle.number
+    ):
+        return f"no rank of this job runs on node {notice.node_id}"
+    if notice.rank is not None and notice.rank not in state.registry.ranks:
+        return f"rank {notice.rank[0]}/{notice.rank[1]} is not registered"
+    return None
+
+
+def take_notices(
+    state: CoordinatorState,
+    notices: Iterable[EvictionNotice],
+    out: list[ev.Decision],
+    answer: bool = True,
+) -> None:
+    """Take notices: the first opens the cycle's teardown (IDLE -> GATHERING).
+
+    ``answer``: reply to the caller; False for notices the machine made itself within another
+    event (a health verdict in a poll, a drain, a lost rank) that has its own answer.
+    """
+    accepted, reasons = 0, []
+    cycle = state.cycle
+    for notice in notices:
+        reason = _check_target(state, notice)
+        if reason is not None:
+            reasons.append(state.reject(out, notice.to_dict(), reason))
+            continue
+        accepted += 1
+        out.append(ev.NoticeAccepted(notice.source))
+        if cycle.phase is Phase.IDLE:
+            cycle.phase, cycle.first_notice_at = Phase.GATHERING, time.time()
+            out.append(ev.CycleOpened(cycle.number))
+        if cycle.phase is Phase.GATHERING:
+            cycle.notices.append(notice)  # still gathering: it goes into the plan
+            if cycle.cover(notice, state.registry):
+                out.append(ev.Gathered(cycle.number))
+        else:
+            cycle.late_notices.append(notice)
+    if answer:
+        reply = (
+            Reply.ok(cycle.number, teardown=True)
+            if accepted
+            else Reply.refused("; ".join(reasons), cycle.number)
+        )
+        out.append(ev.Replied(reply))
+
+
+def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
+    """Ray's drain state, with each node's deadline: the dependable notice on Ray."""
+    number = state.cycle.number
+    for node_id, deadline_ms in dict(seen).items():
+        if state.drains_seen.get(node_id) == number:
+            continue
+        valid = isinstance(deadline_ms, int) and not isinstance(deadline_ms, bool)
+        valid = valid and deadline_ms >= 0
+        if valid:
+            out.append(ev.NodeLeaving(node_id, deadline_ms / 1000.0))  # ranks there or not
+        if not state.registry.has_node(node_id, number):
+            continue  # a node this job has no rank on
+        if not valid:
+            why = f"Ray's drain state gave deadline {short(deadline_ms)}: not milliseconds"
+            state.reject(out, {"source": "drain", "node_id": node_id}, why)
+            continue
+        state.drains_seen[node_id] = number
+        try:
+            reason = "Ray is draining the node"
+            notice = EvictionNotice("drain", reason, number, deadline_ms / 1000.0, node_id=node_id)
+        except NoticeError as exc:
+            state.reject(out, {"source": "drain", "node_id": node_id}, str(exc))
+            continue
+        take_notices(state, [notice], out, answer=False)
+
+
+def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decision]) -> None:
+    """Registered ranks' actors died with no notice: their peers must not wait for them.
+
+    Taken in every phase: a rank killed mid-teardown has no report coming, and the cycle
+    concludes as soon as every other process reported instead of at the last deadline.
+    """
+    watched = {p.actor_id: p for p in state.active() if p.actor_id and not p.lost}
+    dead = [watched[a] for a in sorted(actor_ids) if a in watched]
+    if not dead:
+        return
+    for process in dead:
+        process.lost = True
+        state.resolve_saves(process, set(), "its process died", out)
+    state.check_all_reported(out)
+    if state.cycle.phase is Phase.TEARING_DOWN:
+        return  # orders are out: the dead rank's peers were released with them
+    why = "the rank's process died without a notice"
+    notices = [
+        EvictionNotice("lost", why, state.cycle.number, time.time(), rank=k)
+        for process in dead
+        for k in process.keys
+    ]
+    take_notices(state, notices, out, answer=False)

@@ -1,0 +1,304 @@
+"""The cycle machine: the coordinator's decisions, free of Ray, futures and I/O.
+
+One ``step(event) -> decisions`` (the vocabulary is ``events.py``), in the manner of Ray Train
+V2's controller: every registration, poll, notice, report and commit that landed goes in as a
+typed event; what to answer, whom to wake with which order, what to commit and which outcome to
+publish comes out as typed decisions. The actor (``actor.py``) carries them out. So the whole
+life of a cycle - IDLE -> GATHERING -> TEARING_DOWN -> CONCLUDED -> the next (``cycle.py``) -
+runs, and is unit-tested, without a cluster or an event loop.
+
+Its parts, all Ray-free: what it knows (``state.py``); what comes in before a plan
+(``intake.py``: registrations, polls, notices, drains, lost ranks); the plan and the orders
+(``orders.py``); the conclusion (``conclusion.py``). Here: the dispatch, the reports and backup
+turns, the conclusion's bookkeeping, spares and the job's end. It consults the warm-restart
+part (``warm.py``), the spare pool (``spares.py``) and, for where shards go in memory, a
+``KeeperPlacement`` (the memory tier: the nodes with a keeper that is not leaving).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..checkpoint import ShardRecord
+from ..config import GracefulConfig
+from ..notices import EvictionNotice, short
+from ..plan import RankInfo, incomplete_groups
+from ..protocol import ProtocolError, Rejoined, Reply, SpareOrder, TeardownReport, check_version
+from . import events as ev
+from . import intake
+from .conclusion import CommitRequest, commit_request, failed, outcome_of
+from .cycle import Cycle, Phase
+from .orders import KeeperPlacement, plan_and_order
+from .registry import Process, Registry
+from .spares import ROLES, SparePool
+from .state import CoordinatorState
+from .warm import WarmRestarts
+
+
+class CycleMachine:
+    """The coordinator's state and rules; see the module docstring."""
+
+    def __init__(
+        self,
+        config: GracefulConfig,
+        job_id: str,
+        warm: WarmRestarts,
+        spares: SparePool,
+        placement: KeeperPlacement | None = None,
+    ) -> None:
+        self.state = CoordinatorState(config, job_id)
+        self.warm = warm
+        self.spares = spares
+        self.placement = placement
+
+    @property
+    def cycle(self) -> Cycle:
+        return self.state.cycle
+
+    @property
+    def registry(self) -> Registry:
+        return self.state.registry
+
+    @property
+    def job_state(self) -> str:
+        return self.state.job_state
+
+    @property
+    def polls_served(self) -> int:
+        return self.state.polls_served
+
+    def step(self, event: ev.Event) -> list[ev.Decision]:
+        """Take one event; the decisions to carry out, in order."""
+        out: list[ev.Decision] = []
+        state = self.state
+        match event:
+            case ev.Registration(message):
+                intake.register(state, message, out)
+            case ev.Polled(process_id, cycle, told):
+                intake.poll(state, process_id, cycle, told, out)
+            case ev.Acked(message):
+                intake.ack(state, message, out)
+            case ev.NoticesIn(notices):
+                intake.take_notices(state, notices, out)
+            case ev.Malformed(what, reason):
+                state.refuse(out, what, reason)
+            case ev.SigtermIn(message):
+                intake.sigterm(state, message, out)
+            case ev.DrainsSeen(drains):
+                intake.drains(state, drains, out)
+            case ev.DrainUnreadable(error):
+                state.reject(out, {"source": "drain"}, f"could not read Ray's drain state: {error}")
+            case ev.RanksLost(actor_ids):
+                intake.lost(state, actor_ids, out)
+            case ev.GatheringClosed(cycle):
+                if cycle == self.cycle.number and self.cycle.phase is Phase.GATHERING:
+                    spares = self.spares.spares.values()
+                    plan_and_order(state, self.warm, spares, self.placement, out)
+            case ev.ReportIn(process_id, report):
+                self._report(process_id, report, out)
+            case ev.SaveResultIn(message):
+                self._save_result(message, out)
+            case ev.TurnAsked(message):
+                self._turn(message, out)
+            case ev.BackupSaves(cycle, key, why):
+                if cycle == self.cycle.number:
+                    self.cycle.fallbacks.append({"shard": key, "at": time.time(), "why": why})
+            case ev.ReportsClosed(cycle):
+                if cycle == self.cycle.number and self.cycle.phase is Phase.TEARING_DOWN:
+                    out.append(ev.Commit(self._commit_request()))
+            case ev.CommitDone(cycle, landed):
+                if cycle == self.cycle.number:
+                    self._conclude(landed, out)
+            case ev.CycleFailed(cycle, error):
+                if cycle == self.cycle.number:
+                    self._conclude(None, out, error=error)
+            case ev.RejoinedIn(result):
+                self._rejoined(result, out)
+            case ev.JobFinished(success, permanent):
+                self._job_finished(success, permanent, out)
+            case ev.SpareArrived(spare_id, role, node_id, pid):
+                self._spare_arrived(spare_id, role, node_id, pid, out)
+            case ev.SpareWanted(group, rank):
+                self._assign_spare(group, rank, out)
+            case _:
+                raise TypeError(f"not an event: {type(event).__name__}")
+        return out
+
+    # --- queries (the actor's status and the watcher read them) -------------------------------
+
+    def active(self) -> list[Process]:
+        return self.state.active()
+
+    def watched_actors(self) -> set[str]:
+        """The actors of this cycle's processes, to be checked for death without a notice."""
+        if self.job_state != "running":
+            return set()  # the job is over: its actors going away is no eviction
+        return {p.actor_id for p in self.active() if p.actor_id and not p.lost}
+
+    def topology(self) -> list[RankInfo]:
+        return [RankInfo.of(s, p.node_id) for s, p in self.registry.ranks_of(self.cycle.number)]
+
+    # --- reports and backups --------------------------------------------------------------------
+
+    def _report(self, process_id: str, report: Any, out: list[ev.Decision]) -> None:
+        process = self.registry.processes.get(process_id)
+        if not isinstance(report, TeardownReport):
+            self.state.refuse(out, {"process": process_id}, "a report is a TeardownReport")
+            return
+        if process is None or report.cycle != self.cycle.number:
+            what = {"process": process_id, "cycle": report.cycle}
+            self.state.refuse(out, what, self.state.stale(report.cycle))
+            return
+        process.report = report
+        saved = {s.get("shard") for s in report.saved if isinstance(s, dict)}
+        self.state.resolve_saves(process, saved, report.save_failure(), out)
+        self.state.check_all_reported(out)
+        out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _save_result(self, message: Any, out: list[ev.Decision]) -> None:
+        try:
+            check_version(message)
+        except (ProtocolError, AttributeError) as exc:
+            self.state.refuse(out, {"save_result": short(message)}, str(exc))
+            return
+        process = self.registry.processes.get(message.process_id)
+        if process is None or message.cycle != self.cycle.number:
+            what = {"process": message.process_id, "cycle": message.cycle}
+            self.state.refuse(out, what, self.state.stale(message.cycle))
+            return
+        why = message.reason or "its save failed"
+        self.state.resolve_saves(process, set(message.saved), why, out)
+        out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _turn(self, message: Any, out: list[ev.Decision]) -> None:
+        """A backup asks for its turn: answered at once if its saver's fate is known."""
+        try:
+            check_version(message)
+        except (ProtocolError, AttributeError) as exc:
+            self.state.refuse(out, {"save_turn": short(message)}, str(exc))
+            return
+        cycle = self.cycle
+        process = self.registry.processes.get(message.process_id)
+        if process is None or message.cycle != cycle.number:
+            out.append(ev.Replied(Reply.refused(self.state.stale(message.cycle), cycle.number)))
+        elif process.order is None:
+            why = "this process has no order in this cycle"
+            out.append(ev.Replied(Reply.refused(why, cycle.number)))
+        elif not any(s.is_backup and s.shard_key == message.shard_key for s in process.order.saves):
+            why = f"this process is no backup of {message.shard_key}"
+            out.append(ev.Replied(Reply.refused(why, cycle.number)))
+        else:
+            out.append(ev.AwaitSaver(cycle.number, message.shard_key))
+
+    # --- the conclusion (TEARING_DOWN -> CONCLUDED -> the next cycle) ---------------------------
+
+    def _involved(self) -> list[Process]:
+        return [p for p in self.active() if p.order is not None]
+
+    def _commit_request(self) -> CommitRequest:
+        involved = self._involved()
+        for process in involved:  # each shard's save time: the next plan expects as much
+            for data in process.report.saved if process.report is not None else ():
+                record = ShardRecord.from_dict(data)
+                group, _, label = record.shard.partition("/")
+                self.state.save_times[(group, label)] = record.seconds
+        return commit_request(self.cycle, involved, self.state.config, self.state.job_id)
+
+    def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:
+        cycle = self.cycle
+        committed = landed is not None and landed.result == "committed"
+        step = (landed.committed or {}).get("step") if committed else None
+        record, told = self.warm.after_cycle(
+            cycle, step, committed, self.registry, list(self.spares.spares.values())
+        )
+        warm = record.to_dict() if record is not None else None
+        if landed is None or cycle.plan is None:
+            outcome = failed(cycle, self.state.job_id, error or "the cycle had no plan", warm)
+            memory = None
+        else:
+            outcome = outcome_of(cycle, self._involved(), landed, self.state.job_id, warm)
+            memory = landed.memory
+        cycle.phase = Phase.CONCLUDED
+        out.append(ev.Concluded(outcome, memory, record))
+        for spare, word in told:
+            self.spares.tell(spare, word)
+            out.append(ev.SpareTold(spare.spare_id))
+        self.state.cycle = Cycle(cycle.number + 1)
+        self.registry.forget_before(self.cycle.number)
+
+    def _rejoined(self, result: Any, out: list[ev.Decision]) -> None:
+        if not isinstance(result, Rejoined):
+            self.state.refuse(out, {"rejoined": short(result)}, "a result is a Rejoined")
+            return
+        failed_record = self.warm.joined(result)
+        if failed_record is not None:
+            keys = [
+                key
+                for p in self.active()
+                if p.process_id in failed_record.members
+                for key in p.keys
+            ]
+            reason = f"warm restart failed: {failed_record.reason}"[:500]
+            notices = [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
+            intake.take_notices(self.state, notices, out, answer=False)
+        out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    # --- spares and the job's end ---------------------------------------------------------------
+
+    def _spare_arrived(
+        self, spare_id: str, role: str, node_id: str, pid: int, out: list[ev.Decision]
+    ) -> None:
+        if role not in ROLES:
+            out.append(ev.Replied(Reply.refused(f"role {short(role)}: one of 'spare', 'standby'")))
+            return
+        spare = self.spares.add(spare_id, role, node_id, pid)
+        if self.job_state != "running":
+            self.spares.tell(spare, SpareOrder("exit", f"job {self.job_state}"))
+        elif role == "spare" and self.state.config.memory_replicas > 0:
+            out.append(ev.KeeperNeeded(node_id))  # the shard it will load can wait on its node
+        out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _assign_spare(self, group: str, rank: int, out: list[ev.Decision]) -> None:
+        spare = self.spares.waiting_spare()
+        if spare is None:
+            out.append(ev.Replied(Reply.refused("no spare is waiting", self.cycle.number)))
+            return
+        spare.assigned = True
+        word = SpareOrder(
+            "assigned", "given an evicted rank's slot", group, rank, self.cycle.number
+        )
+        self.spares.tell(spare, word)
+        out.append(ev.SpareTold(spare.spare_id))
+        number = self.cycle.number
+        answer = Reply.ok(number, assigned=spare.spare_id, group=group, rank=rank)
+        out.append(ev.Replied(answer))
+
+    def _job_finished(self, success: bool, permanent: bool, out: list[ev.Decision]) -> None:
+        if success:
+            self.state.job_state = "succeeded"
+        elif permanent:
+            self.state.job_state = "closed"
+        told = self.spares.tell_all(SpareOrder("exit", f"job {self.job_state}"))
+        out.extend(ev.SpareTold(spare_id) for spare_id in told)
+        answer = Reply.ok(self.cycle.number, job_state=self.job_state, spares_told=len(told))
+        out.append(ev.Replied(answer))
+
+    # --- status ---------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """The current cycle as ``ray-graceful status`` shows it."""
+        cycle = self.cycle
+        return {
+            "incomplete_groups": incomplete_groups(self.topology()),
+            "cycle": cycle.number,
+            "phase": cycle.phase.value,
+            "job_id": self.state.job_id,
+            "job_state": self.job_state,
+            "tearing_down": cycle.tearing_down,
+            "ranks": self.registry.describe_ranks(cycle.number),
+            "spares": self.spares.describe(),
+            "notices": [n.to_dict() for n in cycle.notices],
+            "rejected": cycle.rejected[-20:],
+            "plan_table": cycle.plan.table() if cycle.plan else None,
+        }

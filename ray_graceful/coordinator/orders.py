@@ -1,0 +1,142 @@
+"""From the notices to every process's order (GATHERING -> TEARING_DOWN).
+
+``plan_and_order`` makes the plan (``plan.py``: who saves, who backs up, who leaves, by when),
+then one ``Order`` per process: its earliest deadline, what it saves and where - a checkpoint
+directory, or the keepers that hold the shard in memory (``memory/placement.py``: surviving,
+not FAULTY nodes, the node of the spare that will load it first) - and whether it rejoins in a
+warm restart. Every order goes out at once (``OrderOut``): the fan-out.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from ..health import FAULTY
+from ..memory.placement import choose_holders
+from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
+from ..protocol import Order, PollAnswer, SaveAssignment, shard_key
+from . import events as ev
+from .cycle import Cycle, Phase
+from .spares import SpareRecord
+from .state import CoordinatorState
+from .warm import WarmRestarts
+
+
+class KeeperPlacement(Protocol):
+    """The memory tier as the planner sees it: where a shard's copies may go."""
+
+    def nodes(self) -> list[str]:
+        """Nodes with a keeper that is not leaving."""
+        ...
+
+    def names(self, nodes: Sequence[str]) -> tuple[str, ...]:
+        """The keepers' actor names on ``nodes`` (what a save assignment carries)."""
+        ...
+
+
+def plan_and_order(
+    state: CoordinatorState,
+    warm: WarmRestarts,
+    spares: Iterable[SpareRecord],
+    placement: KeeperPlacement | None,
+    out: list[ev.Decision],
+) -> None:
+    cycle, config = state.cycle, state.config
+    topology, health, notes = [], {}, {}
+    for spec, process in state.registry.ranks_of(cycle.number):
+        topology.append(RankInfo.of(spec, process.node_id))
+        if process.health is not None:
+            health[spec.key] = process.health.verdict
+            notes[spec.key] = process.health.summary()
+        cycle.cooperative = cycle.cooperative or spec.cooperative
+    cycle.plan = plan = plan_termination(
+        topology,
+        cycle.notices,
+        health,
+        config,
+        expected_save_s=state.save_times,
+        health_notes=notes,
+        destination=destination(state, cycle),
+    )
+    cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
+    by_process: dict[str, list[RankOrder]] = {}
+    for rank_order in plan.orders:
+        process = state.registry.process_of((rank_order.group, rank_order.rank))
+        if process is not None:
+            by_process.setdefault(process.process_id, []).append(rank_order)
+    for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
+        if notice.node_id is not None:
+            deadline = notice.effective_deadline(config.teardown_timeout_s)
+            out.append(ev.NodeLeaving(notice.node_id, deadline))
+    keepers = _surviving_keepers(plan, placement)
+    rejoiners = warm.choose_survivors(plan, state.active(), cycle.cooperative)
+    spare_nodes = warm.spare_nodes(plan, spares)
+    trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
+    for process_id, orders in by_process.items():
+        process = state.registry.processes[process_id]
+        process.order = Order(
+            job_id=state.job_id,
+            cycle=cycle.number,
+            order_id=uuid.uuid4().hex,
+            deadline=min(o.deadline for o in orders),
+            trigger=trigger,
+            saves=tuple(
+                _assignment(state, plan, o, placement, keepers, spare_nodes)
+                for o in orders
+                if o.action != "leave"
+            ),
+            skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
+            save_budget_s=config.save_budget_s,
+            rejoin=process_id in rejoiners,
+        )
+        out.append(ev.OrderOut(process_id, PollAnswer("order", process.order)))
+    cycle.orders_at = time.time()
+    state.check_all_reported(out)
+
+
+def destination(state: CoordinatorState, cycle: Cycle) -> str | None:
+    """Where savers write: Ray Train, the checkpoint directory, or only keepers' memory."""
+    if cycle.cooperative:
+        return "ray-train"
+    if state.config.checkpoint_dir is None and state.config.memory_replicas > 0:
+        return "memory"
+    return state.config.checkpoint_dir
+
+
+def _surviving_keepers(plan: TerminationPlan, placement: KeeperPlacement | None) -> list[str]:
+    """Nodes with a keeper that are neither being evicted nor FAULTY in this plan."""
+    if placement is None:
+        return []
+    out = {o.node_id for o in plan.orders if o.evicted or o.health == FAULTY}
+    return [node for node in placement.nodes() if node not in out]
+
+
+def _assignment(
+    state: CoordinatorState,
+    plan: TerminationPlan,
+    order: RankOrder,
+    placement: KeeperPlacement | None,
+    keepers: list[str],
+    spare_nodes: dict[str, list[str]],
+) -> SaveAssignment:
+    backup_for = None
+    if order.action == "backup":
+        backup_for = plan.savers[(order.group, order.shard)][1]
+    key = shard_key(order.group, order.shard)
+    holders: tuple[str, ...] = ()
+    if placement is not None:
+        replicas = state.config.memory_replicas
+        preferred = spare_nodes.get(key, ())
+        holders = placement.names(choose_holders(key, order.node_id, keepers, replicas, preferred))
+    return SaveAssignment(
+        order.group,
+        order.rank,
+        key,
+        state.config.checkpoint_dir or "",
+        backup_for=backup_for,
+        start_by=order.start_by,
+        keepers=holders,
+    )

@@ -1,0 +1,83 @@
+"""What the cycle machine knows of its job, and the rules every part of it shares.
+
+One object, passed to the machine's parts (``intake.py``, ``orders.py``, ``machine.py``): the
+registered processes, the cycle in flight, whether the job still runs. The shared rules are
+the ones more than one event needs: how a message is refused and kept on record, when a
+saver's fate is known, when every ordered process has reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import GracefulConfig
+from ..notices import short
+from ..protocol import Reply
+from . import events as ev
+from .cycle import Cycle, Phase
+from .registry import Process, Registry
+
+KEEP_REJECTED = 200  # rejected messages remembered per cycle (status shows the last 20)
+MAX_REASON = 500  # characters of a rejection's reason kept and echoed back
+
+
+@dataclass
+class CoordinatorState:
+    config: GracefulConfig
+    job_id: str
+    registry: Registry = field(default_factory=Registry)
+    cycle: Cycle = field(default_factory=lambda: Cycle(0))
+    job_state: str = "running"  # "running" | "succeeded" | "closed"
+    save_times: dict[tuple[str, str], float] = field(default_factory=dict)  # expected next time
+    drains_seen: dict[str, int] = field(default_factory=dict)  # node -> the cycle it was seen in
+    polls_served: int = 0
+
+    def active(self) -> list[Process]:
+        """The processes of the cycle in flight."""
+        return self.registry.active(self.cycle.number)
+
+    def stale(self, cycle: object) -> str:
+        return f"stale: cycle {short(cycle)} is not the current cycle {self.cycle.number}"
+
+    def reject(self, out: list[ev.Decision], what: dict[str, Any], reason: str) -> str:
+        """Keep a bounded summary of a refused message, never the message itself: a rejected
+        message may be anything a caller sent (ten 20 MB notices once grew the coordinator by
+        840 MB). Returns the (bounded) reason."""
+        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
+        summary = short(what, 300)
+        self.cycle.rejected.append({"at": time.time(), "reason": reason, "what": summary})
+        del self.cycle.rejected[:-KEEP_REJECTED]
+        out.append(ev.Rejected(summary, reason))
+        return reason
+
+    def refuse(self, out: list[ev.Decision], what: dict[str, Any], reason: str) -> None:
+        """``reject``, and answer the caller with the reason."""
+        out.append(ev.Replied(Reply.refused(self.reject(out, what, reason), self.cycle.number)))
+
+    def resolve_saves(
+        self, process: Process, saved: set[Any], why: str, out: list[ev.Decision]
+    ) -> None:
+        """Record the saver's fate for each shard it was to save (first word wins)."""
+        cycle = self.cycle
+        if process.order is None or process.order.cycle != cycle.number:
+            return
+        for assignment in process.order.saves:
+            key = assignment.shard_key
+            if assignment.is_backup or key in cycle.save_results:
+                continue
+            ok = key in saved
+            cycle.save_results[key] = (ok, f"{process.name} saved it" if ok else why)
+            out.append(ev.SaveResolved(cycle.number, key, *cycle.save_results[key]))
+
+    def check_all_reported(self, out: list[ev.Decision]) -> None:
+        """Every process that got an order has reported, or died without a notice."""
+        cycle = self.cycle
+        if (
+            cycle.phase is Phase.TEARING_DOWN
+            and not cycle.all_reported
+            and all(p.report is not None or p.lost for p in self.active() if p.order is not None)
+        ):
+            cycle.all_reported = True
+            out.append(ev.AllReported(cycle.number))

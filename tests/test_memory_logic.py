@@ -1,0 +1,222 @@
+"""The memory tier's coordinator side with fake keepers: hand-on, the durable copy, a lost shard.
+
+``MemoryTier`` is written against the keeper's call shape (``memory/keeper.py``:
+``RemoteKeeper``), so these keepers are plain objects holding tensors in a dict - the real
+keeper actors and real drains are ``test_memory_tier.py`` and ``faults/``. The disk is real:
+the durable copy writes shards and a manifest that ``latest_committed`` reads back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import pytest
+
+from ray_graceful import GracefulConfig, latest_committed
+from ray_graceful.checkpoint import ShardRecord, save_state_dict, write_shard
+from ray_graceful.coordinator.memory import MemoryTier
+from ray_graceful.memory.commit import MemoryCheckpoint
+from ray_graceful.outcome import publish_record
+from ray_graceful.protocol import Reply
+
+pytestmark = pytest.mark.unit
+
+
+class FakeKeeper:
+    """A keeper in this process: what it holds, what it was asked; it can be made to die."""
+
+    def __init__(self, node: str, budget: int = 1 << 30) -> None:
+        self.node, self.budget = node, budget
+        self.held: dict[tuple[int, str], Any] = {}
+        self.released: list[dict[str, Any]] = []
+        self.dead = False
+
+    def _alive(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"keeper on {self.node} died")
+
+    async def hold(self, cycle, step, shard, value, nbytes, group, rank, timeout) -> Reply:
+        self._alive()
+        if nbytes > self.budget:
+            return Reply.refused("over its budget")
+        self.held[(step, shard)] = value
+        return Reply.ok(cycle)
+
+    async def fetch(self, step: int, shard_key: str) -> Any:
+        self._alive()
+        return self.held.get((step, shard_key))
+
+    async def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
+        self._alive()
+        value = self.held[(step, shard_key)]
+        record = write_shard(
+            root, step, shard_key, lambda p, s: save_state_dict({"v": value}, p), group="g"
+        )
+        return record.to_dict()
+
+    def release(self, below_step: int | None = None, cycle: int | None = None) -> None:
+        self.released.append({"below_step": below_step, "cycle": cycle})
+
+    async def ping(self) -> str:
+        self._alive()
+        return "ok"
+
+    async def stats(self) -> dict[str, Any]:
+        return {"node_id": self.node, "shards": len(self.held)}
+
+
+@pytest.fixture
+def config(tmp_path):
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        memory_replicas=1,
+        health_probe="none",
+    )
+
+
+def tier(config, home: str = "head", before_persist=None) -> tuple[MemoryTier, dict]:
+    keepers: dict[str, FakeKeeper] = {}
+
+    def start(name: str, node: str) -> FakeKeeper:
+        assert name.endswith(node), "a keeper is named after its node"
+        keepers[node] = FakeKeeper(node)
+        return keepers[node]
+
+    def publish(name, record):
+        publish_record(config.report_dir, "job", name, record)
+
+    memory = MemoryTier(config, "job", "c0ffee", start, home, publish, before_persist)
+    return memory, keepers
+
+
+def held_checkpoint(keepers: dict, step: int, where: dict[str, str], cycle: int = 0):
+    """A memory checkpoint of ``{shard: node}``, each shard put in that node's keeper."""
+    shards = {}
+    for key, node in where.items():
+        keepers[node].held[(step, key)] = f"{key}@{step}"
+        shards[key] = ShardRecord(key, step, "", 10, 0, "g", 0, tier="memory", holders=(node,))
+    return MemoryCheckpoint("job", cycle, step, shards)
+
+
+def read_record(config, name: str) -> dict:
+    with open(os.path.join(config.report_dir, "job", f"{name}.json")) as f:
+        return json.load(f)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_every_node_with_ranks_gets_a_keeper_and_the_home_node_one_too(config):
+    memory, keepers = tier(config)
+    for node in ("a", "b", "a"):
+        memory.ensure_keeper(node)
+    assert sorted(keepers) == ["a", "b", "head"]
+    memory.leaving["b"] = time.time() + 5
+    assert memory.nodes() == ["head", "a"], "no shard is placed on a leaving node"
+
+
+def test_the_durable_copy_lands_with_its_own_record_and_the_older_step_is_released(config):
+    async def scenario():
+        memory, keepers = tier(config)
+        for node in ("a", "b"):
+            memory.ensure_keeper(node)
+        checkpoint = held_checkpoint(keepers, 9, {"g/0": "a", "g/1": "b"})
+        memory.after_commit(0, checkpoint)
+        durable = await memory.wait_durable(0, 10)
+        return memory, keepers, durable
+
+    memory, keepers, durable = run(scenario())
+    latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert latest.step == 9 and durable["path"] == latest.path
+    assert read_record(config, "durable-cycle-0") == {"cycle": 0, **durable}
+    assert read_record(config, "memory-cycle-0") == memory.record(0)
+    assert memory.record(0)["durable_path"] == latest.path
+    assert {"below_step": 9, "cycle": None} in keepers["a"].released
+
+
+def test_the_durable_copy_waits_for_the_warm_restart_to_load_first(config):
+    async def scenario():
+        members_done = asyncio.Event()
+
+        async def before_persist(cycle: int) -> None:
+            assert cycle == 0
+            await members_done.wait()
+
+        memory, keepers = tier(config, before_persist=before_persist)
+        memory.ensure_keeper("a")
+        memory.after_commit(0, held_checkpoint(keepers, 3, {"g/0": "a"}))
+        early = await memory.wait_durable(0, 0.3)
+        members_done.set()
+        return early, await memory.wait_durable(0, 10)
+
+    early, durable = run(scenario())
+    assert early is None and durable["path"], "copied only once the members had loaded"
+
+
+def test_a_leaving_keeper_hands_its_shards_on_before_its_deadline(config):
+    config = config.replace(checkpoint_dir=None)  # memory only: the hand-on is all there is
+
+    async def scenario():
+        memory, keepers = tier(config)
+        for node in ("a", "b"):
+            memory.ensure_keeper(node)
+        memory.after_commit(0, held_checkpoint(keepers, 4, {"g/0": "a", "g/1": "a"}))
+        memory.node_leaving("a", time.time() + 5)
+        await asyncio.gather(*memory.tasks)
+        where = await memory.checkpoint_for("g/0")
+        return memory, keepers, where
+
+    memory, keepers, where = run(scenario())
+    record = memory.record(0)
+    assert set(map(tuple, record["holders"].values())) <= {("b",), ("head",)}, record
+    assert {h["from"] for h in record["handed_on"]} == {"a"} and len(record["handed_on"]) == 2
+    assert record["lost"] is None
+    for shard, (node,) in record["holders"].items():
+        assert keepers[node].held[(4, shard)] == f"{shard}@4", "the same value, on one that stays"
+    assert where["step"] == 4 and list(where["holders"]) == record["holders"]["g/0"]
+    assert read_record(config, "memory-cycle-0") == record
+
+
+def test_a_shard_no_keeper_can_take_is_lost_and_never_offered_again(config):
+    config = config.replace(checkpoint_dir=None)
+
+    async def scenario():
+        memory, keepers = tier(config, home="")
+        memory.ensure_keeper("a")
+        memory.after_commit(0, held_checkpoint(keepers, 4, {"g/0": "a"}))
+        memory.node_leaving("a", time.time() + 1)
+        await asyncio.gather(*memory.tasks)
+        return memory, await memory.checkpoint_for("g/0")
+
+    memory, where = run(scenario())
+    assert where is None, "a restart must not load a checkpoint missing a shard"
+    assert "g/0" in memory.record(0)["lost"]
+
+
+def test_a_dead_holder_found_before_a_restart_ends_the_memory_checkpoint(config):
+    config = config.replace(checkpoint_dir=None)
+
+    async def scenario():
+        memory, keepers = tier(config, home="")
+        for node in ("a", "b"):
+            memory.ensure_keeper(node)
+        memory.after_commit(0, held_checkpoint(keepers, 2, {"g/0": "a", "g/1": "b"}))
+        keepers["b"].dead = True
+        return memory, await memory.checkpoint_for("g/0")
+
+    memory, where = run(scenario())
+    assert where is None, "g/0 alone is held, but the step is not whole without g/1"
+    assert "g/1 had no keeper left" in memory.record(0)["lost"]
+
+
+def test_a_cycle_that_did_not_commit_releases_what_it_handed_over(config):
+    memory, keepers = tier(config)
+    memory.ensure_keeper("a")
+    memory.after_commit(3, None)
+    assert all({"below_step": None, "cycle": 3} in k.released for k in keepers.values())
