@@ -52,6 +52,7 @@ def import_circles() -> list[list[str]]:
                 path = os.path.join(base, name)
                 rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
                 paths[rel.removesuffix(".__init__")] = path
+
     def nearest(name: str) -> str:  # "pkg.mod.Name" is the module "pkg.mod"
         while name and name not in paths:
             name = name.rpartition(".")[0]
