@@ -9,6 +9,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .protocol import Result
+
 logger = logging.getLogger(__name__)
 
 LOG_PREFIX = "ray_graceful outcome "
@@ -26,7 +28,7 @@ class TerminationOutcome:
 
     cycle: int
     job_id: str
-    result: str  # "committed" | "abandoned" | "no-checkpoint" | "ray-train" | "failed"
+    result: Result
     notices: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
@@ -50,7 +52,8 @@ class TerminationOutcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TerminationOutcome:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**{**values, "result": Result(values["result"])})
 
     def summary(self) -> str:
         where = self.resume_from or {}

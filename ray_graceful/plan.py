@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
 from .notices import EvictionNotice, short
-from .protocol import RankKey, RankSpec
+from .protocol import Action, RankKey, RankSpec
 
 Key = RankKey  # one rank-key type, the protocol's
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
@@ -76,7 +76,7 @@ class RankOrder(NamedTuple):
     node_id: str
     shard: str
     health: str
-    action: str  # "save" | "backup" | "leave"
+    action: Action
     reason: str
     deadline: float
     evicted: bool
@@ -121,7 +121,7 @@ class TerminationPlan(NamedTuple):
                 o.node_id[:12],
                 o.shard,
                 o.health,
-                o.action.upper() if o.action != "leave" else o.action,
+                o.action.upper() if o.action is not Action.LEAVE else str(o.action),
                 f"{o.deadline - now:+.1f}s",
                 o.reason,
             )
@@ -277,26 +277,26 @@ def _plan(
         start_by = 0.0
         if key in saver_keys:
             who = "evicted replica" if evicted else "survivor"
-            action, reason = "save", f"saves shard {shard} ({who}, {_HEALTH_WORDS[verdict]})"
+            action, reason = Action.SAVE, f"saves shard {shard} ({who}, {_HEALTH_WORDS[verdict]})"
         elif key in backup_of:
             shard_of = backup_of[key]
-            action = "backup"
+            action = Action.BACKUP
             reason = f"saves shard {shard} only if rank {savers[shard_of][1]} cannot"
             start_by = deadline - expected_get(shard_of, default_save) - margin
         elif verdict == FAULTY:
             note = notes.get(key)
             action, reason = (
-                "leave",
+                Action.LEAVE,
                 "FAULTY hardware: never saves" + (f" ({note})" if note else ""),
             )
         elif group in incomplete:
-            action, reason = "leave", f"group {group} is incomplete: {incomplete[group]}"
+            action, reason = Action.LEAVE, f"group {group} is incomplete: {incomplete[group]}"
         elif abandoned:
-            action, reason = "leave", "checkpoint abandoned"
+            action, reason = Action.LEAVE, "checkpoint abandoned"
         elif not can_save:
-            action, reason = "leave", "has no saver"
+            action, reason = Action.LEAVE, "has no saver"
         else:
-            action, reason = "leave", leave_reason[(group, shard)]
+            action, reason = Action.LEAVE, leave_reason[(group, shard)]
         append(
             RankOrder(
                 group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by

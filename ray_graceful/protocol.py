@@ -1,25 +1,20 @@
-"""Every message between a worker process and the coordinator, as one frozen, versioned type.
+"""Everything that crosses between a worker process and the coordinator, typed to its leaves.
 
-The data flows one way: notice -> plan -> order -> acknowledgement -> report -> outcome. Workers
-send ``Register``, ``PollState`` (with each long poll), ``SigtermSeen``, ``Ack``, ``SaveResult``
-(a saver, as soon as its save step ended), ``SaveTurn`` (a backup asking whether to save) and
-their ``TeardownReport`` (``teardown.py``); the coordinator answers with a ``Reply`` or, to a
-poll, a ``PollAnswer`` that may carry an ``Order``. Spares get ``SpareOrder``. Nothing is read
-back by string key: a message is built once, checked where it arrives (``check()``), and read by
-field.
-
-Words used everywhere:
-
-- a *rank* is one (group, rank) pair: ``RankKey``;
-- a *shard label* is what a rank holds within its group ("0", "model"); replicas share it;
-- a *shard key* is ``"<group>/<label>"``, the name of a shard in a checkpoint and its manifest.
-
-``PROTOCOL_VERSION`` is carried by every message; a coordinator refuses a message of another
-version with a reason (a worker of an older ray_graceful registering with a newer coordinator).
+One way: notice -> plan -> order -> acknowledgement -> report -> outcome. Workers send
+``Register``, ``PollState`` (with each long poll), ``SigtermSeen``, ``Ack``, ``SaveResult``,
+``SaveTurn`` (a backup asking whether to save) and their ``TeardownReport``; the coordinator
+answers a ``Reply``, a ``TurnAnswer``, or to a poll a ``PollAnswer`` that may carry an
+``Order``; spares get ``SpareOrder``; a warm restart's members get a ``Rendezvous`` and say
+``Rejoined``. Closed sets of words are enums (``Word``). A message is built once, checked where
+it arrives (``check()``) and read by field; each carries ``PROTOCOL_VERSION``, and another
+version is refused with a reason. A *rank* is a (group, rank) pair (``RankKey``); a *shard
+label* is what a rank holds in its group ("0", "model"); a *shard key* is ``"<group>/<label>"``,
+a shard's name in a checkpoint.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -36,6 +31,50 @@ RankKey = tuple[str, int]
 
 class ProtocolError(ValueError):
     """A message is malformed; the message says which field and what is allowed."""
+
+
+class Word(str, enum.Enum):
+    """A closed set of words: compares, prints and serialises (JSON) as its plain string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Action(Word):
+    """What the plan has one rank do (``plan.RankOrder.action``)."""
+
+    SAVE = "save"  # save its shard, then leave
+    BACKUP = "backup"  # save its shard only if the shard's saver cannot
+    LEAVE = "leave"  # leave without saving
+
+
+class PollKind(Word):
+    """What a long poll's answer is."""
+
+    ORDER = "order"  # an Order: tear down
+    IDLE = "idle"  # nothing within the poll's wait: poll again
+    UNKNOWN = "unknown"  # this process is not registered
+    STALE = "stale"  # the poll named a cycle that is not the current one
+
+
+class StepStatus(Word):
+    """How one teardown step went."""
+
+    RUNNING = "running"
+    RAN = "ran"
+    SKIPPED = "skipped"  # with the reason in its detail
+    FAILED = "failed"  # with the error in its detail
+    INTERRUPTED = "interrupted"  # the deadline's watchdog ended the process during it
+
+
+class Result(Word):
+    """What a cycle came to (``TerminationOutcome.result``)."""
+
+    COMMITTED = "committed"  # every shard of the plan at one step: a restart loads it
+    ABANDONED = "abandoned"  # nothing committed, with the reason
+    NO_CHECKPOINT = "no-checkpoint"  # nowhere to write: no checkpoint_dir, no memory tier
+    RAY_TRAIN = "ray-train"  # the savers reported to Ray Train (ray.train.get_checkpoint())
+    FAILED = "failed"  # the coordinator could not conclude normally (the reason says why)
 
 
 def coordinator_name(config: GracefulConfig, job_id: str) -> str:
@@ -188,7 +227,7 @@ class Order:
 class PollAnswer:
     """The answer to a long poll: an order, nothing yet, or why the poll is refused."""
 
-    kind: str  # "order" | "idle" | "unknown" | "stale"
+    kind: PollKind
     order: Order | None = None
     reason: str = ""
 
@@ -239,11 +278,22 @@ class SaveResult:
 
 @dataclass(frozen=True)
 class SaveTurn:
-    """A backup saver asks whether it must save ``shard_key`` (answered: Reply, ``save``)."""
+    """A backup saver asks whether it must save ``shard_key`` (answered: ``TurnAnswer``)."""
 
     process_id: str
     cycle: int
     shard_key: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class TurnAnswer:
+    """The answer to a backup's ``SaveTurn``: save or not, and why (the saver's fate)."""
+
+    save: bool
+    why: str
+    cycle: int | None = None
+    accepted: bool = True  # False: the turn was refused (``why`` says why); do not save
     version: int = PROTOCOL_VERSION
 
 
@@ -279,14 +329,10 @@ class SpareOrder:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """A warm restart's answer to one member: join the next cycle's group, or leave.
-
-    ``action`` is "join" or "leave" (with ``reason``: the warm restart fell back to a clean
-    exit). A member joins group ``group`` as ``rank`` of ``world_size`` through the store at
-    ``store_host:store_port`` under ``prefix`` (one per cycle and group, so a stale rank
-    cannot join), then holds shard ``shard`` of step ``step``: its own state if it can prove it
-    is that step, else loaded from the memory tier or disk.
-    """
+    """A warm restart's answer to one member: "join" group ``group`` as ``rank`` of
+    ``world_size`` through the store at ``store_host:store_port`` under ``prefix`` (one per
+    cycle and group: a stale rank cannot join), then hold shard ``shard`` of step ``step`` -
+    its own state if it can prove it is that step, else loaded; or "leave", with ``reason``."""
 
     action: str  # "join" | "leave"
     reason: str = ""
@@ -305,13 +351,9 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class Rejoined:
-    """What one member of a warm restart did: the driver's answer, and the coordinator's record.
-
-    ``action`` is "joined" or "left"; ``loaded_from`` is "own state" (it already held the
-    step), "memory-local", "memory-peer" or "disk"; ``seconds`` splits the time into
-    ``rendezvous`` (the new process group formed), ``register`` (its rank registered in the
-    new cycle) and ``load``.
-    """
+    """What one member of a warm restart did ("joined" or "left"), loaded from where ("own
+    state", "memory-local", "memory-peer", "disk"), and its ``seconds``: ``rendezvous`` (the
+    group formed), ``register`` (registered in the new cycle) and ``load``."""
 
     action: str  # "joined" | "left"
     member: str = ""
@@ -344,7 +386,7 @@ class StepRecord:
     """One teardown step: what happened and when (seconds from the teardown's start)."""
 
     name: str
-    status: str  # "ran" | "skipped" | "failed" | "running" | "interrupted"
+    status: StepStatus
     detail: str = ""
     started_s: float = 0.0
     duration_s: float = 0.0
@@ -381,7 +423,9 @@ class TeardownReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TeardownReport:
         values = dict(data)
-        values["steps"] = [StepRecord(**s) for s in data.get("steps", [])]
+        values["steps"] = [
+            StepRecord(**{**s, "status": StepStatus(s["status"])}) for s in data.get("steps", [])
+        ]
         return cls(**values)
 
     def step(self, name: str) -> StepRecord:

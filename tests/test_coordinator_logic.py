@@ -340,7 +340,7 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
         elif saver_fate == "died":
             dead.ids = {"a0"}
         answer = await turn
-        if answer.details["save"]:
+        if answer.save:
             await coord.report_teardown("p1", saved_report(config.checkpoint_dir, 0, 9))
         else:
             await coord.report_teardown("p1", report(0))
@@ -353,11 +353,11 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
 
     answer, outcome = run(scenario())
     must_save = saver_fate in ("failed", "died")
-    assert answer.accepted and answer.details["save"] is must_save, answer
+    assert answer.accepted and answer.save is must_save, answer
     if saver_fate == "failed":
-        assert "not quiescent" in answer.details["why"]
+        assert "not quiescent" in answer.why
     if saver_fate == "silent":
-        assert "had not reported" in answer.details["why"]
+        assert "had not reported" in answer.why
         assert outcome.result == "abandoned"  # nobody saved: nothing committed
     else:
         assert outcome.result == "committed" and outcome.committed["step"] == 9
@@ -378,9 +378,9 @@ def test_only_a_named_backup_may_ask_for_a_turn(config):
         )
 
     own, stale, version = run(scenario())
-    assert not own.accepted and "no backup of g/0" in own.reason
-    assert not stale.accepted and "stale" in stale.reason
-    assert not version.accepted and "protocol version 99" in version.reason
+    assert not own.accepted and not own.save and "no backup of g/0" in own.why
+    assert not stale.accepted and "stale" in stale.why
+    assert not version.accepted and "protocol version 99" in version.why
 
 
 def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):

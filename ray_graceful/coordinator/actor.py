@@ -23,6 +23,7 @@ the next cycle opens all the same.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from ..outcome import OutcomeMetrics, TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
     PollAnswer,
+    PollKind,
     PollState,
     Register,
     Rejoined,
@@ -47,6 +49,7 @@ from ..protocol import (
     SigtermSeen,
     SpareOrder,
     TeardownReport,
+    TurnAnswer,
 )
 from ..rendezvous import host_store
 from . import events as ev
@@ -94,7 +97,7 @@ class CoordinatorActor:
             uuid.uuid4().hex[:8],
             keeper_factory or self._start_keeper,
             home_node=ray_adapter.current_node_id(),
-            publish=self._publish_record,
+            publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
         )
         self.machine = CycleMachine(config, job_id, self.warm, self.spares, self.memory)
@@ -199,7 +202,7 @@ class CoordinatorActor:
         try:
             return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
         except asyncio.TimeoutError:
-            return PollAnswer("idle")
+            return PollAnswer(PollKind.IDLE)
         finally:
             if self.polls.get(process_id) is future:
                 del self.polls[process_id]
@@ -285,9 +288,6 @@ class CoordinatorActor:
             del self.outcomes[old]  # each holds every rank's report: keep the recent ones
             self.outcome_events.pop(old, None)
 
-    def _publish_record(self, name: str, record: dict[str, Any]) -> None:
-        publish_record(self.config.report_dir, self.job_id, name, record)
-
     async def _rejoin_done(self, cycle: int) -> None:
         """Until the warm restart out of ``cycle`` (if any) heard from every member."""
         record = self.warm.records.get(cycle + 1)
@@ -304,20 +304,22 @@ class CoordinatorActor:
         """A saver's save step ended: its backups are told at once."""
         return self._take(ev.SaveResultIn(message))
 
-    async def save_turn(self, message: SaveTurn, wait_s: float) -> Reply:
+    async def save_turn(self, message: SaveTurn, wait_s: float) -> TurnAnswer:
         """A backup asks whether it must save; answered once the saver's fate is known."""
         decisions = self._step(ev.TurnAsked(message))
         wait = next((d for d in decisions if isinstance(d, ev.AwaitSaver)), None)
         if wait is None:
-            return ev.reply_of(decisions)
+            refused = ev.reply_of(decisions)
+            reason = refused.reason if isinstance(refused, Reply) else "no turn"
+            return TurnAnswer(False, reason, self.machine.cycle.number, accepted=False)
         fate = await self.backups.wait(wait.cycle, wait.shard_key, wait_s)
         if fate is None:
             why = f"the saver had not reported by the backup's last start ({wait_s:.1f}s)"
-            return Reply.ok(wait.cycle, save=False, why=why)
+            return TurnAnswer(False, why, wait.cycle)
         saved, why = fate
         if not saved:
             self._take(ev.BackupSaves(wait.cycle, wait.shard_key, why))
-        return Reply.ok(wait.cycle, save=not saved, why=why)
+        return TurnAnswer(not saved, why, wait.cycle)
 
     # --- warm restart (coordinator/warm.py) --------------------------------------------------
 

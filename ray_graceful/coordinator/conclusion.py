@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
-from ..protocol import TeardownReport, shard_key
+from ..protocol import Result, StepStatus, TeardownReport, shard_key
 from .cycle import Cycle
 from .registry import Process
 
@@ -41,7 +41,7 @@ class CommitRequest:
     records: tuple[ShardRecord, ...]
     replicas: int = 0
     evicted_nodes: frozenset[str] = frozenset()
-    result: str = ""
+    result: Result | None = None
     reason: str = ""
     failures: tuple[str, ...] = ()  # the savers' own words, where a memory commit fails
 
@@ -50,7 +50,7 @@ class CommitRequest:
 class CommitResult:
     """What landed: the result, what was committed, and what a restart resumes from."""
 
-    result: str  # "committed" | "abandoned" | "no-checkpoint" | "ray-train"
+    result: Result
     reason: str = ""
     committed: dict[str, Any] | None = None
     memory: MemoryCheckpoint | None = None
@@ -68,15 +68,15 @@ def commit_request(
     expected = tuple(shard_key(g, s) for g, s in plan.savers)
     root = config.checkpoint_dir
 
-    def nothing(result: str, reason: str) -> CommitRequest:
+    def nothing(result: Result, reason: str) -> CommitRequest:
         return CommitRequest(cycle.number, job_id, None, root, expected, records, 0, frozenset(),
                              result, reason)  # fmt: skip
 
     if plan.abandoned:
-        return nothing("abandoned", plan.abandoned)
+        return nothing(Result.ABANDONED, plan.abandoned)
     if cycle.cooperative:
         why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
-        return nothing("ray-train", why)
+        return nothing(Result.RAY_TRAIN, why)
     if any(r.tier == "memory" for r in records):
         return CommitRequest(
             cycle.number,
@@ -92,17 +92,18 @@ def commit_request(
     if root is None and config.memory_replicas > 0:
         why = "; ".join(failed_saves(reports)[:3]) or "no saver reported a save"
         return nothing(
-            "abandoned",
+            Result.ABANDONED,
             f"no shard is held in memory and no checkpoint_dir is configured (memory-only): {why}",
         )
     if root is None:
-        return nothing("no-checkpoint", "no checkpoint_dir is configured")
+        return nothing(Result.NO_CHECKPOINT, "no checkpoint_dir is configured")
     return CommitRequest(cycle.number, job_id, "disk", root, expected, records)
 
 
 def carry_out(request: CommitRequest) -> CommitResult:
     """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
-    result, reason, committed, memory = request.result, request.reason, None, None
+    result, reason = request.result or Result.ABANDONED, request.reason
+    committed, memory = None, None
     if request.tier == "memory":
         try:
             memory = commit_in_memory(
@@ -113,9 +114,9 @@ def carry_out(request: CommitRequest) -> CommitResult:
                 request.replicas,
                 request.evicted_nodes,
             )
-            result, committed = "committed", memory.describe()
+            result, committed = Result.COMMITTED, memory.describe()
         except CheckpointError as exc:
-            result, reason = "abandoned", "; ".join([str(exc), *request.failures])
+            result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
     elif request.tier == "disk":
         assert request.root is not None
         step = request.records[0].step if request.records else -1
@@ -128,9 +129,9 @@ def carry_out(request: CommitRequest) -> CommitResult:
                 cycle=request.cycle,
                 extra={"job_id": request.job_id},
             )
-            result, committed = "committed", {"step": step, "path": os.path.dirname(path)}
+            result, committed = Result.COMMITTED, {"step": step, "path": os.path.dirname(path)}
         except CheckpointError as exc:
-            result, reason = "abandoned", str(exc)
+            result, reason = Result.ABANDONED, str(exc)
     latest = latest_committed(request.root) if request.root else None
     resume_from = {"step": latest.step, "path": latest.path} if latest else None
     if memory is not None:
@@ -156,7 +157,7 @@ def outcome_of(
         if p.report is None
     ]
     reason = landed.reason
-    if plan.incomplete and landed.result == "committed":
+    if plan.incomplete and landed.result is Result.COMMITTED:
         reason = "; ".join(
             f"group {group} not in the checkpoint: {why}" for group, why in plan.incomplete.items()
         )
@@ -191,7 +192,7 @@ def failed_saves(reports: list[TeardownReport]) -> list[str]:
         f"{r.hostname}:{r.pid}: {step.detail}"[:300]
         for r in reports
         for step in r.steps
-        if step.name == "save" and step.status == "failed"
+        if step.name == "save" and step.status == StepStatus.FAILED
     ]
 
 
@@ -211,7 +212,7 @@ def failed(
     return TerminationOutcome(
         cycle=cycle.number,
         job_id=job_id,
-        result="failed",
+        result=Result.FAILED,
         notices=cycle.all_notices(),
         rejected=list(cycle.rejected),
         plan=cycle.plan.to_dict() if cycle.plan else {},

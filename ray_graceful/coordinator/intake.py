@@ -21,7 +21,7 @@ from typing import Any
 
 from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
-from ..protocol import PollAnswer, PollState, ProtocolError, Reply, check_version
+from ..protocol import PollAnswer, PollKind, PollState, ProtocolError, Reply, check_version
 from . import events as ev
 from .cycle import Phase
 from .registry import Process
@@ -65,12 +65,13 @@ def poll(
     state.polls_served += 1
     process = state.registry.processes.get(process_id)
     if process is None:
-        out.append(ev.Replied(PollAnswer("unknown", reason="this process is not registered")))
+        why = "this process is not registered"
+        out.append(ev.Replied(PollAnswer(PollKind.UNKNOWN, reason=why)))
         return
     if cycle != state.cycle.number or process.cycle != state.cycle.number:
         reason = state.stale(cycle)
         state.reject(out, {"process": process_id, "cycle": cycle}, reason)
-        out.append(ev.Replied(PollAnswer("stale", reason=reason)))
+        out.append(ev.Replied(PollAnswer(PollKind.STALE, reason=reason)))
         return
     process.last_seen = time.time()
     if isinstance(told, PollState):
@@ -79,7 +80,7 @@ def poll(
         if isinstance(told.health, HealthReport):
             _update_health(state, process, told.health, out)
     if process.order is not None and not process.acked:
-        out.append(ev.Replied(PollAnswer("order", process.order)))  # again, until acked
+        out.append(ev.Replied(PollAnswer(PollKind.ORDER, process.order)))  # again, until acked
     else:
         out.append(ev.HoldPoll(process_id))
 

@@ -24,7 +24,15 @@ from ..checkpoint import ShardRecord
 from ..config import GracefulConfig
 from ..notices import EvictionNotice, short
 from ..plan import RankInfo, incomplete_groups
-from ..protocol import ProtocolError, Rejoined, Reply, SpareOrder, TeardownReport, check_version
+from ..protocol import (
+    ProtocolError,
+    Rejoined,
+    Reply,
+    Result,
+    SpareOrder,
+    TeardownReport,
+    check_version,
+)
 from . import events as ev
 from . import intake
 from .conclusion import CommitRequest, commit_request, failed, outcome_of
@@ -207,7 +215,7 @@ class CycleMachine:
 
     def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:
         cycle = self.cycle
-        committed = landed is not None and landed.result == "committed"
+        committed = landed is not None and landed.result is Result.COMMITTED
         step = (landed.committed or {}).get("step") if committed else None
         record, told = self.warm.after_cycle(
             cycle, step, committed, self.registry, list(self.spares.spares.values())

@@ -17,7 +17,7 @@ from typing import Protocol
 from ..health import FAULTY
 from ..memory.placement import choose_holders
 from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
-from ..protocol import Order, PollAnswer, SaveAssignment, shard_key
+from ..protocol import Action, Order, PollAnswer, PollKind, SaveAssignment, shard_key
 from . import events as ev
 from .cycle import Cycle, Phase
 from .spares import SpareRecord
@@ -86,13 +86,13 @@ def plan_and_order(
             saves=tuple(
                 _assignment(state, plan, o, placement, keepers, spare_nodes)
                 for o in orders
-                if o.action != "leave"
+                if o.action is not Action.LEAVE
             ),
-            skip_reason="; ".join(o.reason for o in orders if o.action != "save"),
+            skip_reason="; ".join(o.reason for o in orders if o.action is not Action.SAVE),
             save_budget_s=config.save_budget_s,
             rejoin=process_id in rejoiners,
         )
-        out.append(ev.OrderOut(process_id, PollAnswer("order", process.order)))
+        out.append(ev.OrderOut(process_id, PollAnswer(PollKind.ORDER, process.order)))
     cycle.orders_at = time.time()
     state.check_all_reported(out)
 
@@ -123,7 +123,7 @@ def _assignment(
     spare_nodes: dict[str, list[str]],
 ) -> SaveAssignment:
     backup_for = None
-    if order.action == "backup":
+    if order.action is Action.BACKUP:
         backup_for = plan.savers[(order.group, order.shard)][1]
     key = shard_key(order.group, order.shard)
     holders: tuple[str, ...] = ()

@@ -28,6 +28,7 @@ from ..health import HealthProbe, NullProbe, make_probe
 from ..protocol import (
     Ack,
     Order,
+    PollKind,
     PollState,
     RankSpec,
     Register,
@@ -37,6 +38,7 @@ from ..protocol import (
     SaveTurn,
     SigtermSeen,
     TeardownReport,
+    TurnAnswer,
     coordinator_name,
 )
 
@@ -213,9 +215,9 @@ class ControlChannel:
             except Exception as exc:  # the coordinator died or became unreachable
                 self._lost(f"{type(exc).__name__}: {exc}")
                 return
-            if answer.kind == "idle":
+            if answer.kind is PollKind.IDLE:
                 continue
-            if answer.kind != "order" or answer.order is None:
+            if answer.kind is not PollKind.ORDER or answer.order is None:
                 self._lost(f"the coordinator answered {answer.kind}: {answer.reason}")
                 return
             order = answer.order
@@ -281,15 +283,15 @@ class ControlChannel:
         import ray
 
         try:
-            reply: Reply = ray.get(
+            answer: TurnAnswer = ray.get(
                 self.handle.save_turn.remote(SaveTurn(self.process_id, cycle, key), wait_s),
                 timeout=wait_s + REPORT_TIMEOUT_S,
             )
         except Exception as exc:
             return False, f"could not ask the coordinator ({type(exc).__name__})"
-        if not reply.accepted:
-            return False, reply.reason
-        return bool(reply.details.get("save")), str(reply.details.get("why", ""))
+        if not isinstance(answer, TurnAnswer):
+            return False, f"the coordinator answered a {type(answer).__name__}, not a TurnAnswer"
+        return answer.save and answer.accepted, answer.why
 
     def rendezvous(self, wait_s: float) -> Rendezvous | None:
         """Warm restart: this process's answer (join as what, or leave); None: not yet."""

@@ -1,6 +1,6 @@
 """The ordered, guarded, timed steps that end a rank, and the report they leave.
 
-Order (DESIGN.md §3), each step wrapped so that a half-broken rank still does the half that
+Order, each step wrapped so that a half-broken rank still does the half that
 works, and each recorded in the ``TeardownReport`` as ran / skipped (with the reason) / failed
 (with the error), with its start and duration:
 
@@ -19,8 +19,7 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 4. ``save``             - only if this rank was ordered to and is quiescent, within its
                           budget, atomically; labelled with the step it parked at. Its own
                           shards first (the coordinator is told at once how that went), then
-                          any it is the backup saver of: those only if the coordinator says
-                          their saver could not (``coordinator/fallback.py``).
+                          those it backs up, only if the coordinator says their saver could not.
 5. ``destroy_process_group`` - bounded, on a helper thread.
 6. ``exit``             - the report is written (JSON file + one log line), then Ray's
                           intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
@@ -51,6 +50,7 @@ from .. import ray_adapter
 from ..checkpoint import ShardRecord, write_shard
 from ..config import GracefulConfig
 from ..dcp import chunk_summary, is_shard_files
+from ..protocol import StepStatus
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
@@ -84,7 +84,7 @@ class SaveOrder:
 
 
 class TrainingThread(Protocol):
-    """What the teardown needs to know of the thread that trains (see ``worker.py``)."""
+    """What the teardown needs to know of the thread that trains (``training_loop.py``)."""
 
     def state(self) -> str:
         """ "parked" (at should_stop), "idle" (left its loop), "in_collective" or "in_step"."""
@@ -98,8 +98,7 @@ class _Skip(Exception):
 
 
 STUCK_IN_COLLECTIVE_S = 0.3
-# How long Ray's forced intended exit may take before the rank exits hard after all.
-FORCED_EXIT_WAIT_S = 2.0
+FORCED_EXIT_WAIT_S = 2.0  # Ray's forced intended exit may take this long; then exit hard
 # Found inside a collective this long at quiesce: release first. A healthy step's collective
 # that ends within it still parks at the boundary, where the rank can save (20 ms was tried:
 # 10 ms off an N=8 release's p50, and a saver released mid-step lost its save under load).
@@ -198,15 +197,15 @@ class Teardown:
         return self.report
 
     def _step(self, name: str, fn: Callable[[], str]) -> None:
-        record = StepRecord(name, "running", started_s=time.monotonic() - self.t0)
+        record = StepRecord(name, StepStatus.RUNNING, started_s=time.monotonic() - self.t0)
         self.report.steps.append(record)
         try:
             record.detail = fn() or ""
-            record.status = "ran"
+            record.status = StepStatus.RAN
         except _Skip as skip:
-            record.status, record.detail = "skipped", str(skip)
+            record.status, record.detail = StepStatus.SKIPPED, str(skip)
         except BaseException as exc:
-            record.status, record.detail = "failed", f"{type(exc).__name__}: {exc}"
+            record.status, record.detail = StepStatus.FAILED, f"{type(exc).__name__}: {exc}"
         record.duration_s = time.monotonic() - self.t0 - record.started_s
 
     def _stop(self) -> str:
@@ -454,10 +453,10 @@ class Teardown:
                 write_stderr(f"ray_graceful: could not deliver the report: {exc!r}\n")
 
     def _finish(self) -> None:
-        record = StepRecord("exit", "running", started_s=time.monotonic() - self.t0)
+        record = StepRecord("exit", StepStatus.RUNNING, started_s=time.monotonic() - self.t0)
         self.report.steps.append(record)
         if not self.exit_process:
-            record.status, record.detail = "skipped", "exit_process=False"
+            record.status, record.detail = StepStatus.SKIPPED, "exit_process=False"
             self._publish()
             self.done.set()
             return
@@ -465,7 +464,7 @@ class Teardown:
         in_ray = exit_via_ray is not None
         self.report.exit_path = "ray_intended" if in_ray else "hard"
         self.report.exit_code = 0 if in_ray else self.config.exit_code
-        record.status = "ran"
+        record.status = StepStatus.RAN
         record.detail = (
             "Ray's intended exit requested" if in_ray else f"os._exit({self.config.exit_code})"
         )
@@ -518,7 +517,8 @@ class Teardown:
         """
         started = time.monotonic()
         limit = max(min(self.config.exit_grace_s, self.remaining()), 0.0)
-        released = any(r.name == "release_peers" and r.status == "ran" for r in self.report.steps)
+        ran = StepStatus.RAN
+        released = any(r.name == "release_peers" and r.status is ran for r in self.report.steps)
         stuck_since: float | None = None
         while (waited := time.monotonic() - started) < limit:
             if released and thread_in_collective():
@@ -538,8 +538,8 @@ class Teardown:
             # The report is out and an exit is under way; the watchdog stays the last word.
             time.sleep(max(self.remaining(), 0.0))
         for record in self.report.steps:
-            if record.status == "running":
-                record.status = "interrupted"
+            if record.status == StepStatus.RUNNING:
+                record.status = StepStatus.INTERRUPTED
                 record.detail = "the watchdog fired at the deadline"
                 record.duration_s = time.monotonic() - self.t0 - record.started_s
         self.report.exit_path, self.report.exit_code = "watchdog", self.config.exit_code
