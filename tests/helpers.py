@@ -8,7 +8,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray_graceful import GracefulConfig
 from ray_graceful.worker.process_groups import free_port as free_port  # re-exported for the tests
+
+
+def fast_config(root: Any, **overrides: Any) -> GracefulConfig:
+    """The coordinator's logic tests' config: files under ``root``, no gathering window, short
+    deadlines, no health probe."""
+    values: dict[str, Any] = {
+        "report_dir": os.path.join(str(root), "reports"),
+        "checkpoint_dir": os.path.join(str(root), "ckpt"),
+        "notice_gather_s": 0.0,
+        "drain_poll_interval_s": 0.05,
+        "teardown_timeout_s": 3.0,
+        "save_budget_s": 1.0,
+        "expected_save_s": 0.1,
+        "plan_margin_s": 0.0,
+        "health_probe": "none",
+    }
+    return GracefulConfig(**{**values, **overrides})
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:

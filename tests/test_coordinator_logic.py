@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ray_graceful import GracefulConfig, TeardownReport, latest_committed
+from ray_graceful import TeardownReport, latest_committed
 from ray_graceful.checkpoint import save_state_dict, write_shard
 from ray_graceful.coordinator import CoordinatorActor
 from ray_graceful.protocol import (
@@ -26,6 +26,7 @@ from ray_graceful.protocol import (
     SaveTurn,
     SigtermSeen,
 )
+from tests.helpers import fast_config
 
 RANK = RankSpec("g", 0, 1, "0", True)
 # A group of two replicas of shard "0" (world size 2): rank 0 on n0, rank 1 on n1.
@@ -58,17 +59,7 @@ class Dead:
 
 @pytest.fixture
 def config(tmp_path):
-    return GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        notice_gather_s=0.0,
-        drain_poll_interval_s=0.05,
-        teardown_timeout_s=3.0,
-        save_budget_s=1.0,
-        expected_save_s=0.1,
-        plan_margin_s=0.0,
-        health_probe="none",
-    )
+    return fast_config(tmp_path)
 
 
 def make(config, job_id="job-a"):

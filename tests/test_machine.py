@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ray_graceful import GracefulConfig, TeardownReport
+from ray_graceful import TeardownReport
 from ray_graceful.checkpoint import save_state_dict, write_shard
 from ray_graceful.coordinator import events as ev
 from ray_graceful.coordinator.conclusion import carry_out
@@ -22,22 +22,14 @@ from ray_graceful.coordinator.spares import SparePool
 from ray_graceful.coordinator.warm import WarmRestarts
 from ray_graceful.notices import EvictionNotice
 from ray_graceful.protocol import Ack, PollState, RankSpec, Register
+from tests.helpers import fast_config
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def config(tmp_path):
-    return GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        notice_gather_s=0.0,
-        teardown_timeout_s=3.0,
-        save_budget_s=1.0,
-        expected_save_s=0.1,
-        plan_margin_s=0.0,
-        health_probe="none",
-    )
+    return fast_config(tmp_path)
 
 
 def machine(config) -> CycleMachine:
