@@ -1,6 +1,6 @@
 """The Anyscale job option: turn a JobConfig (or its YAML) into one with ray_graceful on.
 
-Anyscale's ``JobConfig`` has no general ``runtime_env`` (RAY_FACTS), so the plugin is switched
+Anyscale's ``JobConfig`` has no general ``runtime_env``, so the plugin is switched
 on through what it does have: ``env_vars`` carries ray_graceful's own ``RAY_GRACEFUL_*``
 settings, the Ray Train callback (``RAY_TRAIN_CALLBACKS``) and the job-wide worker setup hook
 (``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR``, for async actors); ``requirements`` installs the

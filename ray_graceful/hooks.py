@@ -7,7 +7,7 @@ starts, so the listener is installed there::
 
     ray.init(runtime_env={"worker_process_setup_hook": "ray_graceful.hooks.setup"})
 
-Ray's worker main loop installs its own SIGTERM handler right after the hook (RAY_FACTS); left
+Ray's worker main loop installs its own SIGTERM handler right after the hook (Ray 2.60); left
 alone it would replace ours and end the process with a SYSTEM_ERROR exit while the teardown
 runs. ``setup`` therefore routes that one call to the listener, which keeps Ray's handler as the
 one to run when nothing in the process is registered - so processes that never call
@@ -32,7 +32,7 @@ def setup() -> None:
     """Install the SIGTERM listener in this worker process (Ray calls this on the main thread).
 
     A job-wide hook runs in *every* worker process of the job - the coordinator's, Ray Train's
-    controller, processes that never train (RAY_FACTS). So it never raises: a bad
+    controller, processes that never train. So it never raises: a bad
     ``RAY_GRACEFUL_*`` value is logged here, installs nothing, and is raised where the user's
     code calls ``graceful_setup`` (or ``Coordinator.start``), not by killing a worker at start.
     """

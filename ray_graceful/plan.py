@@ -1,6 +1,6 @@
 """Who saves, who just leaves: a pure function from what is known to a TerminationPlan.
 
-Rules (DESIGN.md §6):
+Rules:
 
 - an evicted rank has its notice's deadline; every other rank leaves within
   ``teardown_timeout_s``;

@@ -43,7 +43,7 @@ def _moved(what: str, exc: BaseException | None = None) -> RayInternalsMoved:
 def draining_nodes(timeout_s: float = 5.0) -> dict[str, int]:
     """``{node_id_hex: deadline_ms}`` for every node the GCS is draining (0 = no deadline).
 
-    The dependable notice on Ray (RAY_FACTS): a worker's own SIGTERM comes in the same
+    The dependable notice on Ray (measured, 2.60): a worker's own SIGTERM comes in the same
     millisecond as its SIGKILL. Ray Train's preemption watcher reads the same state.
     """
     import ray

@@ -17,7 +17,7 @@
 
 The callback (also loadable with ``RAY_TRAIN_CALLBACKS=ray_graceful.train.GracefulTrainCallback``)
 starts the run's coordinator on the controller, installs the SIGTERM listener on each Train
-worker's main thread (the training function's own thread cannot: RAY_FACTS), and registers each
+worker's main thread (the training function's own thread is not the main thread), and registers each
 rank once the process group is up. When a notice comes, ``should_stop`` turns true; the rank the
 plan chose for each shard writes it in ``emergency_checkpoint``, every rank calls
 ``ray.train.report`` (Ray Train needs all of them), and the function raises ``EmergencyStop``:

@@ -2,7 +2,7 @@
 
 Gloo has no abort: ``ProcessGroup.abort()``, ``_abort_process_group()`` and
 ``destroy_process_group()`` all return at once and leave a collective blocked until its timeout
-(measured, torch 2.13; RAY_FACTS). What does end a gloo collective is its TCP connection
+(measured, torch 2.13). What does end a gloo collective is its TCP connection
 closing: the blocked rank raises "Connection closed by peer" at once, and so does the peer at
 the other end. So this module finds the group's own connections and shuts them down
 (``shutdown(SHUT_RDWR)``, never ``close``: the fd stays gloo's to close).

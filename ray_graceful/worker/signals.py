@@ -1,7 +1,7 @@
 """See SIGTERM within milliseconds, even while the thread that trains is blocked in C.
 
 Python runs signal handlers on the main thread, between bytecodes: a handler is delayed for as
-long as the main thread sits in a collective, possibly forever (RAY_FACTS). The C-level handler
+long as the main thread sits in a collective, possibly forever (measured). The C-level handler
 does run at once, and writes the signal number to the *wakeup fd*; a listener thread that reads
 the other end of that pipe therefore learns of the signal within a millisecond whatever the
 main thread is doing. Both ``signal.signal`` and ``signal.set_wakeup_fd`` must be called on the
