@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..checkpoint import ShardRecord
 from ..config import GracefulConfig
 from ..notices import EvictionNotice, short
 from ..plan import RankInfo, incomplete_groups
@@ -205,13 +204,11 @@ class CycleMachine:
         return [p for p in self.active() if p.order is not None]
 
     def _commit_request(self) -> CommitRequest:
-        involved = self._involved()
-        for process in involved:  # each shard's save time: the next plan expects as much
-            for data in process.report.saved if process.report is not None else ():
-                record = ShardRecord.from_dict(data)
-                group, _, label = record.shard.partition("/")
-                self.state.save_times[(group, label)] = record.seconds
-        return commit_request(self.cycle, involved, self.state.config, self.state.job_id)
+        request = commit_request(self.cycle, self._involved(), self.state.config, self.state.job_id)
+        for record in request.records:  # each shard's save time: the next plan expects as much
+            group, _, label = record.shard.partition("/")
+            self.state.save_times[(group, label)] = record.seconds
+        return request
 
     def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:
         cycle = self.cycle
