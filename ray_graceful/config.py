@@ -234,6 +234,21 @@ class GracefulConfig:
         "Ray namespace of the coordinator actor: fixed, so workers of any job and the CLI "
         "(ray-graceful notify) find it without knowing the job's namespace.",
     )
+    coordinator_max_restarts: int = _setting(
+        3,
+        _count(0, 100, "a number of restarts"),
+        "How often Ray restarts the coordinator actor after its process dies (an OOM kill, a "
+        "segfault), on the driver's node. The restarted coordinator reads the cycle count and "
+        "any cycle in flight back from report_dir and checkpoint_dir, and the ranks register "
+        "with it again on their own. 0: it is never restarted.",
+    )
+    coordinator_reconnect_s: float = _setting(
+        30.0,
+        _between(0.0, 600.0),
+        "How long a rank's control channel keeps registering again with a coordinator that Ray "
+        "is restarting. While no coordinator is reachable, a rank that tears itself down "
+        "releases its peers through the process group's store.",
+    )
     notice_gather_s: float = _setting(
         0.2,
         _between(0.0, 10.0, low_open=False),

@@ -92,6 +92,26 @@ def current_node_id() -> str:
         return ""
 
 
+def actor_was_restarted() -> bool:
+    """Whether this actor is a restart of one whose process died (``max_restarts``).
+
+    ``RuntimeContext.was_current_actor_reconstructed`` is public, but reads a deprecated
+    property inside (a warning on every call, Ray 2.60): silenced here.
+    """
+    import warnings
+
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
 # --- the actor table -------------------------------------------------------------------------
 
 

@@ -74,3 +74,18 @@ def gloo_listener_blobs(process_group: Any) -> list[bytes]:
     """
     store = process_group.get_group_store()
     return [bytes(store.get(key)) for key in store.list_keys() if key.rsplit("/", 1)[-1].isdigit()]
+
+
+def group_store(process_group: Any) -> Any | None:
+    """The store a group's ranks share (``ProcessGroup.get_group_store``, undocumented), for
+    the world group when ``process_group`` is None; None where there is none to reach."""
+    try:
+        if process_group is None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                return None
+            process_group = dist.group.WORLD
+        return process_group.get_group_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -238,7 +238,11 @@ def test_coordinator_killed_ranks_still_leave_by_deadline(
     assert exit_recorder.wait(pids[0], 10) == 0
     assert time.monotonic() - sent < 2.0
     report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report")
-    assert report["trigger"] == "signal 15"
+    assert report["trigger"] == "signal 15 (no coordinator reachable)"
+    for pid in pids[1:]:  # its peers were told through the group's store, and left too
+        assert exit_recorder.wait(pid, config.teardown_timeout_s + 3) == 0
+        peer = wait_for(lambda p=pid: report_for(config.report_dir, p), 5, "a peer's report")
+        assert peer["trigger"].startswith("released by a peer"), peer["trigger"]
     kill_actors(*ranks)
 
 

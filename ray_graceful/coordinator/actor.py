@@ -53,6 +53,7 @@ from ..protocol import (
 )
 from ..rendezvous import host_store
 from . import events as ev
+from . import recovery
 from .backups import BackupTurns
 from .conclusion import carry_out
 from .machine import CycleMachine
@@ -88,6 +89,10 @@ class CoordinatorActor:
     ) -> None:
         self.config = config
         self.job_id = job_id
+        # Restarted by Ray after our process died: carry on from what the last one wrote down.
+        self.restarted = ray_adapter.actor_was_restarted()
+        first_cycle = recovery.next_cycle(config.report_dir, job_id) if self.restarted else 0
+        self.left_open = recovery.left_open(config.report_dir, job_id) if self.restarted else []
         self.warm = WarmRestarts(config, store_factory or host_store)
         self.warm.prepare()
         self.spares = SparePool()
@@ -100,7 +105,13 @@ class CoordinatorActor:
             publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
         )
-        self.machine = CycleMachine(config, job_id, self.warm, self.spares, self.memory)
+        self.machine = CycleMachine(
+            config, job_id, self.warm, self.spares, self.memory, first_cycle=first_cycle
+        )
+        if self.restarted:  # nobody may call us for a while: call ourselves, to _wake()
+            import ray
+
+            ray.get_runtime_context().current_actor.ping.remote()
         self.watcher = Watcher(
             drain_source or ray_adapter.draining_nodes,
             lost_source or ray_adapter.dead_actors,
@@ -119,6 +130,21 @@ class CoordinatorActor:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
         except Exception:  # metrics are a courtesy (and need Ray); it works without them
             self.metrics = None
+
+    def _wake(self) -> None:
+        """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
+        self.watcher.ensure_running()
+        while self.left_open:
+            task = asyncio.get_running_loop().create_task(self._conclude_left(self.left_open.pop()))
+            self.cycle_tasks.add(task)
+            task.add_done_callback(self.cycle_tasks.discard)
+
+    async def _conclude_left(self, cycle: recovery.InFlight) -> None:
+        """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
+        await asyncio.sleep(max(cycle.deadline - time.time(), 0) + REPORT_GRACE_S)
+        outcome = await asyncio.to_thread(recovery.conclude_from_disk, cycle)
+        logger.warning("ray_graceful coordinator: %s", outcome.summary())
+        self._publish(ev.Concluded(outcome, None, None))
 
     def _start_keeper(self, name: str, node_id: str) -> Any:
         namespace, budget = self.config.coordinator_namespace, self.config.memory_budget_mb << 20
@@ -186,14 +212,14 @@ class CoordinatorActor:
 
     async def register(self, message: Register) -> Reply:
         """A worker process registers its ranks; the reply names the cycle it belongs to."""
-        self.watcher.ensure_running()
+        self._wake()
         return self._take(ev.Registration(message))
 
     async def poll(
         self, process_id: str, cycle: int, state: PollState, wait_s: float
     ) -> PollAnswer:
         """Held open by each worker process; answered with its order, or "idle" after wait_s."""
-        self.watcher.ensure_running()
+        self._wake()
         answer = self._take(ev.Polled(process_id, cycle, state))
         if answer is not None:
             return answer
@@ -219,7 +245,7 @@ class CoordinatorActor:
 
     async def notify(self, data: dict[str, Any]) -> Reply:
         """An explicit notice (CLI, API): untrusted input; ``cycle`` defaults to the current."""
-        self.watcher.ensure_running()
+        self._wake()
         if not isinstance(data, dict):
             why = "a notice is a mapping of notice fields"
             return self._take(ev.Malformed({"notice": short(data)}, why))
@@ -247,6 +273,8 @@ class CoordinatorActor:
             plan = self.machine.cycle.plan
             if plan is not None:
                 logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle, plan.table())
+                written = recovery.in_flight(self.machine.cycle, self.config, self.job_id)
+                await asyncio.to_thread(recovery.record_in_flight, self.config.report_dir, written)
                 last = max((o.deadline for o in plan.orders), default=time.time())
                 try:
                     await asyncio.wait_for(
@@ -281,6 +309,7 @@ class CoordinatorActor:
                 self.metrics.record(outcome)
             except Exception:
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
+        recovery.clear_in_flight(self.config.report_dir, self.job_id, outcome.cycle)
         self.outcomes[outcome.cycle] = outcome
         self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
         self.memory.after_commit(outcome.cycle, concluded.memory)
@@ -401,10 +430,11 @@ class CoordinatorActor:
     # --- reading -----------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        self.watcher.ensure_running()
+        self._wake()
         last = self.outcomes.get(self.machine.cycle.number - 1)
         return {
             **self.machine.describe(),
+            "restarted": self.restarted,
             "failures": list(self.watcher.failures),
             "last_outcome": last.to_dict() if last else None,
         }
@@ -421,6 +451,10 @@ class CoordinatorActor:
             cycle = self.machine.cycle.number if in_flight else max(self.outcomes)
         if cycle in self.outcomes:
             return self.outcomes[cycle]
+        if self.restarted and cycle < self.machine.cycle.number:  # concluded by a predecessor?
+            found = recovery.read_outcome(self.config.report_dir, self.job_id, cycle)
+            if found is not None:
+                return found
         event = self.outcome_events.setdefault(cycle, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout=timeout)
@@ -445,5 +479,5 @@ class CoordinatorActor:
         return self.config.checkpoint_dir
 
     async def ping(self) -> str:
-        self.watcher.ensure_running()
+        self._wake()
         return "ok"

@@ -68,7 +68,8 @@ class Coordinator:
             namespace=config.coordinator_namespace,
             num_cpus=0,
             max_concurrency=MAX_CONCURRENCY,
-            max_restarts=0,
+            # Restarted by Ray where it was if its process dies (coordinator/recovery.py).
+            max_restarts=config.coordinator_max_restarts,
             # Next to the driver (the head, usually): the node least likely to be evicted.
             # Pinned: a soft affinity to the head put a zero-CPU actor on another node 9 times
             # in 12 (Ray 2.60, docs/concepts.md) - a node that can be drained under the job.
@@ -131,6 +132,21 @@ class Coordinator:
                 continue  # it ended between the listing and now
         return out
 
+    def _ask(self, method: str, *args: Any, timeout: float) -> Any:
+        """Call the coordinator; while Ray restarts it (``coordinator_max_restarts``), again -
+        the call that met its death fails with ``ActorUnavailableError``, the next one waits for
+        the new process - until ``timeout``."""
+        import ray
+
+        give_up = time.monotonic() + timeout
+        while True:
+            try:
+                return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > give_up:
+                    raise
+                time.sleep(0.1)
+
     def notify(
         self,
         *,
@@ -142,33 +158,26 @@ class Coordinator:
         timeout: float = 10.0,
     ) -> Reply:
         """Send a notice; the ``Reply`` says whether it was accepted, and why not."""
-        import ray
 
         data: dict[str, Any] = {"source": source, "reason": reason, "deadline": deadline}
         if node_id is not None:
             data["node_id"] = node_id
         if rank is not None:
             data["rank"] = list(rank)
-        answer: Reply = ray.get(self.handle.notify.remote(data), timeout=timeout)
-        return answer
+        return self._ask("notify", data, timeout=timeout)
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """Cheap counters: pid, cycle, phase, processes, pending polls, polls served."""
-        import ray
-
-        return ray.get(self.handle.stats.remote(), timeout=timeout)
+        return self._ask("stats", timeout=timeout)
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        import ray
 
-        return ray.get(self.handle.status.remote(), timeout=timeout)
+        return self._ask("status", timeout=timeout)
 
     def wait_outcome(self, timeout: float, cycle: int | None = None) -> TerminationOutcome | None:
         """The outcome of ``cycle`` (default: the current one), waiting up to ``timeout``."""
-        import ray
-
-        outcome: TerminationOutcome | None = ray.get(
-            self.handle.wait_outcome.remote(cycle, timeout), timeout=timeout + 10
+        outcome: TerminationOutcome | None = self._ask(
+            "wait_outcome", cycle, timeout, timeout=timeout + 10
         )
         return outcome
 
@@ -178,10 +187,8 @@ class Coordinator:
         ``{"path", "at"}``, or ``{"error"}`` if the background copy failed; None if it had not
         ended within ``timeout`` (or that cycle committed nothing in memory).
         """
-        import ray
-
-        durable: dict[str, Any] | None = ray.get(
-            self.handle.wait_durable.remote(cycle, timeout), timeout=timeout + 10
+        durable: dict[str, Any] | None = self._ask(
+            "wait_durable", cycle, timeout, timeout=timeout + 10
         )
         return durable
 
@@ -192,12 +199,7 @@ class Coordinator:
         longer be restored from memory), ``durable_path``; None if that cycle committed nothing
         in memory. The outcome keeps what was committed at the time; this is its later life.
         """
-        import ray
-
-        record: dict[str, Any] | None = ray.get(
-            self.handle.memory_record.remote(cycle), timeout=timeout
-        )
-        return record
+        return self._ask("memory_record", cycle, timeout=timeout)
 
     def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """Warm restart into ``cycle``: who joined as what, loaded from where, how long.
@@ -205,30 +207,22 @@ class Coordinator:
         Waits until every member said what it did (or ``timeout``); None if no warm restart led
         into that cycle.
         """
-        import ray
-
-        record: dict[str, Any] | None = ray.get(
-            self.handle.wait_rejoined.remote(cycle, timeout), timeout=timeout + 10
+        record: dict[str, Any] | None = self._ask(
+            "wait_rejoined", cycle, timeout, timeout=timeout + 10
         )
         return record
 
     def keeper_stats(self) -> dict[str, Any]:
         """Memory tier: every node's keeper - its budget, what it holds."""
-        import ray
-
-        stats: dict[str, Any] = ray.get(self.handle.keeper_stats.remote(), timeout=30)
-        return stats
+        return self._ask("keeper_stats", timeout=30)
 
     def job_finished(self, success: bool = True, permanent: bool = True) -> dict[str, Any]:
         """Tell spares and standbys the job is over: they exit 0."""
-        import ray
-
-        return ray.get(self.handle.job_finished.remote(success, permanent), timeout=30)
+        return self._ask("job_finished", success, permanent, timeout=30)
 
     def assign_spare(self, group: str, rank: int) -> dict[str, Any]:
-        import ray
 
-        return ray.get(self.handle.assign_spare.remote(group, rank), timeout=30)
+        return self._ask("assign_spare", group, rank, timeout=30)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """End the coordinator and wait (bounded) until its name is free again.

@@ -53,8 +53,9 @@ class CycleMachine:
         warm: WarmRestarts,
         spares: SparePool,
         placement: KeeperPlacement | None = None,
+        first_cycle: int = 0,
     ) -> None:
-        self.state = CoordinatorState(config, job_id)
+        self.state = CoordinatorState(config, job_id, cycle=Cycle(first_cycle))
         self.warm = warm
         self.spares = spares
         self.placement = placement

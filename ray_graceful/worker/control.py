@@ -9,8 +9,12 @@ notice.
 
 This module knows nothing of what an order means: it acknowledges the ``Order`` (so it is not
 sent again - delivery is at least once) and hands it to ``on_order``; the worker runtime turns
-it into a teardown. If the coordinator is gone the channel says so and stops; a SIGTERM then
-tears the rank down on its own, exactly as without a coordinator.
+it into a teardown. A coordinator that Ray is restarting (its process died; the poll fails with
+``ActorUnavailableError``) is registered with again, with the same keys, for up to
+``coordinator_reconnect_s``; one that is gone for good (``ActorDiedError``) ends the channel.
+Either way ``on_disconnect`` is told at once: while no coordinator is reachable a SIGTERM tears
+the rank down on its own and releases its peers through the group's store
+(``peer_release.py``).
 """
 
 from __future__ import annotations
@@ -88,12 +92,16 @@ class ControlChannel:
         last_step: Callable[[], int | None],
         on_order: Callable[[Order], None],
         done: Callable[[], bool],
+        on_disconnect: Callable[[], None] = lambda: None,
     ) -> None:
         import ray
 
         self.handle = handle
         self.config = config
         self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
+        self.on_disconnect = on_disconnect
+        self.reconnects = 0
+        self.sigterm_at: float | None = None  # reported again to a restarted coordinator
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
         self.job_id = ctx.get_job_id() or ""
@@ -106,6 +114,11 @@ class ControlChannel:
         self.order_received = threading.Event()
         self._thread: threading.Thread | None = None
         self._probe: HealthProbe | None = None
+
+    @property
+    def connected(self) -> bool:
+        """Registered with a coordinator that answers: it, not this rank, releases the peers."""
+        return self.alive and self.cycle is not None
 
     @property
     def probe(self) -> HealthProbe:
@@ -157,7 +170,7 @@ class ControlChannel:
             "through a long poll"
         )
 
-    def _send_registration(self) -> Reply:
+    def _send_registration(self, timeout: float = REGISTER_TIMEOUT_S) -> Reply:
         import ray
 
         # No health here: NVML may be slow to start (or wedged); the first poll, on the
@@ -171,7 +184,7 @@ class ControlChannel:
             ranks=self.ranks(),
             actor_id=self.actor_id,
         )
-        return ray.get(self.handle.register.remote(message), timeout=REGISTER_TIMEOUT_S)
+        return ray.get(self.handle.register.remote(message), timeout=timeout)
 
     def _register_until_accepted(self) -> bool:
         """On the control thread: register again while the coordinator says "later"."""
@@ -212,7 +225,11 @@ class ControlChannel:
                 )
             except ray.exceptions.GetTimeoutError:
                 continue  # not lost: an order it carried is answered again to the next poll
-            except Exception as exc:  # the coordinator died or became unreachable
+            except ray.exceptions.ActorUnavailableError as exc:  # Ray is restarting it
+                if self._reconnect(f"{type(exc).__name__}: {exc}"):
+                    continue
+                return
+            except Exception as exc:  # the coordinator died for good or became unreachable
                 self._lost(f"{type(exc).__name__}: {exc}")
                 return
             if answer.kind is PollKind.IDLE:
@@ -244,18 +261,59 @@ class ControlChannel:
         except Exception as exc:  # unacknowledged: it may come again, handled once
             logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
 
+    def _reconnect(self, why: str) -> bool:
+        """Register again (same process id, same ranks) with the coordinator Ray restarts.
+
+        Until it answers, ``cycle`` is None: a SIGTERM meanwhile tears this rank down on its
+        own, and ``on_disconnect`` has the peers watched through the group's store.
+        """
+        import ray
+
+        self.cycle, self.state = None, f"reconnecting: {why}"
+        logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
+        self.on_disconnect()
+        give_up = time.monotonic() + self.config.coordinator_reconnect_s
+        while self.alive and not self.done():
+            left = give_up - time.monotonic()
+            if left <= 0:
+                self._lost(f"not back within coordinator_reconnect_s: {why}")
+                return False
+            try:
+                answer = self._send_registration(timeout=min(REGISTER_TIMEOUT_S, left))
+            except ray.exceptions.ActorDiedError as exc:
+                self._lost(f"it will not be restarted: {type(exc).__name__}")
+                return False
+            except Exception:  # still restarting, or a timeout: try again
+                time.sleep(REREGISTER_EVERY_S)
+                continue
+            if answer.accepted:
+                self.cycle, self.state = answer.cycle, "polling"
+                self.reconnects += 1
+                logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
+                if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
+                    self.report_sigterm(self.sigterm_at)
+                return True
+            if not answer.retry:
+                self._lost(f"registration refused: {answer.reason}")
+                return False
+            time.sleep(REREGISTER_EVERY_S)
+        return False
+
     def _lost(self, why: str) -> None:
         self.alive, self.state = False, f"lost: {why}"
         logger.warning(
-            "ray_graceful: coordinator link lost (%s); SIGTERM now tears this rank down on its own",
+            "ray_graceful: coordinator link lost (%s); SIGTERM now tears this rank down on its "
+            "own and releases its peers through the group's store",
             why,
         )
+        self.on_disconnect()
 
     def report_sigterm(self, received_at: float) -> bool:
         """Tell the coordinator this process got SIGTERM; False if it could not be told."""
         import ray
 
-        if not self.alive or self.cycle is None:
+        self.sigterm_at = received_at
+        if not self.connected:
             return False
         try:
             answer: Reply = ray.get(

@@ -26,6 +26,7 @@ from .control import ControlChannel, find_coordinator, gpu_indices
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
+from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .report import write_report_file
 from .signals import current_listener, install_listener, set_claim_check
@@ -129,6 +130,7 @@ class _ProcessRuntime:
     spare_id: str | None = None  # set while this process waits as a spare or standby
     rejoining: threading.Event = field(default_factory=threading.Event)  # warm restart begun
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
+    peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -166,8 +168,8 @@ class _ProcessRuntime:
                 return
             self.sigterm_seen = True
         control = self.control
-        if control is None or not control.alive or self.teardown is not None:
-            self.begin_teardown(trigger=f"signal {signum}")
+        if control is None or not control.connected or self.teardown is not None:
+            self.begin_teardown(trigger=f"signal {signum} (no coordinator reachable)")
             return
         # The wait for an order counts against this rank's deadline: the kernel timer is armed
         # now, so that whatever the wait runs into, the process is gone by then.
@@ -198,7 +200,7 @@ class _ProcessRuntime:
         if self.teardown is None and self.order is None:
             why = (
                 "coordinator unreachable"
-                if not control.alive
+                if not control.connected
                 else (f"no order from the coordinator within {config.order_wait_s}s")
             )
             self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
@@ -329,6 +331,24 @@ class _ProcessRuntime:
             if not reg.release_only
         )
 
+    # --- peers, while no coordinator is reachable (peer_release.py) ---------------------------
+
+    def watch_peers(self) -> None:
+        """Watch the groups' stores for a peer that left alone, while no coordinator answers."""
+        with self.lock:
+            if self.peer_watch is None:
+                self.peer_watch = PeerWatch(
+                    lambda: [r.group for r in list(self.registrations.values())],
+                    lambda why: self.begin_teardown(trigger=f"released by a peer: {why}"),
+                    self._peers_need_watching,
+                )
+        self.peer_watch.start()
+
+    def _peers_need_watching(self) -> bool:
+        control = self.control
+        coordinator_answers = control is not None and control.connected
+        return bool(self.registrations) and self.teardown is None and not coordinator_answers
+
     # --- teardown --------------------------------------------------------------------------
 
     def config_or_default(self) -> GracefulConfig:
@@ -372,8 +392,11 @@ class _ProcessRuntime:
                 exit_process=exit_process,
             )
             self.teardown.report.last_step = self.loop.last_step
-            self.teardown.start()
-            return self.teardown
+            teardown = self.teardown
+        if self.order is None:  # leaving alone: no coordinator tells the peers, so we do
+            announce_leaving([r.group for r in self.registrations.values()], trigger)
+        teardown.start()
+        return teardown
 
     def _own_save_decision(
         self, config: GracefulConfig, deadline: float
@@ -588,6 +611,7 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
     if runtime.control is None or not runtime.control.alive:
         handle = find_coordinator(config)
         if handle is None:
+            runtime.watch_peers()
             return (
                 "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
                 "its own"
@@ -599,8 +623,11 @@ def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
             last_step=lambda: runtime.loop.last_step,
             on_order=runtime.obey,
             done=lambda: runtime.teardown is not None,
+            on_disconnect=runtime.watch_peers,
         )
     status = runtime.control.register()
+    if not runtime.control.connected:
+        runtime.watch_peers()
     if runtime.control.alive:
         try:
             runtime.cloud_poller = ensure_node_poller(config, runtime.control.handle)

@@ -28,6 +28,11 @@ DEADLINE_S = 12.0
 
 @pytest.fixture
 def config(tmp_path):
+    return fault_config(tmp_path)
+
+
+def fault_config(tmp_path) -> GracefulConfig:
+    """What every fault scenario runs under: short intervals, a 12 s deadline."""
     return GracefulConfig(
         report_dir=str(tmp_path / "reports"),
         checkpoint_dir=str(tmp_path / "ckpt"),

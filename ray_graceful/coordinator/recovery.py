@@ -1,0 +1,243 @@
+"""Coming back: what a restarted coordinator reads from disk before its first event.
+
+Ray restarts the coordinator's actor after its process dies (``coordinator_max_restarts``, on
+the driver's node); the new process starts empty. What it needs was written down for it:
+
+- **the cycle count.** Every concluded cycle left ``outcome-cycle-N.json`` in
+  ``report_dir/<job>``: the next cycle is one past the largest, so no outcome is overwritten.
+- **a cycle in flight.** When a cycle's orders go out the shell writes ``inflight-cycle-N.json``
+  (the shards expected, where, since when, the last deadline) and removes it once the outcome is
+  published. One found at start is a cycle that died with its coordinator: once its deadline has
+  passed (every rank of it has saved or given up, and left) it is concluded from the disk. It
+  ends **committed** if every expected shard was saved at one step under ``checkpoint_dir``
+  after the cycle opened - a shard file is renamed into place only once complete and fsynced,
+  so its presence is proof; its size and checksum are read back into the manifest - and
+  otherwise **abandoned**, with what was missing. A memory-tier cycle is abandoned: its holds
+  died with the keepers the coordinator owned.
+- the ranks register again on their own (``worker/control.py``), and a drain under way is seen
+  at the watcher's first poll: neither needs anything here.
+
+Reading and committing touch only the disk; ``conclude_from_disk`` runs on a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..checkpoint import (
+    CheckpointError,
+    ShardRecord,
+    commit,
+    latest_committed,
+    not_plain,
+    scan_checkpoints,
+    shard_file_name,
+    step_dir,
+    sync_and_checksum,
+)
+from ..config import GracefulConfig
+from ..outcome import TerminationOutcome, publish_record
+from ..protocol import Result, shard_key
+from .cycle import Cycle
+
+logger = logging.getLogger(__name__)
+
+_RECORD = re.compile(r"^(outcome|inflight)-cycle-(\d+)\.json$")
+CLOCK_SLACK_S = 2.0  # a shard file written on another node: its clock may lag ours a little
+UNCOMMITTED = "no manifest (not committed)"
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What a restarted coordinator needs to conclude a cycle its predecessor left open."""
+
+    cycle: int
+    job_id: str
+    opened_at: float
+    deadline: float
+    tier: str | None  # "disk", "memory", "ray-train", "abandoned", or None (no checkpoint_dir)
+    root: str | None
+    expected: tuple[str, ...]
+    reason: str = ""  # why the plan itself committed nothing (tier "abandoned")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "expected": list(self.expected)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InFlight:
+        return cls(**{**data, "expected": tuple(data["expected"])})
+
+
+def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
+    """What to write down for ``cycle`` once its orders are out (it has a plan)."""
+    plan = cycle.plan
+    assert plan is not None
+    tier: str | None = "disk" if config.checkpoint_dir else None
+    if plan.abandoned:
+        tier = "abandoned"
+    elif cycle.cooperative:
+        tier = "ray-train"
+    elif config.memory_replicas > 0:
+        tier = "memory"
+    opened = cycle.first_notice_at or cycle.plan_at or time.time()
+    return InFlight(
+        cycle=cycle.number,
+        job_id=job_id,
+        opened_at=opened,
+        deadline=max((o.deadline for o in plan.orders), default=opened),
+        tier=tier,
+        root=config.checkpoint_dir,
+        expected=tuple(shard_key(g, s) for g, s in plan.savers),
+        reason=plan.abandoned or "",
+    )
+
+
+def job_dir(report_dir: str, job_id: str) -> str:
+    return os.path.join(report_dir, job_id or "no-job")
+
+
+def record_in_flight(report_dir: str, cycle: InFlight) -> None:
+    publish_record(report_dir, cycle.job_id, f"inflight-cycle-{cycle.cycle}", cycle.to_dict())
+
+
+def clear_in_flight(report_dir: str, job_id: str, cycle: int) -> None:
+    try:
+        os.remove(os.path.join(job_dir(report_dir, job_id), f"inflight-cycle-{cycle}.json"))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("ray_graceful coordinator: cycle %s record not cleared: %s", cycle, exc)
+
+
+def _records(report_dir: str, job_id: str) -> dict[str, set[int]]:
+    found: dict[str, set[int]] = {"outcome": set(), "inflight": set()}
+    try:
+        names = os.listdir(job_dir(report_dir, job_id))
+    except OSError:
+        return found
+    for name in names:
+        match = _RECORD.match(name)
+        if match:
+            found[match.group(1)].add(int(match.group(2)))
+    return found
+
+
+def next_cycle(report_dir: str, job_id: str) -> int:
+    """One past every cycle this job's coordinators concluded or opened (0 for a new job)."""
+    found = _records(report_dir, job_id)
+    return max(found["outcome"] | found["inflight"], default=-1) + 1
+
+
+def read_outcome(report_dir: str, job_id: str, cycle: int) -> TerminationOutcome | None:
+    """The outcome a previous coordinator of this job published for ``cycle``, if any."""
+    path = os.path.join(job_dir(report_dir, job_id), f"outcome-cycle-{cycle}.json")
+    try:
+        with open(path) as f:
+            return TerminationOutcome.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.error("ray_graceful coordinator: unreadable outcome %s: %s", path, exc)
+        return None
+
+
+def left_open(report_dir: str, job_id: str) -> list[InFlight]:
+    """The cycles a previous coordinator of this job opened and never concluded."""
+    found = _records(report_dir, job_id)
+    open_cycles = []
+    for number in sorted(found["inflight"] - found["outcome"]):
+        path = os.path.join(job_dir(report_dir, job_id), f"inflight-cycle-{number}.json")
+        try:
+            with open(path) as f:
+                open_cycles.append(InFlight.from_dict(json.load(f)))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
+    return open_cycles
+
+
+def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:
+    """The outcome of a cycle whose coordinator died: committed from the disk, or abandoned."""
+    lead = f"the coordinator restarted during cycle {cycle.cycle}"
+    committed = None
+    if cycle.tier == "abandoned":
+        result, reason = Result.ABANDONED, cycle.reason
+    elif cycle.tier == "ray-train":
+        result, reason = Result.RAY_TRAIN, f"{lead}; the savers reported to Ray Train"
+    elif cycle.tier == "memory":
+        result, reason = (
+            Result.ABANDONED,
+            f"{lead}: its shards were held in memory by keepers that ended with the coordinator",
+        )
+    elif cycle.tier is None or cycle.root is None:
+        result, reason = Result.NO_CHECKPOINT, f"{lead}; no checkpoint_dir is configured"
+    else:
+        step, why = _complete_step(cycle)
+        if step is None:
+            result, reason = Result.ABANDONED, f"{lead}: {why}"
+        else:
+            try:
+                records = [_read_back(cycle.root, step, shard) for shard in cycle.expected]
+                path = commit(
+                    cycle.root,
+                    step,
+                    list(cycle.expected),
+                    records,
+                    cycle=cycle.cycle,
+                    extra={"job_id": cycle.job_id, "recovered_by_restarted_coordinator": True},
+                )
+                result, committed = Result.COMMITTED, {"step": step, "path": os.path.dirname(path)}
+                reason = f"{lead}: every shard was on disk at step {step}; committed from there"
+            except (CheckpointError, OSError) as exc:
+                result, reason = Result.ABANDONED, f"{lead}: {exc}"
+    latest = latest_committed(cycle.root) if cycle.root else None
+    return TerminationOutcome(
+        cycle=cycle.cycle,
+        job_id=cycle.job_id,
+        result=result,
+        plan={"expected": list(cycle.expected), "tier": cycle.tier},
+        missing=["every report: they went to the coordinator that died"],
+        committed=committed,
+        resume_from={"step": latest.step, "path": latest.path} if latest else None,
+        reason=reason,
+        timings={"outcome": time.time() - cycle.opened_at},
+    )
+
+
+def _complete_step(cycle: InFlight) -> tuple[int | None, str]:
+    """The newest uncommitted step holding every expected shard, written since the cycle began."""
+    assert cycle.root is not None
+    since = cycle.opened_at - CLOCK_SLACK_S
+    best_missing: list[str] | None = None
+    for step, directory, _checkpoint, why in scan_checkpoints(cycle.root, verify_checksums=False):
+        if why != UNCOMMITTED:
+            continue
+        missing = [
+            shard
+            for shard in cycle.expected
+            if not _fresh(os.path.join(directory, shard_file_name(shard)), since)
+        ]
+        if not missing:
+            return step, ""
+        if best_missing is None or len(missing) < len(best_missing):
+            best_missing = missing
+    if best_missing is None:
+        return None, "no shard of it was saved after the cycle began"
+    return None, f"shards {best_missing} were never saved at one step with the others"
+
+
+def _fresh(path: str, since: float) -> bool:
+    try:
+        return not_plain(path) is None and os.lstat(path).st_mtime >= since
+    except OSError:
+        return False
+
+
+def _read_back(root: str, step: int, shard: str) -> ShardRecord:
+    name = shard_file_name(shard)
+    size, crc = sync_and_checksum(os.path.join(step_dir(root, step), name))
+    return ShardRecord(shard, step, name, size, crc)

@@ -1,0 +1,167 @@
+"""The coordinator's own loss: its process SIGKILLed (an OOM kill, a segfault) at four points.
+
+Ray restarts it (``coordinator_max_restarts``); the ranks register with the new one on their
+own, and a cycle the old one left open is concluded from the disk - committed only if every
+shard was saved at one step, else abandoned with the reason. With no restart left, a rank that
+gets SIGTERM releases its peers through the process group's store, and they leave too. Same
+four gloo ranks (two shards, two replicas each) as ``test_faults.py``; same bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from ray_graceful import latest_committed
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.protocol import Result
+from tests.faults.test_faults import (
+    DEADLINE_S,
+    checkpoint_state,
+    fault_config,
+    seed_committed,
+    settle,
+    start,
+)
+from tests.helpers import kill_actors, report_for, wait_for
+
+
+@pytest.fixture
+def config(tmp_path):
+    return fault_config(tmp_path)
+
+
+@pytest.fixture
+def coordinator(ray_cluster, config):
+    coord = Coordinator.start(config)
+    yield coord
+    coord.shutdown()
+
+
+def kill_coordinator(coordinator) -> int:
+    """SIGKILL the coordinator's process (not ray.kill: Ray restarts it as after a crash)."""
+    pid = coordinator.stats()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def restarted_with_ranks(coordinator, old_pid: int, ranks: int = 4) -> bool:
+    try:
+        stats, status = coordinator.stats(timeout=3), coordinator.status(timeout=3)
+    except Exception:
+        return False  # still restarting
+    return stats["pid"] != old_pid and status["restarted"] and len(status["ranks"]) == ranks
+
+
+def shard_files(config) -> list[str]:
+    root = config.checkpoint_dir
+    return [
+        name
+        for base, _dirs, files in os.walk(root)
+        for name in files
+        if name.startswith("shard-") and "step-00000001" not in base
+    ]
+
+
+def record(fault_log, exit_recorder, name, config, outcome, pids, ranks):
+    """Every rank out by its deadline, and the checkpoint as the outcome says (or untouched)."""
+    released, hangs = settle(exit_recorder, pids)
+    state = checkpoint_state(outcome, config) if outcome is not None else "n/a"
+    fault_log.record(name, len(pids), released, hangs, state, pids)
+    kill_actors(*ranks)
+    assert hangs == 0, f"{hangs} rank(s) still alive past their deadline"
+    return released
+
+
+def test_killed_before_a_notice(rep, fault_log, config, coordinator, exit_recorder):
+    """The ranks register again within seconds, and the next eviction is handled as ever."""
+    ranks, pids = start(config, exit_recorder)
+    old = kill_coordinator(coordinator)
+    killed_at = time.monotonic()
+    wait_for(lambda: restarted_with_ranks(coordinator, old), 30, "the ranks to register again")
+    back_in = time.monotonic() - killed_at
+    os.kill(pids[1], signal.SIGTERM)
+    outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
+    assert outcome is not None and outcome.result == Result.COMMITTED, outcome
+    record(
+        fault_log, exit_recorder, "coordinator killed before a notice", config, outcome, pids, ranks
+    )
+    assert back_in < 10, f"the ranks took {back_in:.1f}s to register again"
+
+
+def test_killed_while_gathering(rep, fault_log, config, coordinator, exit_recorder):
+    """The SIGTERM reached the old coordinator only: the rank tells the new one, or leaves
+    alone and releases its peers; either way every rank is out and nothing torn is kept."""
+    ranks, pids = start(config, exit_recorder)
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(lambda: coordinator.status()["phase"] == "gathering", 10, "the gathering")
+    kill_coordinator(coordinator)
+    outcome = None
+    try:
+        outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
+    except Exception:
+        pass  # no outcome if the rank left alone before the new coordinator heard of it
+    record(
+        fault_log, exit_recorder, "coordinator killed while gathering", config, outcome, pids, ranks
+    )
+
+
+def test_killed_during_teardown(rep, fault_log, config, coordinator, exit_recorder, tmp_path):
+    """Killed while the savers save: the new coordinator commits the cycle from the disk."""
+    seed_committed(config)
+    slow = {i: 2.0 for i in range(4)}
+    ranks, pids = start(config, exit_recorder, save_seconds=slow)
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
+    kill_coordinator(coordinator)
+    assert not shard_files(config), "the kill must land before the saves end"
+    outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 20, cycle=0)
+    assert outcome is not None, "the restarted coordinator concluded nothing"
+    assert outcome.result == Result.COMMITTED, outcome.summary()
+    assert "restarted" in outcome.reason
+    record(
+        fault_log, exit_recorder, "coordinator killed during teardown", config, outcome, pids, ranks
+    )
+
+
+def test_killed_between_last_save_and_commit(rep, fault_log, config, coordinator, exit_recorder):
+    """Frozen before the reports land, killed once every shard is on disk: committed from it."""
+    seed_committed(config)
+    ranks, pids = start(config, exit_recorder, save_seconds={i: 1.0 for i in range(4)})
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
+    pid = coordinator.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)  # no report can land, no manifest be written
+    try:
+        wait_for(lambda: len(shard_files(config)) == 2, DEADLINE_S, "both shards on disk")
+        assert latest_committed(config.checkpoint_dir).step == 1, "nothing new committed yet"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 20, cycle=0)
+    assert outcome is not None and outcome.result == Result.COMMITTED, outcome
+    assert latest_committed(config.checkpoint_dir).step == outcome.committed["step"] > 1
+    name = "coordinator killed between last save and commit"
+    record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
+
+
+def test_gone_for_good_one_sigterm_releases_every_peer(
+    rep, fault_log, ray_cluster, config, exit_recorder
+):
+    """The issue's run: no restart left, one rank SIGTERMed 6 s later - every peer leaves too."""
+    coord = Coordinator.start(dataclasses.replace(config, coordinator_max_restarts=0))
+    try:
+        ranks, pids = start(config, exit_recorder)
+        kill_coordinator(coord)
+        time.sleep(2)  # the scenario: the ranks have seen the coordinator go before the SIGTERM
+        os.kill(pids[1], signal.SIGTERM)
+        name = "coordinator gone for good, SIGTERM to one rank"
+        record(fault_log, exit_recorder, name, config, None, pids, ranks)
+        for pid in pids[:1] + pids[2:]:
+            report = wait_for(lambda p=pid: report_for(config.report_dir, p), 5, "a report")
+            assert report["trigger"].startswith("released by a peer"), report["trigger"]
+    finally:
+        kill_actors(coord.handle)
