@@ -174,7 +174,16 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     and Ray records the exit as intended (its own kill of the actor), not as a worker crash."""
     config = GracefulConfig(report_dir=str(tmp_path / "r"), exit_grace_s=8.0)
     Actor = ray.remote(actors.GracefulTrainer)
-    ranks, pids, _ = start_group(Actor, exit_recorder, config)
+    port, opts = free_port(), {"num_cpus": 0, "runtime_env": exit_recorder.runtime_env()}
+    ranks = [Actor.options(**opts).remote() for _ in range(WORLD)]
+    # Only rank 0 uses the plugin: peers that did would see it leave through the group's store
+    # and leave too, which would end the collective this test needs to stay stuck.
+    ray.get(
+        [ranks[0].setup.remote(0, WORLD, "127.0.0.1", port, config)]
+        + [r.init.remote(i, WORLD, "127.0.0.1", port) for i, r in enumerate(ranks) if i],
+        timeout=120,
+    )
+    pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     ray.get([r.make_extra_group.remote() for r in ranks], timeout=60)
     blocked = [r.all_reduce_on_extra_group.remote() for r in ranks[:-1]]  # the last never joins
     time.sleep(1.0)
