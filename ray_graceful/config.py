@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from . import config_values as allowed
+from .config_values import HEALTH_PROBES, MAX_SECONDS  # noqa: F401 (part of this API)
 from .notices import short
 
 ENV_PREFIX = "RAY_GRACEFUL_"
@@ -43,15 +44,10 @@ RAY_OWN_VARIABLES = frozenset(
 )
 RAY_OWN_PREFIX = "RAY_GRACEFUL_SHUTDOWN_"
 
-# The longest duration any setting may have: a day. Longer is a unit mistake (ms for s).
-MAX_SECONDS = 86_400.0
-
 # NVIDIA's XID catalog, as mirrored by public GPU-health tools (see docs/health.md).
 DEFAULT_FATAL_XIDS = (46, 48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 143)
 DEFAULT_DEGRADED_XIDS = (63, 92, 94)
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
-
-HEALTH_PROBES = ("auto", "nvml", "none", "scripted")
 
 
 class ConfigError(ValueError):
@@ -62,89 +58,6 @@ def _default_report_dir() -> str:
     # Not "<tmp>/ray_graceful": a folder named like the package shadows it for any script run
     # from the temp dir with an editable install.
     return os.path.join(tempfile.gettempdir(), "ray-graceful-reports")
-
-
-# --- checks: each returns None when the value is fine, else a description of what is allowed.
-
-
-def _between(low: float, high: float, low_open: bool = True) -> Callable[[Any], str | None]:
-    """A check for a number of seconds in (low, high] (or [low, high] with low_open=False)."""
-    sign = ">" if low_open else ">="
-
-    def check(value: Any) -> str | None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        above = ok and math.isfinite(value) and (value > low if low_open else value >= low)
-        if above and value <= high:
-            return None
-        return f"a number of seconds {sign} {low:g} and <= {high:g}"
-
-    return check
-
-
-_seconds = _between(0.0, MAX_SECONDS)
-_seconds_or_zero = _between(0.0, MAX_SECONDS, low_open=False)
-
-
-def _exit_code(value: Any) -> str | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255:
-        return None
-    return "an integer from 0 to 255"
-
-
-def _boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else "true or false"
-
-
-def _name(value: Any) -> str | None:
-    if isinstance(value, str) and value.strip() and value == value.strip():
-        return None
-    return "a non-empty name without surrounding spaces"
-
-
-def _optional_name(value: Any) -> str | None:
-    return None if value == "" else _name(value)
-
-
-def _path(value: Any) -> str | None:
-    if isinstance(value, str) and value.strip() and value == value.strip() and "\0" not in value:
-        return None
-    return "a non-empty path without surrounding spaces"
-
-
-def _optional_path(value: Any) -> str | None:
-    return None if value is None else _path(value)
-
-
-def _xids(value: Any) -> str | None:
-    if isinstance(value, tuple) and all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 < x < 65536 for x in value
-    ):
-        return None
-    return "a tuple of XID numbers from 1 to 65535 (in the environment: '48,79,95')"
-
-
-def _probe(value: Any) -> str | None:
-    if value in HEALTH_PROBES:
-        return None
-    return "one of " + ", ".join(repr(p) for p in HEALTH_PROBES)
-
-
-def _cloud(value: Any) -> str | None:
-    allowed = ("off", "auto", "aws", "gce", "azure")
-    return None if value in allowed else "one of " + ", ".join(repr(a) for a in allowed)
-
-
-def _train_shards(value: Any) -> str | None:
-    return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
-
-
-def _count(low: int, high: int, what: str) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-            return None
-        return f"{what}: an integer from {low} to {high}"
-
-    return check
 
 
 def _setting(default: Any, check: Callable[[Any], str | None], doc: str, **kw: Any) -> Any:
@@ -159,84 +72,84 @@ class GracefulConfig:
 
     teardown_timeout_s: float = _setting(
         25.0,
-        _seconds,
+        allowed.seconds,
         "Deadline for a rank's teardown, counted from the notice, when the notice carries no "
         "deadline of its own (a SIGTERM). Fits Kubernetes' default 30 s grace period.",
     )
     watchdog_margin_s: float = _setting(
         1.0,
-        _seconds,
+        allowed.seconds,
         "The watchdog hard-exits the process this long before the deadline, whatever the "
         "teardown is doing.",
     )
     save_budget_s: float = _setting(
         15.0,
-        _seconds,
+        allowed.seconds,
         "The most time a rank's emergency checkpoint may take; a save still running then is "
         "abandoned and never marked complete.",
     )
     cuda_sync_timeout_s: float = _setting(
         5.0,
-        _seconds,
+        allowed.seconds,
         "Bound on torch.cuda.synchronize() during teardown (runs on a helper thread; a wedged "
         "device does not hold the rank).",
     )
     destroy_timeout_s: float = _setting(
         2.0,
-        _seconds,
+        allowed.seconds,
         "Bound on destroy_process_group() during teardown (runs on a helper thread).",
     )
     exit_grace_s: float = _setting(
         2.0,
-        _between(0.0, 60.0),
+        allowed.between(0.0, 60.0),
         "How long Ray's intended-exit path may take (it waits for the actor's running task to "
         "return) before Ray is asked to kill the actor (still an intended exit, status 1).",
     )
     exit_code: int = _setting(
         0,
-        _exit_code,
+        allowed.exit_code,
         "Exit status of a hard exit (watchdog, second signal, Ray's exit path not taken). "
         "Ray's intended-exit path always ends with 0.",
     )
     order_wait_s: float = _setting(
         2.0,
-        _between(0.0, 60.0),
+        allowed.between(0.0, 60.0),
         "After reporting a SIGTERM to the coordinator, how long a rank waits for its order "
         "before tearing itself down on its own.",
     )
     strict: bool = _setting(
         False,
-        _boolean,
+        allowed.boolean,
         "Make graceful_setup raise instead of warn when the SIGTERM listener cannot be "
         "installed (not on the main thread, and neither __init__ nor the setup hook did it).",
     )
     checkpoint_dir: str | None = _setting(
         None,
-        _optional_path,
+        allowed.optional_path,
         "Directory for emergency checkpoints; unset means no rank saves one.",
     )
     report_dir: str = _setting(
         None,
-        _path,
+        allowed.path,
         "Directory where each rank writes its TeardownReport as JSON.",
         default_factory=_default_report_dir,
     )
     coordinator_name: str = _setting(
         "",
-        _optional_name,
+        allowed.optional_name,
         "Name of the coordinator actor. Empty (the default): one coordinator per Ray job, named "
         "after the job, so one job's notices can never stop another's ranks. A name shares one "
         "coordinator between the jobs that give it (they must trust each other).",
     )
     coordinator_namespace: str = _setting(
         "ray_graceful",
-        _name,
+        allowed.name,
         "Ray namespace of the coordinator actor: fixed, so workers of any job and the CLI "
         "(ray-graceful notify) find it without knowing the job's namespace.",
     )
     coordinator_max_restarts: int = _setting(
         3,
-        _count(0, 100, "a number of restarts"),
+        allowed.count(0, 100, "a number of restarts"),
         "How often Ray restarts the coordinator actor after its process dies (an OOM kill, a "
         "segfault), on the driver's node. The restarted coordinator reads the cycle count and "
         "any cycle in flight back from report_dir and checkpoint_dir, and the ranks register "
@@ -244,14 +157,14 @@ class GracefulConfig:
     )
     coordinator_reconnect_s: float = _setting(
         30.0,
-        _between(0.0, 600.0),
+        allowed.between(0.0, 600.0),
         "How long a rank's control channel keeps registering again with a coordinator that Ray "
         "is restarting. While no coordinator is reachable, a rank that tears itself down "
         "releases its peers through the process group's store.",
     )
     notice_gather_s: float = _setting(
         0.2,
-        _between(0.0, 10.0, low_open=False),
+        allowed.between(0.0, 10.0, low_open=False),
         "After the first notice of a cycle, the longest the coordinator gathers further "
         "notices (a drain and a fault together, a SIGTERM to every rank) before it plans; "
         "while every notice is a SIGTERM it plans as soon as every process on the nodes they "
@@ -259,120 +172,122 @@ class GracefulConfig:
     )
     drain_poll_interval_s: float = _setting(
         0.25,
-        _between(0.05, 60.0, low_open=False),
+        allowed.between(0.05, 60.0, low_open=False),
         "How often the coordinator polls Ray's drain state (the notice that carries a node's "
         "deadline); one poll costs the GCS about 0.26 ms of CPU (docs/benchmarks.md).",
     )
     health_interval_s: float = _setting(
         5.0,
-        _between(0.1, 300.0, low_open=False),
+        allowed.between(0.1, 300.0, low_open=False),
         "How often each worker checks its GPUs' health and renews its long poll to the "
         "coordinator (so a FAULTY verdict becomes a notice within this time).",
     )
     quiesce_timeout_s: float = _setting(
         2.0,
-        _seconds,
+        allowed.seconds,
         "How long the teardown waits for the training thread to reach its step boundary "
         "(parked in should_stop(step)) or leave its loop; a thread inside a collective is "
         "released first, then waited for as long again. A save never starts mid-step.",
     )
     expected_save_s: float = _setting(
         5.0,
-        _seconds,
+        allowed.seconds,
         "The planner's estimate of one shard's emergency save time until a save was measured.",
     )
     plan_margin_s: float = _setting(
         1.0,
-        _seconds_or_zero,
+        allowed.seconds_or_zero,
         "Slack the planner keeps between a saver's expected finish and its deadline.",
     )
     health_probe: str = _setting(
         "auto",
-        _probe,
+        allowed.probe,
         "GPU health source: 'auto' (NVML where present, else UNKNOWN), 'nvml', 'none', or "
         "'scripted' (reads faults from health_script_path; tests and the demo only).",
     )
     health_script_path: str | None = _setting(
         None,
-        _optional_path,
+        allowed.optional_path,
         "File the scripted probe reads injected faults from (health_probe='scripted').",
     )
     fatal_xids: tuple[int, ...] = _setting(
-        DEFAULT_FATAL_XIDS, _xids, "XIDs that make a GPU FAULTY (its ranks never save)."
+        DEFAULT_FATAL_XIDS, allowed.xids, "XIDs that make a GPU FAULTY (its ranks never save)."
     )
     degraded_xids: tuple[int, ...] = _setting(
-        DEFAULT_DEGRADED_XIDS, _xids, "XIDs that make a GPU DEGRADED (it may save, last choice)."
+        DEFAULT_DEGRADED_XIDS,
+        allowed.xids,
+        "XIDs that make a GPU DEGRADED (it may save, last choice).",
     )
     ignored_xids: tuple[int, ...] = _setting(
-        DEFAULT_IGNORED_XIDS, _xids, "XIDs caused by applications, not hardware; ignored."
+        DEFAULT_IGNORED_XIDS, allowed.xids, "XIDs caused by applications, not hardware; ignored."
     )
     train_shards: str = _setting(
         "per_rank",
-        _train_shards,
+        allowed.train_shards,
         "Ray Train callback: 'per_rank' (every rank holds its own state: FSDP, sharded) or "
         "'replicated' (every rank holds the same state: DDP; one rank saves).",
     )
     nologin_path: str = _setting(
         "/run/nologin",
-        _path,
+        allowed.path,
         "Marker file whose presence means the host is shutting down (its ranks skip saving).",
     )
     cloud_notices: str = _setting(
         "off",
-        _cloud,
+        allowed.cloud,
         "Read the cloud's own eviction notices from the instance metadata service, one poller "
         "per node: 'auto' (detect AWS, GCE or Azure; silent elsewhere), 'aws', 'gce', 'azure', "
         "or 'off'. Off by default: it makes HTTP requests to the metadata address.",
     )
     cloud_metadata_url: str | None = _setting(
         None,
-        _optional_path,
+        allowed.optional_path,
         "Base URL of the metadata service (default: each cloud's documented address); a "
         "stand-in server's address in tests.",
     )
     cloud_poll_interval_s: float = _setting(
         5.0,
-        _between(0.1, 300.0, low_open=False),
+        allowed.between(0.1, 300.0, low_open=False),
         "How often the node's poller reads the metadata service (AWS recommends 5 s).",
     )
     cloud_drain: bool = _setting(
         False,
-        _boolean,
+        allowed.boolean,
         "Also ask Ray to drain the node with the cloud's deadline, so Ray's autoscaler and Ray "
         "Train's own preemption handling see the same event.",
     )
 
     memory_replicas: int = _setting(
         0,
-        _count(0, 8, "a number of nodes"),
+        allowed.count(0, 8, "a number of nodes"),
         "Memory tier: how many nodes that are not being evicted hold each shard of an "
         "emergency checkpoint in memory (a keeper actor per node), persisted to checkpoint_dir "
         "in the background. 0: no memory tier, saves go to checkpoint_dir as before.",
     )
     memory_budget_mb: int = _setting(
         8192,
-        _count(1, 1 << 24, "megabytes"),
+        allowed.count(1, 1 << 24, "megabytes"),
         "Memory tier: the most one node's keeper holds; a shard that does not fit is saved to "
         "checkpoint_dir instead, and the outcome says so.",
     )
 
     warm_restart: bool = _setting(
         False,
-        _boolean,
+        allowed.boolean,
         "Hand-built groups: at an eviction the surviving ranks keep their processes (and "
         "model, optimizer, CUDA context), spares take the evicted slots, and the group is "
         "re-formed in place (docs/worker.md, 'Warm restart'). Off: every rank leaves.",
     )
     min_world_size: int = _setting(
         0,
-        _count(0, 1 << 24, "a number of ranks"),
+        allowed.count(0, 1 << 24, "a number of ranks"),
         "Warm restart: the fewest ranks a group may continue with when no spare is free for an "
         "evicted slot (only where every shard keeps a holder). 0: the group keeps its size, or "
         "every rank leaves.",
     )
     rejoin_timeout_s: float = _setting(
         30.0,
-        _seconds,
+        allowed.seconds,
         "Warm restart: how long a member waits for the next cycle's group to form (and for "
         "the driver to call it back) before it leaves cleanly instead.",
     )

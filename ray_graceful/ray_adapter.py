@@ -112,6 +112,13 @@ def actor_was_restarted() -> bool:
         return False
 
 
+def call_self(method: str) -> None:
+    """From an actor's ``__init__``: queue a call of its own ``method`` (runs right after)."""
+    import ray
+
+    getattr(ray.get_runtime_context().current_actor, method).remote()
+
+
 # --- the actor table -------------------------------------------------------------------------
 
 

@@ -300,7 +300,7 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     coord = run(scenario())
     assert coord.machine.cycle.number == 3
     assert coord.machine.registry.processes == {} and coord.machine.registry.ranks == {}
-    assert sorted(coord.outcomes) == [0, 1, 2]
+    assert sorted(coord.outcomes.outcomes) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("saver_fate", ["failed", "saved", "died", "silent"])

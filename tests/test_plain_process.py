@@ -58,6 +58,26 @@ def test_blocked_plain_rank_exits_with_configured_code(tmp_path):
             proc.wait()
 
 
+def test_a_rank_leaving_alone_releases_its_peer_through_the_store(tmp_path):
+    """No coordinator: rank 0, SIGTERMed inside a collective, tears itself down and tells the
+    group through its store; rank 1, idle and never in that collective, leaves too rather
+    than staying behind with a group it can never use again."""
+    port = free_port()
+    ranks = [_spawn(r, 2, port, str(tmp_path), "leave-together") for r in range(2)]
+    try:
+        for proc in ranks:
+            _read_json_line(proc, "ready")
+        ranks[0].send_signal(signal.SIGTERM)
+        assert ranks[0].wait(timeout=10) == 7
+        assert ranks[1].wait(timeout=10) == 7, "the peer stayed behind"
+        report = wait_for(lambda: report_for(str(tmp_path), ranks[1].pid), 5, "its report")
+        assert report["trigger"].startswith("released by a peer"), report["trigger"]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+
+
 def test_signal_to_a_child_in_its_first_instant_does_not_reach_the_parent(tmp_path):
     """A child signalled before its at-fork hooks ran must not wake the parent's listener."""
     proc = _spawn(0, 1, free_port(), str(tmp_path), "fork-race")

@@ -30,6 +30,7 @@ class SilentControl:
     """A control channel whose coordinator takes the SIGTERM report and never orders."""
 
     alive = True
+    connected = True
 
     def __init__(self) -> None:
         import threading

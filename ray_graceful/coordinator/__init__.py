@@ -11,6 +11,9 @@
 - ``watch.py``      Ray's drain state and lost ranks, polled from injected sources
 - ``memory.py``     the memory tier: keepers (from an injected factory), hand-on, durable copy
 - ``backups.py``    backup savers waiting on their saver's fate
+- ``outcomes.py``   outcomes published once, waited on, read back after a restart
+- ``recovery.py``   coming back after Ray restarted it: the cycle count and a cycle left in
+                    flight, read from disk (committed from the shards there, or abandoned)
 - ``handle.py``     the driver's handle: ``Coordinator.start``/``connect``/``notify``/...
 """
 

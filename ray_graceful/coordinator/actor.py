@@ -34,7 +34,7 @@ from .. import ray_adapter
 from ..config import GracefulConfig
 from ..memory.keeper import start_keeper
 from ..notices import EvictionNotice, NoticeError, short
-from ..outcome import OutcomeMetrics, TerminationOutcome, publish_record
+from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
     PollAnswer,
@@ -58,6 +58,7 @@ from .backups import BackupTurns
 from .conclusion import carry_out
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
+from .outcomes import OutcomeBoard
 from .registry import poll_timeout
 from .spares import SparePool
 from .warm import StoreFactory, WarmRestarts
@@ -67,7 +68,6 @@ logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
-KEEP_OUTCOMES = 16  # concluded cycles whose outcome wait_outcome() can still return
 
 
 class CoordinatorActor:
@@ -89,8 +89,7 @@ class CoordinatorActor:
     ) -> None:
         self.config = config
         self.job_id = job_id
-        # Restarted by Ray after our process died: carry on from what the last one wrote down.
-        self.restarted = ray_adapter.actor_was_restarted()
+        self.restarted = ray_adapter.actor_was_restarted()  # our process died; Ray started us
         first_cycle = recovery.next_cycle(config.report_dir, job_id) if self.restarted else 0
         self.left_open = recovery.left_open(config.report_dir, job_id) if self.restarted else []
         self.warm = WarmRestarts(config, store_factory or host_store)
@@ -109,9 +108,7 @@ class CoordinatorActor:
             config, job_id, self.warm, self.spares, self.memory, first_cycle=first_cycle
         )
         if self.restarted:  # nobody may call us for a while: call ourselves, to _wake()
-            import ray
-
-            ray.get_runtime_context().current_actor.ping.remote()
+            ray_adapter.call_self("ping")
         self.watcher = Watcher(
             drain_source or ray_adapter.draining_nodes,
             lost_source or ray_adapter.dead_actors,
@@ -124,20 +121,19 @@ class CoordinatorActor:
         self.spare_polls: dict[str, asyncio.Future] = {}
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
         self.cycle_tasks: set[asyncio.Task] = set()
-        self.outcomes: dict[int, TerminationOutcome] = {}
-        self.outcome_events: dict[int, asyncio.Event] = {}
-        try:
-            self.metrics: OutcomeMetrics | None = OutcomeMetrics()
-        except Exception:  # metrics are a courtesy (and need Ray); it works without them
-            self.metrics = None
+        self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
 
     def _wake(self) -> None:
         """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
         self.watcher.ensure_running()
         while self.left_open:
-            task = asyncio.get_running_loop().create_task(self._conclude_left(self.left_open.pop()))
-            self.cycle_tasks.add(task)
-            task.add_done_callback(self.cycle_tasks.discard)
+            self._spawn(self._conclude_left(self.left_open.pop()))
+
+    def _spawn(self, work: Any) -> None:
+        """A cycle's own task on the event loop, held until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.cycle_tasks.add(task)
+        task.add_done_callback(self.cycle_tasks.discard)
 
     async def _conclude_left(self, cycle: recovery.InFlight) -> None:
         """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
@@ -176,9 +172,7 @@ class CoordinatorActor:
                 if future is not None and not future.done():
                     future.set_result(answer)
             case ev.CycleOpened(cycle):
-                task = asyncio.get_running_loop().create_task(self._run_cycle(cycle))
-                self.cycle_tasks.add(task)
-                task.add_done_callback(self.cycle_tasks.discard)
+                self._spawn(self._run_cycle(cycle))
             case ev.Gathered(cycle):
                 self._event(cycle, "gathered").set()
             case ev.AllReported(cycle):
@@ -195,11 +189,9 @@ class CoordinatorActor:
                     future.set_result(None)
             case ev.Rejected(summary, reason):
                 logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
-                if self.metrics is not None:
-                    self.metrics.rejected.inc()
+                self.outcomes.count_rejected()
             case ev.NoticeAccepted(source):
-                if self.metrics is not None:
-                    self.metrics.notices.inc(tags={"source": source})
+                self.outcomes.count_notice(source)
             case ev.Concluded():
                 self._publish(decision)
             case _:
@@ -298,24 +290,9 @@ class CoordinatorActor:
             self.backups.forget_before(cycle + 1)
 
     def _publish(self, concluded: ev.Concluded) -> None:
-        """The outcome: its file and log line, metrics, and the wait for it ends."""
-        outcome = concluded.outcome
-        try:
-            outcome.publish(self.config.report_dir)
-        except Exception:
-            logger.exception("ray_graceful coordinator: could not publish the outcome")
-        if self.metrics is not None:
-            try:
-                self.metrics.record(outcome)
-            except Exception:
-                logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
-        recovery.clear_in_flight(self.config.report_dir, self.job_id, outcome.cycle)
-        self.outcomes[outcome.cycle] = outcome
-        self.outcome_events.setdefault(outcome.cycle, asyncio.Event()).set()
-        self.memory.after_commit(outcome.cycle, concluded.memory)
-        for old in [c for c in self.outcomes if c < outcome.cycle - KEEP_OUTCOMES]:
-            del self.outcomes[old]  # each holds every rank's report: keep the recent ones
-            self.outcome_events.pop(old, None)
+        """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
+        self.outcomes.publish(concluded.outcome)
+        self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
 
     async def _rejoin_done(self, cycle: int) -> None:
         """Until the warm restart out of ``cycle`` (if any) heard from every member."""
@@ -431,7 +408,7 @@ class CoordinatorActor:
 
     async def status(self) -> dict[str, Any]:
         self._wake()
-        last = self.outcomes.get(self.machine.cycle.number - 1)
+        last = self.outcomes.outcomes.get(self.machine.cycle.number - 1)
         return {
             **self.machine.describe(),
             "restarted": self.restarted,
@@ -446,21 +423,11 @@ class CoordinatorActor:
         otherwise the last concluded one (a driver asking right after an eviction wants that
         eviction's outcome, not the next one's).
         """
+        latest = self.outcomes.latest()
         if cycle is None:
-            in_flight = self.machine.cycle.tearing_down or not self.outcomes
-            cycle = self.machine.cycle.number if in_flight else max(self.outcomes)
-        if cycle in self.outcomes:
-            return self.outcomes[cycle]
-        if self.restarted and cycle < self.machine.cycle.number:  # concluded by a predecessor?
-            found = recovery.read_outcome(self.config.report_dir, self.job_id, cycle)
-            if found is not None:
-                return found
-        event = self.outcome_events.setdefault(cycle, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout=timeout)
-        except asyncio.TimeoutError:
-            return None
-        return self.outcomes[cycle]
+            in_flight = self.machine.cycle.tearing_down or latest is None
+            cycle = self.machine.cycle.number if in_flight or latest is None else latest
+        return await self.outcomes.wait(cycle, timeout)
 
     async def stats(self) -> dict[str, Any]:
         """Diagnostics: cheap counters (the fan-out harness reads them while polls wait)."""

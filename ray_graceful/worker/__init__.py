@@ -6,7 +6,11 @@
 - ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step;
                        ``leaving.py`` how a survivor leaves after all
 - ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
-- ``control.py``       the transport to the coordinator (register, long poll, ack, report)
+- ``control.py``       the transport to the coordinator (register, long poll, ack, report;
+                       registering again with a coordinator Ray restarted)
+- ``peer_release.py``  without a reachable coordinator: a rank leaving alone tells its peers
+                       through the group's store, and they leave too
+- ``setup_status.py``  what ``graceful_setup`` installed (``SetupStatus``)
 - ``training_loop.py`` where the training thread is, and the step a save holds (parking)
 - ``teardown.py``      the ordered, guarded, timed steps that end a rank
 - ``process_groups.py``, ``gloo.py``  releasing peers without a collective (abort / shutdown)
@@ -19,8 +23,6 @@
 from .mixin import GracefulWorkerMixin
 from .rejoin import rejoin
 from .runtime import (
-    GracefulSetupWarning,
-    SetupStatus,
     _process_runtime,
     add_process_group,
     after_init_process_group,
@@ -28,6 +30,7 @@ from .runtime import (
     should_stop,
     teardown_now,
 )
+from .setup_status import GracefulSetupWarning, SetupStatus
 
 __all__ = [
     "GracefulSetupWarning",

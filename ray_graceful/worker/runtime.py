@@ -29,43 +29,12 @@ from .leaving import leave_unless_rejoined
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError, resolve_group
 from .report import write_report_file
+from .setup_status import GracefulSetupWarning, SetupStatus
 from .signals import current_listener, install_listener, set_claim_check
 from .teardown import SaveOrder, Teardown
 from .training_loop import TrainingLoop
 
 Saver = Callable[[str, int], "tuple[int, int] | None"]
-
-
-class GracefulSetupWarning(RuntimeWarning):
-    """graceful_setup could not install everything; the message names the fix."""
-
-
-@dataclass(frozen=True)
-class SetupStatus:
-    """What ``graceful_setup`` installed for one rank, and why."""
-
-    group: str
-    rank: int
-    world_size: int
-    backends: tuple[str, ...]
-    rank_source: str
-    shard: str
-    can_save: bool
-    listener_installed: bool
-    listener: str
-    control: str
-    notes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        lines = [
-            f"ray_graceful: group {self.group!r} rank {self.rank}/{self.world_size} "
-            f"({', '.join(self.backends) or '?'}; from {self.rank_source})",
-            f"  shard: {self.shard!r}; emergency save: {'yes' if self.can_save else 'no saver'}",
-            f"  SIGTERM listener: {self.listener}",
-            f"  control: {self.control}",
-        ]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 @dataclass

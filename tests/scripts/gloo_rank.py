@@ -1,7 +1,8 @@
 """One gloo rank in a plain process (no Ray): used by test_plain_process.py.
 
 argv: rank world port report_dir mode
-mode "block": register, then all-reduce (rank 1 never joins, so rank 0 blocks).
+mode "block": rank 0 registers, then all-reduces; rank 1, a plain torch rank, never joins.
+mode "leave-together": as "block", but rank 1 registers too (and idles): no coordinator.
 mode "fork-race": register, fork a child whose first at-fork hook SIGTERMs itself.
 mode "park": train (w += 1 per step, a pause after the update), save w on SIGTERM; the loop
     breaks at should_stop and then waits in the same function.
@@ -59,11 +60,12 @@ if mode in ("park", "gil-save", "report-fifo"):
         os.mkfifo(
             os.path.join(directory, f"teardown-{socket.gethostname()}-{os.getpid()}.json.tmp")
         )
-status = ray_graceful.after_init_process_group(
-    "plain",
-    config=config,
-    **({"saver": saver} if saver else {"state_dict": lambda: {"w": w.clone()}}),
-)
+if mode != "block" or rank == 0:  # in "block", nothing may release rank 0 but its teardown
+    status = ray_graceful.after_init_process_group(
+        "plain",
+        config=config,
+        **({"saver": saver} if saver else {"state_dict": lambda: {"w": w.clone()}}),
+    )
 print(json.dumps({"ready": os.getpid()}), flush=True)
 
 if mode in ("park", "gil-save", "report-fifo"):
@@ -77,7 +79,7 @@ if mode in ("park", "gil-save", "report-fifo"):
             break
     time.sleep(30)  # waits in the same function after the loop (logging, a wait for the driver)
 
-if mode == "block":
+if mode in ("block", "leave-together"):
     if rank == 0:
         try:
             dist.all_reduce(torch.ones(8))
