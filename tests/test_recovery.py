@@ -1,0 +1,133 @@
+"""A restarted coordinator's reading of the disk (``coordinator/recovery.py``), without Ray.
+
+The files are real: shards written by ``write_shard`` as a rank writes them, the in-flight
+record as the shell writes it, manifests read back by ``latest_committed``. The restart itself,
+with real ranks and a SIGKILLed coordinator, is ``tests/faults/test_coordinator_faults.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_graceful import latest_committed
+from ray_graceful.checkpoint import commit, save_state_dict, write_shard
+from ray_graceful.coordinator import recovery
+from ray_graceful.outcome import TerminationOutcome
+from ray_graceful.protocol import Result
+
+pytestmark = pytest.mark.unit
+
+SHARDS = ("trainer/0", "trainer/1")
+
+
+def save(root: str, step: int, shard: str) -> None:
+    write_shard(root, step, shard, lambda path, s: save_state_dict({"step": s}, path))
+
+
+def left(tmp_path, tier="disk", opened_at=None, **kw) -> recovery.InFlight:
+    now = time.time()
+    return recovery.InFlight(
+        cycle=kw.pop("cycle", 3),
+        job_id="job",
+        opened_at=now - 1 if opened_at is None else opened_at,
+        deadline=now,
+        tier=tier,
+        root=str(tmp_path / "ckpt"),
+        expected=SHARDS,
+        **kw,
+    )
+
+
+def test_every_shard_on_disk_at_one_step_is_committed_from_there(tmp_path):
+    cycle = left(tmp_path)
+    for shard in SHARDS:
+        save(cycle.root, 7, shard)
+    outcome = recovery.conclude_from_disk(cycle)
+    assert outcome.result == Result.COMMITTED, outcome.reason
+    assert "restarted during cycle 3" in outcome.reason
+    latest = latest_committed(cycle.root, verify_checksums=True)
+    assert latest is not None and latest.step == 7 and sorted(latest.shards) == list(SHARDS)
+    assert outcome.committed == {"step": 7, "path": latest.path}
+    assert outcome.resume_from == {"step": 7, "path": latest.path}
+
+
+def test_a_missing_shard_abandons_and_names_it(tmp_path):
+    cycle = left(tmp_path)
+    save(cycle.root, 7, "trainer/0")
+    outcome = recovery.conclude_from_disk(cycle)
+    assert outcome.result == Result.ABANDONED
+    assert "trainer/1" in outcome.reason
+    assert latest_committed(cycle.root) is None, "nothing partial is ever committed"
+
+
+def test_shards_of_different_steps_are_never_mixed(tmp_path):
+    cycle = left(tmp_path)
+    save(cycle.root, 7, "trainer/0")
+    save(cycle.root, 8, "trainer/1")
+    assert recovery.conclude_from_disk(cycle).result == Result.ABANDONED
+    assert latest_committed(cycle.root) is None
+
+
+def test_a_shard_older_than_the_cycle_is_not_proof(tmp_path):
+    """A file left by an earlier, abandoned cycle at the same step is not this cycle's save."""
+    root = str(tmp_path / "ckpt")
+    for shard in SHARDS:
+        save(root, 7, shard)
+    cycle = left(tmp_path, opened_at=time.time() + 60)  # opened after the files were written
+    assert recovery.conclude_from_disk(cycle).result == Result.ABANDONED
+    assert latest_committed(root) is None
+
+
+def test_a_committed_step_is_never_touched(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for shard in SHARDS:
+        save(root, 5, shard)
+    records = [write_shard(root, 5, s, lambda p, st: save_state_dict({}, p)) for s in SHARDS]
+    commit(root, 5, list(SHARDS), records)
+    manifest = Path(root, "step-00000005", "MANIFEST.json")
+    before = manifest.read_text()
+    outcome = recovery.conclude_from_disk(left(tmp_path))
+    assert outcome.result == Result.ABANDONED  # step 5 was already committed: not this cycle's
+    assert manifest.read_text() == before
+    assert outcome.resume_from["step"] == 5
+
+
+def test_a_memory_cycle_is_abandoned_and_the_plan_own_verdict_kept(tmp_path):
+    memory = recovery.conclude_from_disk(left(tmp_path, tier="memory"))
+    assert memory.result == Result.ABANDONED and "keepers" in memory.reason
+    planned = recovery.conclude_from_disk(
+        left(tmp_path, tier="abandoned", reason="no replica of shard 1 is healthy")
+    )
+    assert (planned.result, planned.reason) == (
+        Result.ABANDONED,
+        "no replica of shard 1 is healthy",
+    )
+
+
+def test_next_cycle_and_open_cycles_come_from_the_records(tmp_path):
+    report_dir = str(tmp_path / "reports")
+    assert recovery.next_cycle(report_dir, "job") == 0  # a new job
+    TerminationOutcome(cycle=0, job_id="job", result=Result.COMMITTED).publish(report_dir)
+    TerminationOutcome(cycle=1, job_id="job", result=Result.ABANDONED).publish(report_dir)
+    opened = left(tmp_path, cycle=2)
+    recovery.record_in_flight(report_dir, opened)
+    assert recovery.next_cycle(report_dir, "job") == 3
+    assert recovery.left_open(report_dir, "job") == [opened]
+    assert recovery.read_outcome(report_dir, "job", 1).result == Result.ABANDONED
+    recovery.clear_in_flight(report_dir, "job", 2)
+    assert recovery.left_open(report_dir, "job") == []
+    assert recovery.next_cycle(report_dir, "other-job") == 0  # job-scoped
+
+
+def test_an_unreadable_record_is_reported_not_raised(tmp_path, caplog):
+    report_dir = str(tmp_path / "reports")
+    os.makedirs(os.path.join(report_dir, "job"))
+    with open(os.path.join(report_dir, "job", "inflight-cycle-4.json"), "w") as f:
+        f.write("{not json")
+    assert recovery.left_open(report_dir, "job") == []
+    assert "unreadable record" in caplog.text
+    assert recovery.next_cycle(report_dir, "job") == 5  # its number is still never reused
