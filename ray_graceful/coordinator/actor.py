@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import ray_adapter
 from ..config import GracefulConfig
-from ..memory.keeper import start_keeper
+from ..memory.keeper import keepers_for
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
@@ -90,8 +90,8 @@ class CoordinatorActor:
         self.config = config
         self.job_id = job_id
         self.restarted = ray_adapter.actor_was_restarted()  # our process died; Ray started us
-        first_cycle = recovery.next_cycle(config.report_dir, job_id) if self.restarted else 0
-        self.left_open = recovery.left_open(config.report_dir, job_id) if self.restarted else []
+        self.settle_until = time.time() + recovery.SETTLE_S if self.restarted else 0.0
+        first_cycle, self.left_open = recovery.predecessor(config, job_id, self.restarted)
         self.warm = WarmRestarts(config, store_factory or host_store)
         self.warm.prepare()
         self.spares = SparePool()
@@ -99,7 +99,8 @@ class CoordinatorActor:
             config,
             job_id,
             uuid.uuid4().hex[:8],
-            keeper_factory or self._start_keeper,
+            keeper_factory
+            or keepers_for(config.coordinator_namespace, job_id, config.memory_budget_mb),
             home_node=ray_adapter.current_node_id(),
             publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
@@ -137,14 +138,8 @@ class CoordinatorActor:
 
     async def _conclude_left(self, cycle: recovery.InFlight) -> None:
         """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
-        await asyncio.sleep(max(cycle.deadline - time.time(), 0) + REPORT_GRACE_S)
-        outcome = await asyncio.to_thread(recovery.conclude_from_disk, cycle)
-        logger.warning("ray_graceful coordinator: %s", outcome.summary())
+        outcome = await recovery.conclude_when_over(cycle, REPORT_GRACE_S)
         self._publish(ev.Concluded(outcome, None, None))
-
-    def _start_keeper(self, name: str, node_id: str) -> Any:
-        namespace, budget = self.config.coordinator_namespace, self.config.memory_budget_mb << 20
-        return start_keeper(name, namespace, self.job_id, node_id, budget)
 
     # --- the one way in: an event to the machine, its decisions carried out ---------------------
 
@@ -261,6 +256,7 @@ class CoordinatorActor:
                 )
             except asyncio.TimeoutError:
                 pass  # the window closed with some touched node not fully covered
+            await recovery.settled(self.machine.topology, self.settle_until)  # after a restart
             self._take(ev.GatheringClosed(cycle))
             plan = self.machine.cycle.plan
             if plan is not None:

@@ -14,19 +14,24 @@ the driver's node); the new process starts empty. What it needs was written down
   so its presence is proof; its size and checksum are read back into the manifest - and
   otherwise **abandoned**, with what was missing. A memory-tier cycle is abandoned: its holds
   died with the keepers the coordinator owned.
-- the ranks register again on their own (``worker/control.py``), and a drain under way is seen
-  at the watcher's first poll: neither needs anything here.
+- **the ranks** register again on their own (``worker/control.py``), within a second or two, but
+  not all in the same instant. A plan made before a group is whole again would order out the
+  ranks already back and strand the rest in a group that cannot go on - so for its first
+  ``SETTLE_S`` a restarted coordinator plans only once every group it has heard from is
+  complete (``settled``). A drain under way is seen at the watcher's first poll.
 
 Reading and committing touch only the disk; ``conclude_from_disk`` runs on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,12 +48,16 @@ from ..checkpoint import (
 )
 from ..config import GracefulConfig
 from ..outcome import TerminationOutcome, publish_record
+from ..plan import RankInfo, incomplete_groups
 from ..protocol import Result, shard_key
 from .cycle import Cycle
+
+Topology = Callable[[], list[RankInfo]]
 
 logger = logging.getLogger(__name__)
 
 _RECORD = re.compile(r"^(outcome|inflight)-cycle-(\d+)\.json$")
+SETTLE_S = 5.0  # after a restart: how long the first plan waits for every group to be whole
 CLOCK_SLACK_S = 2.0  # a shard file written on another node: its clock may lag ours a little
 UNCOMMITTED = "no manifest (not committed)"
 
@@ -98,6 +107,13 @@ def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
     )
 
 
+async def settled(topology: Topology, until: float) -> None:
+    """Until every group in ``topology()`` is complete, or ``until`` (a restarted coordinator's
+    first plan; see the module docstring)."""
+    while time.time() < until and incomplete_groups(topology()):
+        await asyncio.sleep(0.05)
+
+
 def job_dir(report_dir: str, job_id: str) -> str:
     return os.path.join(report_dir, job_id or "no-job")
 
@@ -126,6 +142,17 @@ def _records(report_dir: str, job_id: str) -> dict[str, set[int]]:
         if match:
             found[match.group(1)].add(int(match.group(2)))
     return found
+
+
+def predecessor(config: GracefulConfig, job_id: str, restarted: bool) -> tuple[int, list[InFlight]]:
+    """For a coordinator starting: its first cycle, and the cycles a predecessor left open.
+
+    Only a restart reads them (a fresh coordinator of a job that ran before, a second
+    ``trainer.fit()``, starts at cycle 0 as always).
+    """
+    if not restarted:
+        return 0, []
+    return next_cycle(config.report_dir, job_id), left_open(config.report_dir, job_id)
 
 
 def next_cycle(report_dir: str, job_id: str) -> int:
@@ -158,6 +185,15 @@ def left_open(report_dir: str, job_id: str) -> list[InFlight]:
         except (OSError, ValueError, TypeError, KeyError) as exc:
             logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
     return open_cycles
+
+
+async def conclude_when_over(cycle: InFlight, grace_s: float) -> TerminationOutcome:
+    """``conclude_from_disk`` once the cycle's deadline (plus ``grace_s``) has passed: by then
+    every rank of it has saved or given up, and left. On a thread: it reads every shard."""
+    await asyncio.sleep(max(cycle.deadline - time.time(), 0) + grace_s)
+    outcome = await asyncio.to_thread(conclude_from_disk, cycle)
+    logger.warning("ray_graceful coordinator: %s", outcome.summary())
+    return outcome
 
 
 def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:

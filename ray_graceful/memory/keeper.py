@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,3 +227,8 @@ def start_keeper(name: str, namespace: str, job_id: str, node_id: str, budget: i
         .remote(job_id, node_id, budget)
     )
     return RemoteKeeper(handle)
+
+
+def keepers_for(namespace: str, job_id: str, budget_mb: int) -> Callable[[str, str], RemoteKeeper]:
+    """The coordinator's keeper factory: ``(name, node_id) -> RemoteKeeper`` for this job."""
+    return lambda name, node_id: start_keeper(name, namespace, job_id, node_id, budget_mb << 20)
