@@ -140,8 +140,9 @@ class Coordinator:
 
         give_up = time.monotonic() + timeout
         while True:
+            left = max(give_up - time.monotonic(), 0.0)
             try:
-                return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
+                return ray.get(getattr(self.handle, method).remote(*args), timeout=left)
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > give_up:
                     raise
@@ -158,7 +159,6 @@ class Coordinator:
         timeout: float = 10.0,
     ) -> Reply:
         """Send a notice; the ``Reply`` says whether it was accepted, and why not."""
-
         data: dict[str, Any] = {"source": source, "reason": reason, "deadline": deadline}
         if node_id is not None:
             data["node_id"] = node_id
@@ -171,7 +171,6 @@ class Coordinator:
         return self._ask("stats", timeout=timeout)
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-
         return self._ask("status", timeout=timeout)
 
     def wait_outcome(self, timeout: float, cycle: int | None = None) -> TerminationOutcome | None:
@@ -221,7 +220,6 @@ class Coordinator:
         return self._ask("job_finished", success, permanent, timeout=30)
 
     def assign_spare(self, group: str, rank: int) -> dict[str, Any]:
-
         return self._ask("assign_spare", group, rank, timeout=30)
 
     def shutdown(self, timeout: float = 10.0) -> None:

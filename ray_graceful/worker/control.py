@@ -100,7 +100,6 @@ class ControlChannel:
         self.config = config
         self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
         self.on_disconnect = on_disconnect
-        self.reconnects = 0
         self.sigterm_at: float | None = None  # reported again to a restarted coordinator
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
@@ -186,13 +185,25 @@ class ControlChannel:
         )
         return ray.get(self.handle.register.remote(message), timeout=timeout)
 
-    def _register_until_accepted(self) -> bool:
-        """On the control thread: register again while the coordinator says "later"."""
+    def _register_until_accepted(self, give_up: float | None = None) -> bool:
+        """On the control thread: register again until accepted - while the coordinator says
+        "later", and, given ``give_up`` (a monotonic time), while Ray restarts it: then a call
+        that fails means "not back yet", unless the actor is dead for good."""
+        import ray
+
         while self.alive and not self.done() and self.cycle is None:
             time.sleep(REREGISTER_EVERY_S)
+            timeout = REGISTER_TIMEOUT_S
+            if give_up is not None:
+                timeout = min(timeout, give_up - time.monotonic())
+                if timeout <= 0:
+                    self._lost("not back within coordinator_reconnect_s")
+                    return False
             try:
-                answer = self._send_registration()
+                answer = self._send_registration(timeout)
             except Exception as exc:
+                if give_up is not None and not isinstance(exc, ray.exceptions.ActorDiedError):
+                    continue  # still restarting, or a timeout: try again
                 self._lost(f"registering again: {type(exc).__name__}: {exc}")
                 return False
             if answer.accepted:
@@ -267,37 +278,16 @@ class ControlChannel:
         Until it answers, ``cycle`` is None: a SIGTERM meanwhile tears this rank down on its
         own, and ``on_disconnect`` has the peers watched through the group's store.
         """
-        import ray
-
         self.cycle, self.state = None, f"reconnecting: {why}"
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
         give_up = time.monotonic() + self.config.coordinator_reconnect_s
-        while self.alive and not self.done():
-            left = give_up - time.monotonic()
-            if left <= 0:
-                self._lost(f"not back within coordinator_reconnect_s: {why}")
-                return False
-            try:
-                answer = self._send_registration(timeout=min(REGISTER_TIMEOUT_S, left))
-            except ray.exceptions.ActorDiedError as exc:
-                self._lost(f"it will not be restarted: {type(exc).__name__}")
-                return False
-            except Exception:  # still restarting, or a timeout: try again
-                time.sleep(REREGISTER_EVERY_S)
-                continue
-            if answer.accepted:
-                self.cycle, self.state = answer.cycle, "polling"
-                self.reconnects += 1
-                logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
-                if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
-                    self.report_sigterm(self.sigterm_at)
-                return True
-            if not answer.retry:
-                self._lost(f"registration refused: {answer.reason}")
-                return False
-            time.sleep(REREGISTER_EVERY_S)
-        return False
+        if not self._register_until_accepted(give_up):
+            return False
+        logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
+        if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
+            self.report_sigterm(self.sigterm_at)
+        return True
 
     def _lost(self, why: str) -> None:
         self.alive, self.state = False, f"lost: {why}"

@@ -314,9 +314,8 @@ class _ProcessRuntime:
         self.peer_watch.start()
 
     def _peers_need_watching(self) -> bool:
-        control = self.control
-        coordinator_answers = control is not None and control.connected
-        return bool(self.registrations) and self.teardown is None and not coordinator_answers
+        answers = self.control is not None and self.control.connected  # it releases the peers
+        return bool(self.registrations) and self.teardown is None and not answers
 
     # --- teardown --------------------------------------------------------------------------
 
