@@ -32,7 +32,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import config_values as allowed
-from .config_values import HEALTH_PROBES, MAX_SECONDS  # noqa: F401 (part of this API)
+from .config_values import (  # noqa: F401 (part of this API)
+    HEALTH_PROBES,
+    MAX_SECONDS,
+    ConfigError,
+    env_text,
+    parse_env_text,
+)
 from .notices import short
 
 ENV_PREFIX = "RAY_GRACEFUL_"
@@ -48,10 +54,6 @@ RAY_OWN_PREFIX = "RAY_GRACEFUL_SHUTDOWN_"
 DEFAULT_FATAL_XIDS = (46, 48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 143)
 DEFAULT_DEGRADED_XIDS = (63, 92, 94)
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
-
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed; the message names it and what is allowed."""
 
 
 def _default_report_dir() -> str:
@@ -161,6 +163,13 @@ class GracefulConfig:
         "How long a rank's control channel keeps registering again with a coordinator that Ray "
         "is restarting. While no coordinator is reachable, a rank that tears itself down "
         "releases its peers through the process group's store.",
+    )
+    node_agent: str = _setting(
+        "auto",
+        allowed.node_agent,
+        "Relay each node's ranks through one node agent (one registration, one long poll, one "
+        "NVML probe per GPU per node): 'on', 'off' (every process polls the coordinator), or "
+        "'auto' (on for groups of 32 ranks or more).",
     )
     notice_gather_s: float = _setting(
         0.2,
@@ -359,7 +368,7 @@ class GracefulConfig:
                     f"{name} is not a ray_graceful setting.{hint} "
                     f"Allowed: {', '.join(sorted(known))}."
                 )
-            values[f.name] = _parse_env(name, raw, f)
+            values[f.name] = parse_env_text(name, raw, f)
         values.update(overrides)
         return cls(**values)
 
@@ -370,7 +379,7 @@ class GracefulConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if value != getattr(default, f.name) and f.name != "report_dir":
-                out[ENV_PREFIX + f.name.upper()] = _format_env(value)
+                out[ENV_PREFIX + f.name.upper()] = env_text(value)
             elif f.name == "report_dir" and value != _default_report_dir():
                 out[ENV_PREFIX + f.name.upper()] = value
         return out
@@ -387,52 +396,6 @@ class GracefulConfig:
 def is_rays_own(name: str) -> bool:
     """Whether ``name`` is one of Ray's own ``RAY_GRACEFUL_*`` variables (not a setting of ours)."""
     return name in RAY_OWN_VARIABLES or name.startswith(RAY_OWN_PREFIX)
-
-
-def _format_env(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return ",".join(str(x) for x in value)
-    return "" if value is None else str(value)
-
-
-def _parse_env(name: str, raw: str, f: dataclasses.Field) -> Any:
-    text = raw.strip()
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-
-    def bad(allowed: str) -> ConfigError:
-        return ConfigError(f"{name}={short(raw)} is not allowed: must be {allowed}.")
-
-    if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise bad(f.metadata["check"]("x") or "a number") from None
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise bad(f.metadata["check"]("x") or "an integer") from None
-    if kind == "bool":
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise bad("one of 1, true, yes, on, 0, false, no, off")
-    if kind.startswith("tuple"):
-        try:
-            return tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise bad("comma-separated XID numbers, e.g. '48,79,95'") from None
-    if kind == "str | None":
-        if raw == "":
-            return None  # set but empty: unset, as for any optional setting
-        if not text:
-            raise bad("a non-empty path, or the empty string for none")
-        return raw
-    return raw
 
 
 def config_reference_markdown() -> str:

@@ -6,13 +6,21 @@ words a ``ConfigError`` (and an environment variable's error) shows the user.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
+from .notices import short
+
 # The longest duration any setting may have: a day. Longer is a unit mistake (ms for s).
 MAX_SECONDS = 86_400.0
 HEALTH_PROBES = ("auto", "nvml", "none", "scripted")
+NODE_AGENT_MODES = ("auto", "on", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names it and what is allowed."""
 
 
 def between(low: float, high: float, low_open: bool = True) -> Callable[[Any], str | None]:
@@ -82,6 +90,10 @@ def cloud(value: Any) -> str | None:
     return None if value in allowed else "one of " + ", ".join(repr(a) for a in allowed)
 
 
+def node_agent(value: Any) -> str | None:
+    return None if value in NODE_AGENT_MODES else "one of " + ", ".join(map(repr, NODE_AGENT_MODES))
+
+
 def train_shards(value: Any) -> str | None:
     return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
 
@@ -93,3 +105,51 @@ def count(low: int, high: int, what: str) -> Callable[[Any], str | None]:
         return f"{what}: an integer from {low} to {high}"
 
     return check
+
+
+def env_text(value: Any) -> str:
+    """A value as its ``RAY_GRACEFUL_*`` variable writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(x) for x in value)
+    return "" if value is None else str(value)
+
+
+def parse_env_text(name: str, raw: str, f: dataclasses.Field) -> Any:
+    """The value of setting ``f`` that variable ``name`` holds as ``raw``, or ConfigError."""
+    text = raw.strip()
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+    def bad(allowed: str) -> ConfigError:
+        return ConfigError(f"{name}={short(raw)} is not allowed: must be {allowed}.")
+
+    if kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise bad(f.metadata["check"]("x") or "a number") from None
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise bad(f.metadata["check"]("x") or "an integer") from None
+    if kind == "bool":
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise bad("one of 1, true, yes, on, 0, false, no, off")
+    if kind.startswith("tuple"):
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise bad("comma-separated XID numbers, e.g. '48,79,95'") from None
+    if kind == "str | None":
+        if raw == "":
+            return None  # set but empty: unset, as for any optional setting
+        if not text:
+            raise bad("a non-empty path, or the empty string for none")
+        return raw
+    return raw

@@ -55,6 +55,7 @@ class PollKind(Word):
     IDLE = "idle"  # nothing within the poll's wait: poll again
     UNKNOWN = "unknown"  # this process is not registered
     STALE = "stale"  # the poll named a cycle that is not the current one
+    AWAY = "away"  # (from a node agent) the coordinator is restarting or gone: register again
 
 
 class StepStatus(Word):

@@ -18,6 +18,7 @@ from typing import ClassVar
 import pytest
 
 from ray_graceful.cloud import CloudPoller, detect
+from ray_graceful.node.agent import agent_name
 
 AWS_TOKEN = "AQAEAtoken=="
 
@@ -259,7 +260,7 @@ def test_a_spot_notice_from_the_cloud_tears_the_group_down(ray_cluster, server, 
         assert "orders arrive through a long poll" in status, status
         assert "cloud notices not started" not in status, status
         node = ray.get(rank.node.remote())
-        name = f"ray_graceful_cloud-{job}-{node[:16]}"
+        name = agent_name(job, node)
 
         def poller_started():
             try:
@@ -401,7 +402,7 @@ def test_an_azure_not_before_of_soon_is_a_log_line(server, caplog):
 def test_a_poller_that_raises_anyway_is_started_again():
     """The second fence: whatever escapes a step, the node's poller lives on."""
     from ray_graceful.cloud import CloudEvent
-    from ray_graceful.worker.cloud_poller import poll_forever
+    from ray_graceful.node.cloud_poller import poll_forever
 
     told, made, stop = [], [], threading.Event()
     event = CloudEvent("aws", "spot-interruption", "x", 1.0, "k")

@@ -2,13 +2,10 @@
 
 One async Ray actor per job. Its methods are what workers, the driver and the CLI call; each
 turns the call into an event for the cycle machine (``machine.py``, no Ray, no I/O) and carries
-out the decisions that come back (``events.py``). The shell owns everything the machine must
-not: the futures of held polls (the fan-out - an order reaches a rank whose training thread is
-stuck in a collective, because its control thread's poll is answered), each cycle's task and
-its timers, the commit on a thread, publishing outcomes, metrics, and the parts that talk to
-the world - the watcher (``watch.py``: drain state and lost ranks from injected sources), the
-memory tier (``memory.py``: keepers from an injected factory), the backups' waits
-(``backups.py``) and the spares' polls.
+out the decisions that come back (``events.py``). The shell owns what the machine must not:
+the held polls (``fanout.py``), each cycle's task and timers, the commit on a thread, outcomes
+(``outcomes.py``), and the parts that talk to the world - the watcher (``watch.py``), the memory
+tier (``memory.py``) and the backups' waits (``backups.py``), each with injected sources.
 
 ::
 
@@ -38,7 +35,6 @@ from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
     PollAnswer,
-    PollKind,
     PollState,
     Register,
     Rejoined,
@@ -56,10 +52,10 @@ from . import events as ev
 from . import recovery
 from .backups import BackupTurns
 from .conclusion import carry_out
+from .fanout import MAX_PER_NODE, Fanout
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
 from .outcomes import OutcomeBoard
-from .registry import poll_timeout
 from .spares import SparePool
 from .warm import StoreFactory, WarmRestarts
 from .watch import DrainSource, LostSource, Watcher
@@ -118,8 +114,7 @@ class CoordinatorActor:
             self._take,
         )
         self.backups = BackupTurns()
-        self.polls: dict[str, asyncio.Future] = {}  # process id -> its held long poll
-        self.spare_polls: dict[str, asyncio.Future] = {}
+        self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
         self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
@@ -163,9 +158,7 @@ class CoordinatorActor:
     def _carry_out(self, decision: ev.Decision) -> None:
         match decision:
             case ev.OrderOut(process_id, answer):
-                future = self.polls.get(process_id)
-                if future is not None and not future.done():
-                    future.set_result(answer)
+                self.fanout.answer(process_id, answer)
             case ev.CycleOpened(cycle):
                 self._spawn(self._run_cycle(cycle))
             case ev.Gathered(cycle):
@@ -179,9 +172,7 @@ class CoordinatorActor:
             case ev.NodeLeaving(node_id, deadline):
                 self.memory.node_leaving(node_id, deadline)
             case ev.SpareTold(spare_id):
-                future = self.spare_polls.get(spare_id)
-                if future is not None and not future.done():
-                    future.set_result(None)
+                self.fanout.tell_spare(spare_id)
             case ev.Rejected(summary, reason):
                 logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
                 self.outcomes.count_rejected()
@@ -200,7 +191,10 @@ class CoordinatorActor:
     async def register(self, message: Register) -> Reply:
         """A worker process registers its ranks; the reply names the cycle it belongs to."""
         self._wake()
-        return self._take(ev.Registration(message))
+        reply = self._take(ev.Registration(message))
+        if reply.accepted:
+            self.fanout.directly(message.process_id)
+        return reply
 
     async def poll(
         self, process_id: str, cycle: int, state: PollState, wait_s: float
@@ -208,21 +202,47 @@ class CoordinatorActor:
         """Held open by each worker process; answered with its order, or "idle" after wait_s."""
         self._wake()
         answer = self._take(ev.Polled(process_id, cycle, state))
-        if answer is not None:
-            return answer
-        future = asyncio.get_running_loop().create_future()
-        self.polls[process_id] = future
-        try:
-            return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-        except asyncio.TimeoutError:
-            return PollAnswer(PollKind.IDLE)
-        finally:
-            if self.polls.get(process_id) is future:
-                del self.polls[process_id]
+        return answer if answer is not None else await self.fanout.hold(process_id, wait_s)
 
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it is not sent again."""
         return self._take(ev.Acked(message))
+
+    # --- the same, for every process of a node at once, from its node agent (node/relay.py) ---
+
+    async def register_node(self, node_key: str, messages: list[Register]) -> list[Reply]:
+        """A node agent registers the processes of its node together: one reply each."""
+        self._wake()
+        if not isinstance(messages, list) or len(messages) > MAX_PER_NODE:
+            why = f"a node registers a list of at most {MAX_PER_NODE} Register messages"
+            return [self._take(ev.Malformed({"node": short(node_key)}, why))]
+        replies = [self._take(ev.Registration(message)) for message in messages]
+        for message, reply in zip(messages, replies, strict=True):
+            if reply.accepted:
+                self.fanout.through_node(message.process_id, str(node_key))
+        return replies
+
+    async def poll_node(
+        self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
+    ) -> dict[str, PollAnswer]:
+        """A node agent's one long poll: every process's state in, every answer out at once."""
+        self._wake()
+        if not isinstance(states, dict) or len(states) > MAX_PER_NODE:
+            why = f"a node polls with a mapping of at most {MAX_PER_NODE} process states"
+            self._take(ev.Malformed({"node": short(node_key)}, why))
+            return {}
+        now = {}
+        for process_id, told in states.items():
+            cycle, state = told if isinstance(told, tuple) and len(told) == 2 else (None, None)
+            answer = self._take(ev.Polled(process_id, cycle, state))
+            if answer is not None:
+                now[process_id] = answer
+        return await self.fanout.hold_node(str(node_key), now, wait_s)
+
+    async def ack_many(self, acks: list[Ack]) -> list[Reply]:
+        """A node agent's acknowledgements, gathered (malformed ones are refused one by one)."""
+        acks = acks if isinstance(acks, list) else [acks]
+        return [self._take(ev.Acked(message)) for message in acks]
 
     # --- notices ----------------------------------------------------------------------------
 
@@ -284,6 +304,7 @@ class CoordinatorActor:
             for key in [k for k in self.cycle_events if k[0] <= cycle]:
                 del self.cycle_events[key]
             self.backups.forget_before(cycle + 1)
+            self.fanout.forget_except(set(self.machine.registry.processes))
 
     def _publish(self, concluded: ev.Concluded) -> None:
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
@@ -335,14 +356,7 @@ class CoordinatorActor:
 
     async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
-        record = self.warm.records.get(cycle)
-        if record is None:
-            return None
-        try:
-            await asyncio.wait_for(record.done.wait(), timeout=timeout)
-        except asyncio.TimeoutError:
-            pass
-        return record.to_dict()
+        return await self.warm.wait_record(cycle, timeout)
 
     # --- spares and standbys (coordinator/spares.py) ------------------------------------------
 
@@ -353,18 +367,10 @@ class CoordinatorActor:
         if spare_id not in self.spares.spares:
             return SpareOrder("exit", "this spare is not registered")
         word = self.spares.take(spare_id)
-        if word is not None:
-            return word
-        future = asyncio.get_running_loop().create_future()
-        self.spare_polls[spare_id] = future
-        try:
-            await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            if self.spare_polls.get(spare_id) is future:
-                del self.spare_polls[spare_id]
-        return self.spares.take(spare_id)
+        if word is None:
+            await self.fanout.hold_spare(spare_id, wait_s)
+            word = self.spares.take(spare_id)
+        return word
 
     async def leave_spare(self, spare_id: str, reason: str) -> Reply:
         """A spare or standby is going away (SIGTERM): never hand it a slot."""
@@ -408,21 +414,18 @@ class CoordinatorActor:
         return {
             **self.machine.describe(),
             "restarted": self.restarted,
+            "node_agents": self.fanout.describe(),
             "failures": list(self.watcher.failures),
             "last_outcome": last.to_dict() if last else None,
         }
 
     async def wait_outcome(self, cycle: int | None, timeout: float) -> TerminationOutcome | None:
-        """The outcome of ``cycle``; without one, of the cycle the caller is waiting for.
-
-        That is the cycle in flight if a teardown is under way or no cycle concluded yet;
-        otherwise the last concluded one (a driver asking right after an eviction wants that
-        eviction's outcome, not the next one's).
-        """
-        latest = self.outcomes.latest()
+        """The outcome of ``cycle``; without one, of the cycle the caller waits for
+        (``OutcomeBoard.awaited``)."""
         if cycle is None:
-            in_flight = self.machine.cycle.tearing_down or latest is None
-            cycle = self.machine.cycle.number if in_flight or latest is None else latest
+            cycle = self.outcomes.awaited(
+                self.machine.cycle.number, self.machine.cycle.tearing_down
+            )
         return await self.outcomes.wait(cycle, timeout)
 
     async def stats(self) -> dict[str, Any]:
@@ -433,8 +436,9 @@ class CoordinatorActor:
             "cycle": self.machine.cycle.number,
             "phase": self.machine.cycle.phase.value,
             "processes": len(self.machine.active()),
-            "pending_polls": sum(1 for f in self.polls.values() if not f.done()),
+            "pending_polls": self.fanout.pending(),
             "polls_served": self.machine.polls_served,
+            "poll_calls": self.fanout.calls,
         }
 
     async def checkpoint_dir(self) -> str | None:

@@ -56,6 +56,13 @@ class OutcomeBoard:
     def latest(self) -> int | None:
         return max(self.outcomes, default=None)
 
+    def awaited(self, current: int, tearing_down: bool) -> int:
+        """The cycle a caller naming none waits for: the one in flight while a teardown is
+        under way or none concluded yet, else the last concluded (a driver asking right after
+        an eviction wants that eviction's outcome, not the next one's)."""
+        latest = self.latest()
+        return current if tearing_down or latest is None else latest
+
     def get(self, cycle: int) -> TerminationOutcome | None:
         """The outcome of ``cycle`` if it was published (here, or by a predecessor)."""
         if cycle in self.outcomes:

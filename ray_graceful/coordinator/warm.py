@@ -122,6 +122,17 @@ class WarmRestarts:
     def enabled(self) -> bool:
         return self.config.warm_restart
 
+    async def wait_record(self, cycle: int, timeout: float) -> dict[str, Any] | None:
+        """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
+        record = self.records.get(cycle)
+        if record is None:
+            return None
+        try:
+            await asyncio.wait_for(record.done.wait(), timeout=timeout)
+        except asyncio.TimeoutError:
+            pass
+        return record.to_dict()
+
     def prepare(self) -> None:
         """Host the store now, where warm restarts are on: hosting it imports torch, about a
         second in a fresh process, which must not sit between an eviction and its outcome."""

@@ -93,10 +93,12 @@ class ControlChannel:
         on_order: Callable[[Order], None],
         done: Callable[[], bool],
         on_disconnect: Callable[[], None] = lambda: None,
+        relay: Any | None = None,
     ) -> None:
         import ray
 
         self.handle = handle
+        self.relay = relay  # this node's agent (node/agent.py), or None: straight to the handle
         self.config = config
         self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
         self.on_disconnect = on_disconnect
@@ -169,9 +171,35 @@ class ControlChannel:
             "through a long poll"
         )
 
+    @property
+    def via(self) -> Any:
+        """Whom registrations, polls and acknowledgements go to: the agent, or the coordinator."""
+        return self.handle if self.relay is None else self.relay
+
+    def _without_relay(self, why: str) -> bool:
+        """The node agent failed us: from now on this process talks to the coordinator itself.
+        False if it already did (the failure was the coordinator's)."""
+        if self.relay is None:
+            return False
+        logger.warning(
+            "ray_graceful: the node agent failed (%s); this process registers with and polls "
+            "the coordinator directly from now on",
+            why[:300],
+        )
+        self.relay, self.cycle = None, None
+        return True
+
     def _send_registration(self, timeout: float = REGISTER_TIMEOUT_S) -> Reply:
         import ray
 
+        try:
+            return ray.get(self._registration_call(), timeout=timeout)
+        except Exception as exc:
+            if not self._without_relay(f"registering: {type(exc).__name__}: {exc}"):
+                raise
+        return ray.get(self._registration_call(), timeout=timeout)
+
+    def _registration_call(self) -> Any:
         # No health here: NVML may be slow to start (or wedged); the first poll, on the
         # control thread, carries the first verdict.
         message = Register(
@@ -183,7 +211,9 @@ class ControlChannel:
             ranks=self.ranks(),
             actor_id=self.actor_id,
         )
-        return ray.get(self.handle.register.remote(message), timeout=timeout)
+        if self.relay is not None:  # the agent probes the node's GPUs: tell it ours
+            return self.relay.register.remote(message, tuple(gpu_indices()))
+        return self.handle.register.remote(message)
 
     def _register_until_accepted(self, give_up: float | None = None) -> bool:
         """On the control thread: register again until accepted - while the coordinator says
@@ -228,23 +258,32 @@ class ControlChannel:
             return
         wait_s = self.config.health_interval_s
         while self.alive and not self.done():
-            state = PollState(self.last_step(), self.probe.check())
+            health = None if self.relay is not None else self.probe.check()  # the agent's job
+            state = PollState(self.last_step(), health)
             try:
                 answer = ray.get(
-                    self.handle.poll.remote(self.process_id, self.cycle, state, wait_s),
+                    self.via.poll.remote(self.process_id, self.cycle, state, wait_s),
                     timeout=wait_s + 30,
                 )
             except ray.exceptions.GetTimeoutError:
                 continue  # not lost: an order it carried is answered again to the next poll
-            except ray.exceptions.ActorUnavailableError as exc:  # Ray is restarting it
-                if self._reconnect(f"{type(exc).__name__}: {exc}"):
-                    continue
-                return
-            except Exception as exc:  # the coordinator died for good or became unreachable
-                self._lost(f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if self._without_relay(f"polling: {why}"):  # the agent, not the coordinator
+                    if self._register_until_accepted(self._give_up()):
+                        continue
+                    return
+                if isinstance(exc, ray.exceptions.ActorUnavailableError) and self._reconnect(why):
+                    continue  # Ray restarted the coordinator: registered with it again
+                if not isinstance(exc, ray.exceptions.ActorUnavailableError):
+                    self._lost(why)  # the coordinator died for good or became unreachable
                 return
             if answer.kind is PollKind.IDLE:
                 continue
+            if answer.kind is PollKind.AWAY:  # the agent found the coordinator restarting or gone
+                if self._reconnect(answer.reason):
+                    continue
+                return
             if answer.kind is not PollKind.ORDER or answer.order is None:
                 self._lost(f"the coordinator answered {answer.kind}: {answer.reason}")
                 return
@@ -266,7 +305,7 @@ class ControlChannel:
 
         try:
             ray.get(
-                self.handle.ack.remote(Ack(self.process_id, order.cycle, order.order_id)),
+                self.via.ack.remote(Ack(self.process_id, order.cycle, order.order_id)),
                 timeout=REPORT_TIMEOUT_S,
             )
         except Exception as exc:  # unacknowledged: it may come again, handled once
@@ -281,13 +320,16 @@ class ControlChannel:
         self.cycle, self.state = None, f"reconnecting: {why}"
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
-        give_up = time.monotonic() + self.config.coordinator_reconnect_s
-        if not self._register_until_accepted(give_up):
+        if not self._register_until_accepted(self._give_up()):
             return False
         logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
         if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
             self.report_sigterm(self.sigterm_at)
         return True
+
+    def _give_up(self) -> float:
+        """When registering again stops: ``coordinator_reconnect_s`` from now."""
+        return time.monotonic() + self.config.coordinator_reconnect_s
 
     def _lost(self, why: str) -> None:
         self.alive, self.state = False, f"lost: {why}"

@@ -21,8 +21,8 @@ from ..checkpoint import save_state_dict, shard_key
 from ..config import GracefulConfig
 from ..dcp import DcpSaver
 from ..protocol import Order, RankSpec, Rendezvous
-from .cloud_poller import ensure_node_poller
-from .control import ControlChannel, find_coordinator, gpu_indices
+from .connect import connect
+from .control import ControlChannel, gpu_indices
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
@@ -93,7 +93,7 @@ class _ProcessRuntime:
     lock: threading.RLock = field(default_factory=threading.RLock)
     pid: int = field(default_factory=os.getpid)
     control: ControlChannel | None = None
-    cloud_poller: Any = None  # this node's cloud-notice poller, if this process started it
+    node_agent: Any = None  # this node's agent (relay, cloud notices), held while we run
     sigterm_seen: bool = False
     order: Order | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
@@ -558,7 +558,7 @@ def _register(
             existing.cooperative = cooperative
             existing.load_state = load_state or existing.load_state
     installed, listener = _listener_status(cfg)
-    control = _connect(runtime, cfg) if not release_only else "extra group: released only"
+    control = connect(runtime, cfg) if not release_only else "extra group: released only"
     return SetupStatus(
         group=handle.name,
         rank=handle.rank,
@@ -572,36 +572,6 @@ def _register(
         control=control,
         notes=tuple(handle.notes),
     )
-
-
-def _connect(runtime: _ProcessRuntime, config: GracefulConfig) -> str:
-    """Register this process's ranks with the coordinator, if one runs; say what happened."""
-    if runtime.control is None or not runtime.control.alive:
-        handle = find_coordinator(config)
-        if handle is None:
-            runtime.watch_peers()
-            return (
-                "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
-                "its own"
-            )
-        runtime.control = ControlChannel(
-            handle,
-            config,
-            ranks=runtime.rank_specs,
-            last_step=lambda: runtime.loop.last_step,
-            on_order=runtime.obey,
-            done=lambda: runtime.teardown is not None,
-            on_disconnect=runtime.watch_peers,
-        )
-    status = runtime.control.register()
-    if not runtime.control.connected:
-        runtime.watch_peers()
-    if runtime.control.alive:
-        try:
-            runtime.cloud_poller = ensure_node_poller(config, runtime.control.handle)
-        except Exception as exc:  # cloud notices are an addition: never a reason to fail setup
-            status += f"; cloud notices not started ({exc!r})"
-    return status
 
 
 def should_stop(step: int | None = None) -> bool:

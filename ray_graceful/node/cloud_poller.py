@@ -1,11 +1,10 @@
-"""One cloud-notice poller per node: the first rank registered on a node starts it.
+"""A node's cloud-notice poller: a thread of the node agent (``agent.py``), one per node.
 
-It is a small actor pinned to its node (``num_cpus=0``, named after the job and the node, so
-the other ranks of that node find it instead of starting another): it detects the cloud (or
-takes the one configured), polls the metadata service every ``cloud_poll_interval_s``, and turns
-each new event into a notice for the job's coordinator - with the cloud's own deadline - and,
-with ``cloud_drain``, a Ray drain of the node with that deadline (so Ray's autoscaler and Ray
-Train's preemption handling see it too). Off a cloud it stops after the detection.
+It detects the cloud (or takes the one configured), polls the metadata service every
+``cloud_poll_interval_s``, and turns each new event into a notice for the job's coordinator -
+with the cloud's own deadline - and, with ``cloud_drain``, a Ray drain of the node with that
+deadline (so Ray's autoscaler and Ray Train's preemption handling see it too). Off a cloud it
+stops after the detection.
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ from ..config import GracefulConfig
 logger = logging.getLogger(__name__)
 
 
-class CloudNoticeActor:
+class CloudWatch:
+    """The poller's thread and what it saw (``seen()``)."""
+
     def __init__(self, config: GracefulConfig, node_id: str, coordinator: Any) -> None:
         self.config, self.node_id, self.coordinator = config, node_id, coordinator
         self.cloud: str | None = None
@@ -109,28 +110,3 @@ def poll_forever(
             except Exception as again:
                 logger.warning("ray_graceful: could not start it again: %r", again)
         stop.wait(interval_s)
-
-
-def ensure_node_poller(config: GracefulConfig, coordinator: Any) -> Any | None:
-    """Start this node's poller unless one runs already (``cloud_notices`` not 'off').
-
-    The caller keeps the handle: Ray ends an actor once no handle to it is left."""
-    if config.cloud_notices == "off":
-        return None
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    ctx = ray.get_runtime_context()
-    node_id, job_id = ctx.get_node_id(), ctx.get_job_id()
-    return (
-        ray.remote(CloudNoticeActor)
-        .options(
-            name=f"ray_graceful_cloud-{job_id}-{node_id[:16]}",
-            namespace=config.coordinator_namespace,
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote(config, node_id, coordinator)
-    )

@@ -1,0 +1,254 @@
+"""A node's rank processes, relayed to the coordinator as one.
+
+Without it every rank process registers on its own, holds its own long poll and probes NVML on
+its own: the coordinator answers one reply per rank when an order goes out, and an idle job
+sends it N/``health_interval_s`` polls a second (``bench fanout``: 4,096 ranks ordered after
+6.3 s). Through a relay, the coordinator sees one member per node:
+
+- registrations arriving together (the ranks of a node call ``graceful_setup`` right after the
+  same ``init_process_group``) go up as one message;
+- one long poll carries every process's last step and health, and is answered with the orders
+  of all of them at once - one reply per node;
+- acknowledgements go up together;
+- health is probed once per distinct set of GPUs, and each verdict goes to the processes on
+  those GPUs.
+
+Each process still holds a long poll, but on its own node's agent: the order reaches a rank
+whose training thread is blocked in a collective exactly as before, through its control
+thread. The coordinator's own answers pass through unchanged (at-least-once orders, stale and
+unknown answers); when the coordinator cannot be reached (Ray restarting it, or gone) every
+held poll is answered ``AWAY`` and each process registers again, which the relay passes on.
+
+Pure asyncio, no Ray: the coordinator is an injected ``Upstream`` and the health probes come
+from an injected factory. The node agent (``agent.py``) is this object in a Ray actor; the
+fan-out benchmark runs thousands of them, one per simulated node, in a few processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..health import HealthProbe, HealthReport
+from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply
+
+logger = logging.getLogger(__name__)
+
+BATCH_S = 0.01  # how long a registration or acknowledgement waits for others to go up with it
+MAX_POLL_S = 60.0
+FORGET_AFTER_S = 30.0  # a process that has not polled for this long (plus its wait) is gone
+
+
+class Unreachable(Exception):
+    """The coordinator did not answer: ``restarting`` (Ray brings it back) or gone for good."""
+
+    def __init__(self, reason: str, restarting: bool) -> None:
+        super().__init__(reason)
+        self.restarting = restarting
+
+
+class Upstream(Protocol):
+    """The coordinator, as a relay calls it; raises ``Unreachable``, or TimeoutError."""
+
+    async def register(self, node_key: str, messages: list[Register]) -> list[Reply]: ...
+
+    async def poll(
+        self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
+    ) -> dict[str, PollAnswer]: ...
+
+    async def ack(self, acks: list[Ack]) -> list[Reply]: ...
+
+
+@dataclass
+class Member:
+    """One rank process the relay speaks for."""
+
+    gpus: tuple[int, ...]
+    cycle: int
+    state: PollState = field(default_factory=PollState)
+    seen: float = field(default_factory=time.monotonic)
+    wait_s: float = 5.0
+    waiting: asyncio.Future | None = None  # its held poll
+    answer: PollAnswer | None = None  # arrived while it held none
+
+    def hand(self, answer: PollAnswer) -> None:
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_result(answer)
+        else:
+            self.answer = answer
+
+
+class Batch:
+    """Items that go up together in one call, ``BATCH_S`` after the first of them."""
+
+    def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any]]], wait_s: float) -> None:
+        self.send, self.wait_s = send, wait_s
+        self.items: list[tuple[Any, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None  # the flush under way (held: not collected)
+
+    async def add(self, item: Any) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self.items.append((item, future))
+        if len(self.items) == 1:
+            self._task = asyncio.get_running_loop().create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(self.wait_s)
+        items, self.items = self.items, []
+        try:
+            answers = await self.send([item for item, _ in items])
+            if len(answers) != len(items):
+                raise RuntimeError(f"{len(answers)} answers to {len(items)} messages")
+        except Exception as exc:
+            for _, future in items:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), answer in zip(items, answers, strict=True):
+            if not future.done():
+                future.set_result(answer)
+
+
+class NodeRelay:
+    """Speaks for the rank processes of one node (of one job) to the coordinator."""
+
+    def __init__(
+        self,
+        node_key: str,
+        upstream: Upstream,
+        wait_s: float,
+        probe_for: Callable[[tuple[int, ...]], HealthProbe] | None = None,
+        batch_s: float = BATCH_S,
+    ) -> None:
+        self.node_key, self.upstream, self.wait_s = node_key, upstream, wait_s
+        self.probe_for = probe_for  # None: each process's own health travels as it came
+        self.members: dict[str, Member] = {}
+        self.probes: dict[tuple[int, ...], HealthProbe] = {}
+        self.registrations = Batch(self._send_registrations, batch_s)
+        self.acks = Batch(self.upstream.ack, batch_s)
+        self._polling: asyncio.Task | None = None
+        self._gpus: dict[str, tuple[int, ...]] = {}  # process id -> its GPUs, while registering
+        self.upstream_polls = 0
+
+    # --- what the node's processes call --------------------------------------------------------
+
+    async def register(self, message: Register, gpus: tuple[int, ...] = ()) -> Reply:
+        """Register a process's ranks, together with whoever else registers now."""
+        self._gpus[message.process_id] = tuple(gpus)
+        try:
+            return await self.registrations.add(message)
+        except Unreachable as exc:
+            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+        finally:
+            self._gpus.pop(message.process_id, None)
+
+    async def poll(
+        self, process_id: str, cycle: int, state: PollState, wait_s: float
+    ) -> PollAnswer:
+        """A process's long poll: its order (or the coordinator's word) when one comes."""
+        member = self.members.get(process_id)
+        if member is None:
+            why = "this process is not registered with its node's agent"
+            return PollAnswer(PollKind.UNKNOWN, reason=why)
+        member.cycle, member.state, member.seen = cycle, state, time.monotonic()
+        member.wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
+        if member.answer is not None:
+            answer, member.answer = member.answer, None
+            return self._handed(process_id, answer)
+        member.waiting = asyncio.get_running_loop().create_future()
+        try:
+            answer = await asyncio.wait_for(member.waiting, timeout=member.wait_s)
+        except asyncio.TimeoutError:
+            return PollAnswer(PollKind.IDLE)
+        finally:
+            member.waiting = None
+        return self._handed(process_id, answer)
+
+    async def ack(self, message: Ack) -> Reply:
+        """A process has its order: it stops polling, and the coordinator is told."""
+        self.members.pop(message.process_id, None)
+        try:
+            return await self.acks.add(message)
+        except Unreachable as exc:
+            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "node_key": self.node_key,
+            "processes": len(self.members),
+            "gpu_sets_probed": len(self.probes),
+            "upstream_polls": self.upstream_polls,
+        }
+
+    # --- what goes up --------------------------------------------------------------------------
+
+    async def _send_registrations(self, messages: list[Register]) -> list[Reply]:
+        replies = await self.upstream.register(self.node_key, messages)
+        for message, reply in zip(messages, replies, strict=False):
+            if reply.accepted and reply.cycle is not None:
+                gpus = self._gpus.get(message.process_id, ())
+                self.members[message.process_id] = Member(gpus, reply.cycle, wait_s=self.wait_s)
+        if self.members and (self._polling is None or self._polling.done()):
+            self._polling = asyncio.get_running_loop().create_task(self._poll_upstream())
+        return replies
+
+    async def _poll_upstream(self) -> None:
+        """The node's one long poll, renewed every ``wait_s`` while any process is relayed."""
+        while self.members:
+            self._forget_silent()
+            health = await self._health()
+            states = {
+                pid: (m.cycle, PollState(m.state.last_step, health.get(m.gpus, m.state.health)))
+                for pid, m in self.members.items()
+            }
+            self.upstream_polls += 1
+            try:
+                answers = await self.upstream.poll(self.node_key, states, self.wait_s)
+            except TimeoutError:
+                continue  # an order it carried is answered again to the next poll
+            except Unreachable as exc:
+                self._away(str(exc))
+                return
+            except Exception as exc:  # a bug of ours or a broken answer: said, and polled again
+                logger.warning("ray_graceful node agent: the node's poll failed: %r", exc)
+                await asyncio.sleep(min(self.wait_s, 1.0))
+                continue
+            for process_id, answer in answers.items():
+                member = self.members.get(process_id)
+                if member is not None:
+                    member.hand(answer)
+
+    def _handed(self, process_id: str, answer: PollAnswer) -> PollAnswer:
+        if answer.kind in (PollKind.UNKNOWN, PollKind.STALE, PollKind.AWAY):
+            self.members.pop(process_id, None)  # it registers again, or leaves
+        return answer
+
+    def _away(self, reason: str) -> None:
+        """The coordinator is unreachable: every process is told, and registers again."""
+        logger.warning("ray_graceful node agent: the coordinator is unreachable (%s)", reason)
+        members, self.members = self.members, {}
+        for member in members.values():
+            member.hand(PollAnswer(PollKind.AWAY, reason=reason))
+
+    def _forget_silent(self) -> None:
+        now = time.monotonic()
+        for process_id, member in list(self.members.items()):
+            if member.waiting is None and now - member.seen > member.wait_s + FORGET_AFTER_S:
+                del self.members[process_id]  # its process is gone without a word
+
+    async def _health(self) -> dict[tuple[int, ...], HealthReport]:
+        """One check per distinct set of GPUs (on a thread: NVML may be slow)."""
+        if self.probe_for is None:
+            return {}
+        out = {}
+        for gpus in {m.gpus for m in self.members.values()}:
+            probe = self.probes.get(gpus)
+            if probe is None:
+                probe = self.probes[gpus] = self.probe_for(gpus)
+            out[gpus] = await asyncio.to_thread(probe.check)
+        return out

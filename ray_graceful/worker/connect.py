@@ -1,0 +1,54 @@
+"""How a rank process connects: its job's coordinator, found by name; its node's agent, started
+or found (``node/agent.py``); the control channel through one or the other.
+
+``runtime`` is the process's ``_ProcessRuntime`` (``runtime.py``): the channel is kept on it,
+along with the agent's handle (Ray ends an actor once no handle to it is left).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import GracefulConfig
+from ..node.agent import ensure_agent, uses_agent
+from .control import ControlChannel, find_coordinator
+
+
+def connect(runtime: Any, config: GracefulConfig) -> str:
+    """Register this process's ranks with the coordinator, if one runs; say what happened."""
+    if runtime.control is None or not runtime.control.alive:
+        handle = find_coordinator(config)
+        if handle is None:
+            runtime.watch_peers()
+            return (
+                "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
+                "its own"
+            )
+        agent, note = _node_agent(runtime, config, handle)
+        runtime.control = ControlChannel(
+            handle,
+            config,
+            ranks=runtime.rank_specs,
+            last_step=lambda: runtime.loop.last_step,
+            on_order=runtime.obey,
+            done=lambda: runtime.teardown is not None,
+            on_disconnect=runtime.watch_peers,
+            relay=agent if uses_agent(config, runtime.rank_specs()) else None,
+        )
+    else:
+        note = ""
+    status = runtime.control.register() + note
+    if not runtime.control.connected:
+        runtime.watch_peers()
+    return status
+
+
+def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any) -> tuple:
+    """This node's agent, if this process relays through it or cloud notices are on."""
+    if not uses_agent(config, runtime.rank_specs()) and config.cloud_notices == "off":
+        return None, ""
+    try:
+        runtime.node_agent = ensure_agent(config, coordinator)
+    except Exception as exc:  # an addition: never a reason to fail setup
+        return None, f"; no node agent ({exc!r}): polling the coordinator directly"
+    return runtime.node_agent, ""

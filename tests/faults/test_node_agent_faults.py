@@ -1,0 +1,83 @@
+"""The node agent on real ranks: orders through it, and its loss.
+
+The four gloo ranks of ``test_faults.py`` with ``node_agent='on'``: they register, poll and
+acknowledge through their node's agent (one actor per job and node, ``node/agent.py``). A
+SIGTERM still ends in a committed checkpoint; an agent killed with SIGKILL is noticed by its
+ranks, which register with the coordinator directly, and the next eviction ends as cleanly.
+Same bookkeeping (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.node.agent import agent_name
+from tests.faults.test_faults import fault_config, run_and_record, start
+from tests.helpers import wait_for
+
+
+@pytest.fixture
+def config(tmp_path):
+    return fault_config(tmp_path).replace(node_agent="on")
+
+
+@pytest.fixture
+def coordinator(ray_cluster, config):
+    coord = Coordinator.start(config)
+    yield coord
+    coord.shutdown()
+
+
+def node_agent(config, rank):
+    """The agent of ``rank``'s node (``rank`` not inside a call: rank 3 of ``start``)."""
+    job = ray.get_runtime_context().get_job_id()
+    node = ray.get(rank.node.remote(), timeout=30)
+    return ray.get_actor(agent_name(job, node), namespace=config.coordinator_namespace)
+
+
+def relayed(coordinator) -> dict:
+    return coordinator.status()["node_agents"]
+
+
+def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exit_recorder):
+    ranks, pids = start(config, exit_recorder)
+    agents = wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
+    assert [a["processes"] for a in agents.values()] == [4], "four ranks, one node, one agent"
+    described = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)
+    assert described["processes"] == 4 and described["upstream_polls"] >= 1, described
+    os.kill(pids[1], signal.SIGTERM)
+    outcome = run_and_record(
+        "SIGTERM, ranks relayed by their node agent",
+        fault_log,
+        config,
+        coordinator,
+        exit_recorder,
+        pids,
+        ranks,
+    )
+    assert outcome.result == "committed", outcome.reason
+
+
+def test_node_agent_killed(rep, fault_log, config, coordinator, exit_recorder):
+    ranks, pids = start(config, exit_recorder)
+    wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
+    agent_pid = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)["pid"]
+    os.kill(agent_pid, signal.SIGKILL)  # a crash of the agent's process
+    wait_for(lambda: not relayed(coordinator), 20, "the ranks to poll the coordinator directly")
+    assert len(coordinator.status()["ranks"]) == 4, "every rank registered again, directly"
+    os.kill(pids[1], signal.SIGTERM)
+    outcome = run_and_record(
+        "a node agent killed (SIGKILL), then SIGTERM",
+        fault_log,
+        config,
+        coordinator,
+        exit_recorder,
+        pids,
+        ranks,
+    )
+    assert outcome.result == "committed", outcome.reason

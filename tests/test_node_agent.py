@@ -1,0 +1,73 @@
+"""One node agent per node, on two raylets: each relays its own node's ranks, and one notice
+for one node orders every rank of the group through both agents."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from ray_graceful import latest_committed
+from ray_graceful.coordinator import Coordinator
+from ray_graceful.node.agent import agent_name
+from tests import actors
+from tests.helpers import fast_config, free_port, kill_actors, wait_for
+
+
+def relaying(agent, processes: int) -> dict | None:
+    """The agent's own account once it relays ``processes`` rank processes."""
+    described = ray.get(agent.describe.remote(), timeout=10)
+    return described if described["processes"] == processes else None
+
+
+def test_each_node_has_its_agent_and_an_order_reaches_every_rank_through_them(
+    nodes, tmp_path, exit_recorder
+):
+    config = fast_config(tmp_path, node_agent="on", teardown_timeout_s=15.0, save_budget_s=8.0)
+    coordinator = Coordinator.start(config)
+    actor = ray.remote(actors.GracefulTrainer)
+    where = ["a", "a", "b", "b"]
+    ranks = [
+        actor.options(
+            num_cpus=0, resources={f"node_{n}": 1}, runtime_env=exit_recorder.runtime_env()
+        ).remote()
+        for n in where
+    ]
+    try:
+        port = free_port()
+        statuses = ray.get(
+            [
+                r.setup.remote(i, 4, "127.0.0.1", port, config, shard=str(i % 2))
+                for i, r in enumerate(ranks)
+            ],
+            timeout=120,
+        )
+        assert all("orders arrive through a long poll" in s for s in statuses), statuses
+        pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
+        job = ray.get_runtime_context().get_job_id()
+        agents = {
+            n: ray.get_actor(agent_name(job, nodes[n]), namespace=config.coordinator_namespace)
+            for n in ("a", "b")
+        }
+        for n, agent in agents.items():
+            described = wait_for(lambda a=agent: relaying(a, 2), 20, f"node {n}'s agent")
+            assert described["node_id"] == nodes[n], "pinned to its own node"
+        relayed = wait_for(lambda: coordinator.status()["node_agents"], 10, "the agents' polls")
+        assert sorted(a["processes"] for a in relayed.values()) == [2, 2]
+
+        assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
+        training = [r.train.remote(10**6, 0.01) for r in ranks]
+        reply = coordinator.notify(
+            node_id=nodes["a"], reason="test: node a evicted", deadline=time.time() + 15
+        )
+        assert reply.accepted, reply.reason
+        outcome = coordinator.wait_outcome(timeout=40, cycle=0)
+        assert outcome is not None and outcome.result == "committed", outcome
+        codes = [exit_recorder.wait(pid, 20) for pid in pids]
+        assert None not in codes, "every rank of the group left through its node's agent"
+        ray.wait(training, num_returns=4, timeout=10)
+        latest = latest_committed(config.checkpoint_dir)
+        assert latest is not None and sorted(latest.shards) == ["trainer/0", "trainer/1"]
+    finally:
+        kill_actors(*ranks)
+        coordinator.shutdown()

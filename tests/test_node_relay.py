@@ -1,0 +1,212 @@
+"""The node agent's relay and the coordinator's fan-out, without Ray: a fake coordinator behind
+the relay's ``Upstream`` seam, the real ``Fanout`` behind the fake."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ray_graceful.coordinator.fanout import Fanout
+from ray_graceful.health import FAULTY, HEALTHY, HealthReport
+from ray_graceful.node.relay import NodeRelay, Unreachable
+from ray_graceful.protocol import (
+    Ack,
+    Order,
+    PollAnswer,
+    PollKind,
+    PollState,
+    RankSpec,
+    Register,
+    Reply,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def register(i: int) -> Register:
+    return Register(f"p{i}", "node-a", 100 + i, "host", "job", (RankSpec("g", i, 8, str(i), True),))
+
+
+def order(i: int) -> Order:
+    return Order("job", 0, f"o{i}", deadline=0.0, trigger="test")
+
+
+class FakeCoordinator:
+    """Answers like the coordinator actor: registrations accepted into cycle 0, polls held in
+    a real ``Fanout`` until ``order`` hands them answers; every call is recorded."""
+
+    def __init__(self) -> None:
+        self.fanout = Fanout()
+        self.calls: list[tuple[str, int]] = []  # (what, how many messages it carried)
+        self.states: list[dict] = []
+        self.unreachable: Unreachable | None = None
+
+    async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
+        self.calls.append(("register", len(messages)))
+        if self.unreachable:
+            raise self.unreachable
+        for message in messages:
+            self.fanout.through_node(message.process_id, node_key)
+        return [Reply.ok(0) for _ in messages]
+
+    async def poll(self, node_key: str, states: dict, wait_s: float) -> dict[str, PollAnswer]:
+        self.calls.append(("poll", len(states)))
+        self.states.append(states)
+        if self.unreachable:
+            raise self.unreachable
+        return await self.fanout.hold_node(node_key, {}, wait_s)
+
+    async def ack(self, acks: list[Ack]) -> list[Reply]:
+        self.calls.append(("ack", len(acks)))
+        return [Reply.ok(0) for _ in acks]
+
+    def count(self, what: str) -> int:
+        return sum(1 for call, _ in self.calls if call == what)
+
+
+class FixedProbe:
+    def __init__(self, gpus: tuple[int, ...], faulty: set[int], checks: list) -> None:
+        self.gpus, self.faulty, self.checks = gpus, faulty, checks
+
+    def check(self) -> HealthReport:
+        self.checks.append(self.gpus)
+        bad = self.faulty & set(self.gpus)
+        return HealthReport(FAULTY if bad else HEALTHY, probe=f"gpus {self.gpus}")
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_a_node_registers_polls_and_is_ordered_in_one_message_each():
+    async def scenario():
+        coordinator = FakeCoordinator()
+        relay = NodeRelay("node-a-1", coordinator, wait_s=30.0)
+        replies = await asyncio.gather(*(relay.register(register(i)) for i in range(8)))
+        assert all(r.accepted and r.cycle == 0 for r in replies)
+        registrations = [n for call, n in coordinator.calls if call == "register"]
+        assert registrations == [8], "eight registrations, one message"
+
+        polls = [
+            asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(last_step=7), 30.0))
+            for i in range(8)
+        ]
+        await until(lambda: coordinator.fanout.pending() == 8)
+        assert coordinator.count("poll") == 1, "one long poll holds the whole node"
+
+        for i in range(8):  # the coordinator's step: every order of the node at once
+            coordinator.fanout.answer(f"p{i}", PollAnswer(PollKind.ORDER, order(i)))
+        answers = await asyncio.wait_for(asyncio.gather(*polls), 5)
+        assert [a.order.order_id for a in answers] == [f"o{i}" for i in range(8)]
+        assert coordinator.count("poll") <= 2, "the orders came back in the node's one reply"
+
+        acks = await asyncio.gather(*(relay.ack(Ack(f"p{i}", 0, f"o{i}")) for i in range(8)))
+        assert all(a.accepted for a in acks)
+        assert [n for c, n in coordinator.calls if c == "ack"] == [8], "acks go up together"
+        assert relay.members == {}, "an acknowledged process is no longer polled for"
+
+    asyncio.run(scenario())
+
+
+def test_an_order_that_comes_between_two_polls_waits_for_the_next():
+    async def scenario():
+        coordinator = FakeCoordinator()
+        relay = NodeRelay("node-a-1", coordinator, wait_s=30.0)
+        await relay.register(register(0))
+        first = asyncio.ensure_future(relay.poll("p0", 0, PollState(), 0.05))
+        assert (await first).kind is PollKind.IDLE
+        await until(lambda: coordinator.fanout.pending() == 1)
+        coordinator.fanout.answer("p0", PollAnswer(PollKind.ORDER, order(0)))
+        await asyncio.sleep(0.05)  # the order reached the relay while p0 held no poll
+        answer = await asyncio.wait_for(relay.poll("p0", 0, PollState(), 30.0), 1)
+        assert answer.kind is PollKind.ORDER, "kept for it, handed to its next poll at once"
+
+    asyncio.run(scenario())
+
+
+def test_health_is_probed_once_per_gpu_and_each_verdict_reaches_its_ranks():
+    async def scenario():
+        coordinator, checks = FakeCoordinator(), []
+        relay = NodeRelay(
+            "node-a-1",
+            coordinator,
+            wait_s=0.1,
+            probe_for=lambda gpus: FixedProbe(gpus, faulty={1}, checks=checks),
+        )
+        # four processes on two GPUs: two per GPU (verl's colocated roles, say)
+        await asyncio.gather(*(relay.register(register(i), gpus=(i % 2,)) for i in range(4)))
+        held = [  # noqa: F841 (held: the processes' polls stay open)
+            asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(last_step=i), 30.0))
+            for i in range(4)
+        ]
+        await until(lambda: len(coordinator.states) >= 2)
+        states = coordinator.states[-1]
+        verdicts = {pid: state.health.verdict for pid, (_cycle, state) in states.items()}
+        assert verdicts == {"p0": HEALTHY, "p1": FAULTY, "p2": HEALTHY, "p3": FAULTY}
+        assert {pid: state.last_step for pid, (_c, state) in states.items()} == {
+            "p0": 0,
+            "p1": 1,
+            "p2": 2,
+            "p3": 3,
+        }
+        polls = coordinator.count("poll")
+        assert len(checks) <= 2 * polls and set(checks) == {(0,), (1,)}, "once per GPU a poll"
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_coordinator_sends_every_process_to_register_again():
+    async def scenario():
+        coordinator = FakeCoordinator()
+        relay = NodeRelay("node-a-1", coordinator, wait_s=30.0)
+        await asyncio.gather(*(relay.register(register(i)) for i in range(3)))
+        polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in range(3)]
+        await until(lambda: coordinator.fanout.pending() == 3)
+        coordinator.unreachable = Unreachable("ActorUnavailableError: restarting", True)
+        coordinator.fanout.forget_except(set())  # the held poll fails: the relay polls again
+        answers = await asyncio.wait_for(asyncio.gather(*polls), 5)
+        assert {a.kind for a in answers} == {PollKind.AWAY}
+        assert "restarting" in answers[0].reason
+        again = await relay.register(register(0))
+        assert not again.accepted and again.retry, "restarting: the process tries again"
+        coordinator.unreachable = Unreachable("ActorDiedError: gone", False)
+        gone = await relay.register(register(0))
+        assert not gone.accepted and not gone.retry, "gone for good: no retry"
+
+    asyncio.run(scenario())
+
+
+def test_a_process_that_polls_without_registering_is_told_so():
+    async def scenario():
+        relay = NodeRelay("node-a-1", FakeCoordinator(), wait_s=30.0)
+        answer = await relay.poll("stranger", 0, PollState(), 1.0)
+        assert answer.kind is PollKind.UNKNOWN and "not registered" in answer.reason
+
+    asyncio.run(scenario())
+
+
+def test_the_fanout_routes_each_answer_to_the_poll_its_process_holds():
+    async def scenario():
+        fanout = Fanout()
+        fanout.through_node("p0", "node-a")
+        fanout.through_node("p1", "node-a")
+        node = asyncio.ensure_future(fanout.hold_node("node-a", {}, 30.0))
+        direct = asyncio.ensure_future(fanout.hold("p2", 30.0))
+        await until(lambda: fanout.pending() == 3)
+        for pid in ("p0", "p1", "p2"):
+            fanout.answer(pid, PollAnswer(PollKind.ORDER, order(0)))
+        answers = await asyncio.wait_for(node, 1)
+        assert set(answers) == {"p0", "p1"}, "one reply carries the node's answers"
+        assert (await asyncio.wait_for(direct, 1)).kind is PollKind.ORDER
+
+        fanout.directly("p1")  # its agent died: it registered again on its own
+        assert fanout.served_by == {"p0": "node-a"}
+        fanout.forget_except({"p1"})
+        assert fanout.served_by == {} and fanout.nodes == {}, "nothing kept for the gone"
+        assert fanout.calls == 2
+
+    asyncio.run(scenario())
