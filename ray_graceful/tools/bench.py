@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -210,6 +211,7 @@ def _release_once(
     backend: str,
     imports: tuple[str, ...] = (),
     drain_poll_s: float = 1.0,
+    node_agent: str = "off",
 ) -> dict[str, Any]:
     """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
 
@@ -221,7 +223,9 @@ def _release_once(
 
     work = tempfile.mkdtemp(prefix="release-")
     config = GracefulConfig(
-        report_dir=os.path.join(work, "reports"), drain_poll_interval_s=drain_poll_s
+        report_dir=os.path.join(work, "reports"),
+        drain_poll_interval_s=drain_poll_s,
+        node_agent=node_agent,
     )
     coordinator = Coordinator.start(config) if graceful else None
     cls = GracefulBenchRank if graceful else BenchRank
@@ -308,7 +312,11 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     sizes = list(args.sizes)
-    hows = args.how.split(",")
+    hows = [  # each eviction, without and with node agents ("sigterm+agent")
+        how if agent == "off" else f"{how}+agent"
+        for agent in args.node_agent.split(",")
+        for how in args.how.split(",")
+    ]
     imports = tuple(m for m in (args.imports or "").split(",") if m)
     poll_cost = None
     with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
@@ -323,19 +331,21 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                         cluster,
                         n,
                         True,
-                        how,
+                        how.removesuffix("+agent"),
                         args.timeout,
                         args.backend,
                         imports,
                         args.drain_poll,
+                        "on" if how.endswith("+agent") else "off",
                     )
+                    r["how"] = how
                     results.append({**r, "rep": rep})
                     print(
                         f"  {how} N={n} rep {rep}: all out {r['all_out_s']}s, "
                         f"exits {r['exit_paths']}, {r['crashes']} recorded as crashes",
                         flush=True,
                     )
-                if args.baseline:
+                if args.baseline and not how.endswith("+agent"):
                     b = _release_once(
                         ray, cluster, n, False, how, args.timeout, args.backend, imports
                     )
@@ -352,7 +362,8 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             firsts = [r["first_out_s"] for r in runs if r["first_out_s"] is not None]
             outcomes = [r["outcome_s"] for r in runs if r["outcome_s"] is not None]
             lingers = [x for r in runs for x in r["after_teardown_s"]]
-            base = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, how, False)]
+            plain = how.removesuffix("+agent")
+            base = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, plain, False)]
             waited = args.timeout + 30
             if not base:
                 base_text, speedup = "-", "-"
@@ -888,6 +899,13 @@ def add_bench_parser(sub: Any) -> None:
         "also measures what one poll costs the GCS",
     )
     release.add_argument(
+        "--node-agent",
+        type=comma_choices("off", "on"),
+        default="off",
+        help="ranks polling the coordinator themselves (off), through their node's agent (on), "
+        "or off,on to compare both in one run (rows 'sigterm+agent')",
+    )
+    release.add_argument(
         "--imports",
         default="",
         help="modules every rank imports first, e.g. transformers (a real import graph: "
@@ -999,20 +1017,9 @@ def add_bench_parser(sub: Any) -> None:
         help="with --peers: none, ray-documented, ray-best, graceful (default: all)",
     )
 
-    fanout = names.add_parser("fanout", help="notice to every rank ordered, N simulated ranks")
-    fanout.add_argument(
-        "--sizes",
-        type=positive_ints,
-        default="1024,4096,16384",
-        help="ranks (default 1024,4096,16384)",
-    )
-    fanout.add_argument("--reps", type=positive_int, default=5, help="repetitions (default 5)")
-    fanout.add_argument(
-        "--health-interval",
-        type=positive_seconds,
-        default=5.0,
-        help="each rank's poll renewal interval (default 5, the config's default)",
-    )
+    from .bench_fanout import add_fanout_parser
+
+    fanout = add_fanout_parser(names, positive_int, positive_ints, positive_seconds)
 
     from .bench_restart import add_restart_parser
 
@@ -1027,10 +1034,9 @@ def add_bench_parser(sub: Any) -> None:
     bench.set_defaults(func=run_benchmark)
 
 
-def _bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
-    from .bench_fanout import bench_fanout
-
-    return bench_fanout(args)
+def _sibling(module: str) -> Any:
+    """A benchmark of a sibling module, imported only when it runs."""
+    return lambda args: getattr(importlib.import_module(f".{module}", __package__), module)(args)
 
 
 def _bench_save(args: argparse.Namespace) -> dict[str, Any]:
@@ -1052,21 +1058,15 @@ def _bench_save(args: argparse.Namespace) -> dict[str, Any]:
     return bench_save(args)
 
 
-def _bench_restart(args: argparse.Namespace) -> dict[str, Any]:
-    from .bench_restart import bench_restart
-
-    return bench_restart(args)
-
-
 def run_benchmark(args: argparse.Namespace) -> int:
     run = {
-        "restart": _bench_restart,
+        "restart": _sibling("bench_restart"),
         "release": bench_release,
         "plan": bench_plan,
         "overhead": bench_overhead,
         "save": _bench_save,
         "recovery": bench_recovery,
-        "fanout": _bench_fanout,
+        "fanout": _sibling("bench_fanout"),
     }[args.bench]
     command = "ray-graceful " + " ".join(sys.argv[1:])
     started = time.time()

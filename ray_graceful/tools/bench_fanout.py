@@ -1,12 +1,24 @@
 """``ray-graceful bench fanout``: a real coordinator and N simulated ranks, the fan-out timed.
 
-N processes are registered like real ranks (one ``Register`` each, one rank per process, on 8
-simulated nodes) and hold their long polls open from a few poller actors, as N real control
-threads would. Then one notice for every node: the time from the notice to the moment every
+Two ways for the ranks to reach the coordinator, measured in the same run:
+
+- ``--ranks-per-node 0``: per rank, as without a node agent. Every simulated process registers
+  (one ``Register`` each, on 8 simulated nodes) and holds its own long poll from a few poller
+  actors, as N control threads would.
+- ``--ranks-per-node K``: through node agents. N/K simulated nodes, each one ``NodeRelay`` - the
+  node agent's own code (``node/relay.py``) - holding its node's one long poll, registering its
+  K processes in one message and acknowledging together, over real Ray calls to the real
+  coordinator. **Simulated:** the nodes are relay objects inside a few poller actors, not one
+  actor per machine; each rank process is a coroutine calling its relay in-process, not a
+  control thread one same-node Ray call away (about 1 ms more per order, not counted here).
+  **Real:** the coordinator actor, its cycle machine and fan-out, every coordinator call.
+
+Then one notice for each of the first 8 nodes: the time from the notice to the moment every
 rank holds its order is what a real eviction costs before any rank can act. Also measured: the
-coordinator's resident memory with N polls pending, and its idle poll rate (each rank renews
-its poll every ``health_interval_s``). Each repetition is a full cycle: orders, a report from
-every rank, the outcome, and everyone registered again for the next cycle.
+time to register every rank, the coordinator's resident memory with every poll pending, and
+the calls a second it serves while the job is idle (each rank, or each node, renews its poll
+every ``health_interval_s``). Each repetition is a full cycle: orders, a report from every rank,
+the outcome, and everyone registered again for the next.
 """
 
 from __future__ import annotations
@@ -18,69 +30,82 @@ import time
 from typing import Any
 
 from ..config import GracefulConfig
-from ..protocol import Ack, PollState, RankSpec, Register
+from ..protocol import Ack, PollKind, PollState, RankSpec, Register, TeardownReport
 
 POLLERS = 4
-NODES = 8
+NOTICED_NODES = 8
+
+
+def _register_message(i: int, n: int, node: str, job_id: str) -> Register:
+    return Register(f"p{i}", node, i, "bench", job_id, (RankSpec("g", i, n, str(i), True),))
 
 
 class Poller:
-    """Holds the long polls of many simulated ranks, as their control threads would."""
+    """Holds the long polls of many simulated ranks: their own, or their nodes' relays."""
 
-    def __init__(self, handle: Any, process_ids: list[str], wait_s: float) -> None:
-        self.handle, self.ids, self.wait_s = handle, process_ids, wait_s
+    def __init__(
+        self, handle: Any, ranks: dict[int, str], n: int, wait_s: float, per_node: int
+    ) -> None:
+        self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
+        self.relays: dict[str, Any] = {}
+        if per_node:
+            from ..node.agent import RayUpstream
+            from ..node.relay import NodeRelay
+
+            upstream = RayUpstream(handle)
+            for node in sorted(set(ranks.values())):
+                self.relays[node] = NodeRelay(f"{node}-bench", upstream, wait_s)
+
+    async def register(self, job_id: str) -> float:
+        """Register every rank (per rank, or per node through its relay); seconds it took."""
+        start = time.monotonic()
+
+        async def one(i: int, node: str) -> None:
+            message = _register_message(i, self.n, node, job_id)
+            relay = self.relays.get(node)
+            if relay is not None:
+                reply = await relay.register(message)
+            else:
+                reply = await self.handle.register.remote(message)
+            if not reply.accepted:
+                raise RuntimeError(f"registration refused: {reply.reason}")
+
+        await asyncio.gather(*(one(i, node) for i, node in self.ranks.items()))
+        return time.monotonic() - start
 
     async def hold(self, cycle: int) -> list[float]:
         """Poll for every rank until it has its order; the time each order arrived."""
 
-        async def one(process_id: str) -> float:
+        async def one(i: int, node: str) -> float:
+            relay, process_id = self.relays.get(node), f"p{i}"
             while True:
-                answer = await self.handle.poll.remote(process_id, cycle, PollState(), self.wait_s)
-                if answer.kind == "order":
+                if relay is not None:
+                    answer = await relay.poll(process_id, cycle, PollState(), self.wait_s)
+                else:
+                    poll = self.handle.poll.remote(process_id, cycle, PollState(), self.wait_s)
+                    answer = await poll
+                if answer.kind == PollKind.ORDER:
                     arrived = time.time()
-                    await self.handle.ack.remote(Ack(process_id, cycle, answer.order.order_id))
+                    ack = Ack(process_id, cycle, answer.order.order_id)
+                    await (relay.ack(ack) if relay else self.handle.ack.remote(ack))
                     return arrived
-                if answer.kind != "idle":
+                if answer.kind != PollKind.IDLE:
                     raise RuntimeError(f"{process_id}: {answer.kind} {answer.reason}")
 
-        return list(await asyncio.gather(*(one(p) for p in self.ids)))
+        return list(await asyncio.gather(*(one(i, node) for i, node in self.ranks.items())))
 
     async def report(self, cycle: int) -> int:
-        from ..worker.report import TeardownReport
-
+        """Every rank's teardown report, straight to the coordinator (as real ranks send it)."""
         now = time.time()
         replies = await asyncio.gather(
             *(
                 self.handle.report_teardown.remote(
-                    p, TeardownReport(0, "bench", "", "", [], "bench", cycle, now, now)
+                    f"p{i}", TeardownReport(0, "bench", "", "", [], "bench", cycle, now, now)
                 )
-                for p in self.ids
+                for i in self.ranks
             )
         )
         return sum(r.accepted for r in replies)
-
-
-def _register(handle: Any, n: int, job_id: str) -> None:
-    import ray
-
-    refs = [
-        handle.register.remote(
-            Register(
-                f"p{i}",
-                f"node-{i % NODES}",
-                i,
-                "bench",
-                job_id,
-                (RankSpec("g", i, n, str(i), True),),
-            )
-        )
-        for i in range(n)
-    ]
-    for start in range(0, n, 2048):
-        replies = ray.get(refs[start : start + 2048], timeout=600)
-        refused = [r.reason for r in replies if not r.accepted]
-        if refused:
-            raise RuntimeError(f"registration refused: {refused[0]}")
 
 
 def _wait_pending(coordinator: Any, n: int, timeout: float) -> float:
@@ -97,17 +122,17 @@ def _fanout_once(ray: Any, coordinator: Any, pollers: list[Any], n: int, cycle: 
     import psutil
 
     job_id = ray.get_runtime_context().get_job_id()
-    _register(coordinator.handle, n, job_id)
+    registration_s = max(ray.get([p.register.remote(job_id) for p in pollers], timeout=900))
     held = [p.hold.remote(cycle) for p in pollers]
     _wait_pending(coordinator, n, timeout=600)
     stats = coordinator.stats(timeout=120)
     rss = psutil.Process(stats["pid"]).memory_info().rss
-    polls_before, idle_start = stats["polls_served"], time.monotonic()
-    time.sleep(3.0)  # idle: how often do N ranks renew their polls?
+    calls_before, idle_start = stats["poll_calls"], time.monotonic()
+    time.sleep(3.0)  # idle: how often does the job renew its polls?
     idle = coordinator.stats(timeout=120)
-    idle_rate = (idle["polls_served"] - polls_before) / (time.monotonic() - idle_start)
+    idle_rate = (idle["poll_calls"] - calls_before) / (time.monotonic() - idle_start)
     t0 = time.time()
-    for node in range(NODES):
+    for node in range(NOTICED_NODES):
         reply = coordinator.notify(
             node_id=f"node-{node}", reason="bench", deadline=t0 + 120, source="cli", timeout=120
         )
@@ -118,71 +143,131 @@ def _fanout_once(ray: Any, coordinator: Any, pollers: list[Any], n: int, cycle: 
     reported = sum(ray.get([p.report.remote(cycle) for p in pollers], timeout=600))
     outcome = coordinator.wait_outcome(timeout=300, cycle=cycle)
     return {
+        "registration_s": registration_s,
         "all_ordered_s": latest,
         "median_rank_s": sorted(a - t0 for a in arrivals)[len(arrivals) // 2],
         "rss_mb": rss / 2**20,
-        "idle_polls_per_s": idle_rate,
+        "idle_calls_per_s": idle_rate,
         "reported": reported,
         "result": outcome.result if outcome else None,
     }
 
 
-def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
+def _one_size(ray: Any, args: argparse.Namespace, n: int, per_node: int) -> list[dict]:
     from ..coordinator import Coordinator
+
+    config = GracefulConfig(
+        coordinator_name=f"fanout-{n}-{per_node}-{os.getpid()}",
+        report_dir=os.path.join(os.path.abspath("bench-output"), "fanout-reports"),
+        health_interval_s=args.health_interval,
+        notice_gather_s=0.0,
+        teardown_timeout_s=60.0,
+    )
+    coordinator = Coordinator.start(config)
+    # rank i on node i // per_node (per rank: on node i % 8, as before); nodes split by poller
+    node_of = {
+        i: f"node-{i // per_node}" if per_node else f"node-{i % NOTICED_NODES}" for i in range(n)
+    }
+    nodes = sorted(set(node_of.values()), key=lambda name: int(name.split("-")[1]))
+    poller_of = {node: k % POLLERS for k, node in enumerate(nodes)}
+    poller = ray.remote(Poller).options(num_cpus=0, max_concurrency=1000)
+    pollers = [
+        poller.remote(
+            coordinator.handle,
+            {i: node for i, node in node_of.items() if poller_of[node] == k},
+            n,
+            args.health_interval,
+            per_node,
+        )
+        for k in range(POLLERS)
+    ]
+    runs = []
+    try:
+        for rep in range(args.reps):
+            runs.append(_fanout_once(ray, coordinator, pollers, n, cycle=rep))
+            print(f"  n={n} ranks/node={per_node or '-'} rep {rep}: {runs[-1]}", flush=True)
+    finally:
+        for p in pollers:
+            ray.kill(p)
+        coordinator.shutdown()
+    return runs
+
+
+def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
     from .bench import _pct, _table, local_cluster
 
     rows, results = [], []
     with local_cluster(head_cpus=4) as _cluster:
         import ray
 
-        for n in args.sizes:
-            config = GracefulConfig(
-                coordinator_name=f"fanout-{n}-{os.getpid()}",
-                report_dir=os.path.join(os.path.abspath("bench-output"), "fanout-reports"),
-                health_interval_s=args.health_interval,
-                notice_gather_s=0.0,
-                teardown_timeout_s=60.0,
-            )
-            coordinator = Coordinator.start(config)
-            per = -(-n // POLLERS)
-            ids = [f"p{i}" for i in range(n)]
-            poller = ray.remote(Poller).options(num_cpus=0, max_concurrency=1)
-            pollers = [
-                poller.remote(
-                    coordinator.handle, ids[k * per : (k + 1) * per], args.health_interval
+        for per_node in args.ranks_per_node:
+            for n in args.sizes:
+                runs = _one_size(ray, args, n, per_node)
+                results.append({"n": n, "ranks_per_node": per_node, "runs": runs})
+                rss = [r["rss_mb"] for r in runs]
+                rows.append(
+                    [
+                        "per rank" if per_node == 0 else f"agents, {per_node}/node",
+                        n,
+                        _pct([r["registration_s"] for r in runs], 0.5),
+                        _pct([r["all_ordered_s"] for r in runs], 0.5),
+                        _pct([r["all_ordered_s"] for r in runs], 0.9),
+                        _pct([r["median_rank_s"] for r in runs], 0.5),
+                        max(rss),
+                        (rss[-1] - rss[0]) / max(len(rss) - 1, 1),
+                        _pct([r["idle_calls_per_s"] for r in runs], 0.5),
+                    ]
                 )
-                for k in range(POLLERS)
-            ]
-            runs = []
-            try:
-                for rep in range(args.reps):
-                    runs.append(_fanout_once(ray, coordinator, pollers, n, cycle=rep))
-                    print(f"  n={n} rep {rep}: {runs[-1]}", flush=True)
-            finally:
-                for p in pollers:
-                    ray.kill(p)
-                coordinator.shutdown()
-            ordered = [r["all_ordered_s"] for r in runs]
-            results.append({"n": n, "runs": runs})
-            rows.append(
-                [
-                    n,
-                    _pct(ordered, 0.5),
-                    _pct(ordered, 0.9),
-                    _pct([r["median_rank_s"] for r in runs], 0.5),
-                    max(r["rss_mb"] for r in runs),
-                    _pct([r["idle_polls_per_s"] for r in runs], 0.5),
-                ]
-            )
     table = _table(
         [
+            "ranks reach the coordinator",
             "ranks",
+            "registration p50 s",
             "all ordered p50 s",
             "p90 s",
             "median rank s",
             "coordinator RSS MB",
-            "idle polls/s",
+            "RSS MB/cycle",
+            "idle calls/s",
         ],
         rows,
     )
     return {"results": results, "table": table}
+
+
+def add_fanout_parser(names: Any, positive_int: Any, positive_ints: Any, seconds: Any) -> Any:
+    """``bench fanout``'s options."""
+    fanout = names.add_parser("fanout", help="notice to every rank ordered, N simulated ranks")
+    fanout.add_argument(
+        "--sizes",
+        type=positive_ints,
+        default="1024,4096,16384",
+        help="ranks (default 1024,4096,16384)",
+    )
+    fanout.add_argument("--reps", type=positive_int, default=5, help="repetitions (default 5)")
+    fanout.add_argument(
+        "--ranks-per-node",
+        type=_counts,
+        default="0,8",
+        help="ranks per simulated node agent, comma-separated; 0: every rank polls the "
+        "coordinator itself (default 0,8: both, in the same run)",
+    )
+    fanout.add_argument(
+        "--health-interval",
+        type=seconds,
+        default=5.0,
+        help="each rank's (or node's) poll renewal interval (default 5, the config's default)",
+    )
+    return fanout
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 or v > 4096 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}: comma-separated ranks per node, each 0 (per rank) to 4096"
+        )
+    return values
