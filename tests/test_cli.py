@@ -330,6 +330,8 @@ def test_plan_takes_real_unix_times_and_says_which_now(tmp_path, capsys):
         (["notify", "--this-node", "--reason", "bad \udcff"], "is not valid UTF-8 text"),
         (["bench", "release", "--how", "foo"], "'foo' is not one of them"),
         (["bench", "recovery", "--peers", "--ways", "ray"], "give one or more of none"),
+        (["bench", "fanout", "--ranks-per-node", "8,x"], "each 0 (per rank) to 4096"),
+        (["bench", "release", "--node-agent", "maybe"], "'maybe' is not one of them"),
         (["bench", "save", "--dir", "/dev/null"], "'/dev/null' is not a directory"),
         (["bench", "plan", "--json", "/tmp"], "'/tmp' is a directory: give a file path"),
         (["demo", "--output", "/dev/null/x"], "cannot be made: /dev/null is not one"),
