@@ -44,40 +44,29 @@ def relayed(coordinator) -> dict:
     return coordinator.status()["node_agents"]
 
 
+def evict_one_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ranks):
+    """SIGTERM to rank 1; every rank out by its deadline and the checkpoint committed."""
+    os.kill(pids[1], signal.SIGTERM)
+    outcome = run_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ranks)
+    assert outcome.result == "committed", outcome.reason
+
+
 def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exit_recorder):
+    scene = (fault_log, config, coordinator, exit_recorder)
     ranks, pids = start(config, exit_recorder)
     agents = wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
     assert [a["processes"] for a in agents.values()] == [4], "four ranks, one node, one agent"
     described = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)
     assert described["processes"] == 4 and described["upstream_polls"] >= 1, described
-    os.kill(pids[1], signal.SIGTERM)
-    outcome = run_and_record(
-        "SIGTERM, ranks relayed by their node agent",
-        fault_log,
-        config,
-        coordinator,
-        exit_recorder,
-        pids,
-        ranks,
-    )
-    assert outcome.result == "committed", outcome.reason
+    evict_one_and_record("SIGTERM, ranks relayed by their node agent", *scene, pids, ranks)
 
 
 def test_node_agent_killed(rep, fault_log, config, coordinator, exit_recorder):
+    scene = (fault_log, config, coordinator, exit_recorder)
     ranks, pids = start(config, exit_recorder)
     wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
     agent_pid = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)["pid"]
     os.kill(agent_pid, signal.SIGKILL)  # a crash of the agent's process
     wait_for(lambda: not relayed(coordinator), 20, "the ranks to poll the coordinator directly")
     assert len(coordinator.status()["ranks"]) == 4, "every rank registered again, directly"
-    os.kill(pids[1], signal.SIGTERM)
-    outcome = run_and_record(
-        "a node agent killed (SIGKILL), then SIGTERM",
-        fault_log,
-        config,
-        coordinator,
-        exit_recorder,
-        pids,
-        ranks,
-    )
-    assert outcome.result == "committed", outcome.reason
+    evict_one_and_record("a node agent killed (SIGKILL), then SIGTERM", *scene, pids, ranks)
