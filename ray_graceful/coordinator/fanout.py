@@ -10,7 +10,9 @@ one of two ways:
 
 ``answer(process_id, ...)`` routes to whichever the process registered through last: a process
 whose agent died registers again directly, and is answered directly from then on. Spares and
-standbys hold polls of their own (``hold_spare``). Asyncio only; the actor owns the event loop.
+standbys hold polls of their own (``hold_spare``), and warm-restart members theirs
+(``warm.py``), through the same ``held`` / ``resolve``. Asyncio only; the actor owns the event
+loop.
 """
 
 from __future__ import annotations
@@ -38,8 +40,27 @@ class NodeSlot:
     last_poll: float = 0.0
 
     def wake(self) -> None:
-        if self.future is not None and not self.future.done():
-            self.future.set_result(None)
+        resolve(self.future, None)
+
+
+def resolve(future: asyncio.Future | None, value: Any) -> None:
+    """Answer a held poll, if it is still held."""
+    if future is not None and not future.done():
+        future.set_result(value)
+
+
+async def held(table: dict[str, asyncio.Future], key: str, wait_s: float) -> Any | None:
+    """Hold a poll under ``table[key]`` until it is answered (its value) or ``wait_s`` ends
+    (None); a newer poll under the same key replaces it in the table."""
+    future = asyncio.get_running_loop().create_future()
+    table[key] = future
+    try:
+        return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
+    except asyncio.TimeoutError:
+        return None
+    finally:
+        if table.get(key) is future:
+            del table[key]
 
 
 class Fanout:
@@ -86,22 +107,13 @@ class Fanout:
             slot.outbox[process_id] = answer
             slot.wake()  # the node's reply goes out once, with every answer of this step
             return
-        future = self.direct.get(process_id)
-        if future is not None and not future.done():
-            future.set_result(answer)
+        resolve(self.direct.get(process_id), answer)
 
     async def hold(self, process_id: str, wait_s: float) -> PollAnswer:
         """A process's own poll, until answered or ``wait_s`` ends (IDLE)."""
         self.calls += 1
-        future = asyncio.get_running_loop().create_future()
-        self.direct[process_id] = future
-        try:
-            return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-        except asyncio.TimeoutError:
-            return PollAnswer(PollKind.IDLE)
-        finally:
-            if self.direct.get(process_id) is future:
-                del self.direct[process_id]
+        answer = await held(self.direct, process_id, wait_s)
+        return PollAnswer(PollKind.IDLE) if answer is None else answer
 
     async def hold_node(
         self, node_key: str, now: dict[str, PollAnswer], wait_s: float
@@ -128,20 +140,11 @@ class Fanout:
         return answers
 
     async def hold_spare(self, spare_id: str, wait_s: float) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self.spares[spare_id] = future
-        try:
-            await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if self.spares.get(spare_id) is future:
-                del self.spares[spare_id]
+        """A spare's or standby's poll, until told (its word is then in the spare pool)."""
+        await held(self.spares, spare_id, wait_s)
 
     def tell_spare(self, spare_id: str) -> None:
-        future = self.spares.get(spare_id)
-        if future is not None and not future.done():
-            future.set_result(None)
+        resolve(self.spares.get(spare_id), None)
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from ..health import FAULTY
 from ..plan import TerminationPlan
 from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder, shard_key
 from .cycle import Cycle
-from .registry import Process, Registry, poll_timeout
+from .fanout import held, resolve
+from .registry import Process, Registry
 from .spares import SpareRecord, free_spares
 
 StoreFactory = Callable[[], tuple[str, int]]  # hosts the long-lived store once: (host, port)
@@ -221,8 +222,8 @@ class WarmRestarts:
         self.survivors = {}
         for member, future in list(self._waiters.items()):
             answer = self._answer(member)
-            if answer is not None and not future.done():
-                future.set_result(answer)
+            if answer is not None:
+                resolve(future, answer)
         return record
 
     def _why_not(self, step: int | None, committed: bool, reported: dict[str, bool]) -> str | None:
@@ -365,15 +366,7 @@ class WarmRestarts:
         answer = self._answer(member)
         if answer is not None:
             return answer
-        future = asyncio.get_running_loop().create_future()
-        self._waiters[member] = future
-        try:
-            return await asyncio.wait_for(future, timeout=poll_timeout(wait_s))
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            if self._waiters.get(member) is future:
-                del self._waiters[member]
+        return await held(self._waiters, member, wait_s)
 
     # --- 4. what each member did -------------------------------------------------------------
 

@@ -24,7 +24,8 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
                 "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
                 "its own"
             )
-        agent, note = _node_agent(runtime, config, handle)
+        relayed = uses_agent(config, runtime.rank_specs())
+        agent, note = _node_agent(runtime, config, handle, relayed)
         runtime.control = ControlChannel(
             handle,
             config,
@@ -33,7 +34,7 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
             on_order=runtime.obey,
             done=lambda: runtime.teardown is not None,
             on_disconnect=runtime.watch_peers,
-            relay=agent if uses_agent(config, runtime.rank_specs()) else None,
+            relay=agent if relayed else None,
         )
     else:
         note = ""
@@ -43,9 +44,9 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
     return status
 
 
-def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any) -> tuple:
+def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any, relayed: bool) -> tuple:
     """This node's agent, if this process relays through it or cloud notices are on."""
-    if not uses_agent(config, runtime.rank_specs()) and config.cloud_notices == "off":
+    if not relayed and config.cloud_notices == "off":
         return None, ""
     try:
         runtime.node_agent = ensure_agent(config, coordinator)

@@ -273,10 +273,11 @@ class ControlChannel:
                     if self._register_until_accepted(self._give_up()):
                         continue
                     return
-                if isinstance(exc, ray.exceptions.ActorUnavailableError) and self._reconnect(why):
-                    continue  # Ray restarted the coordinator: registered with it again
                 if not isinstance(exc, ray.exceptions.ActorUnavailableError):
                     self._lost(why)  # the coordinator died for good or became unreachable
+                    return
+                if self._reconnect(why):  # Ray is restarting it: registered with it again
+                    continue
                 return
             if answer.kind is PollKind.IDLE:
                 continue
