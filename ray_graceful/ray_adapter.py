@@ -137,8 +137,21 @@ def dead_actors(actor_ids: set[str]) -> set[str]:
     return dead
 
 
+def live_actors() -> int:
+    """Diagnostics: how many actors the GCS lists as ALIVE (what a soak watches for leaks)."""
+    import ray
+
+    state = getattr(getattr(ray._private, "state", None), "state", None)
+    if state is None or not hasattr(state, "actor_table"):
+        raise _moved("GCS actor table (ray._private.state.state.actor_table)")
+    return sum(info.get("State") == "ALIVE" for info in state.actor_table(None).values())
+
+
+# --- diagnostics: how worker processes ended (tests and benchmarks count crashes with it) -----
+
+
 def worker_exits(pids: set[int]) -> dict[int, str]:
-    """How Ray recorded the end of each dead worker process in ``pids`` (its exit type).
+    """Diagnostics: how Ray recorded the end of each dead worker in ``pids`` (its exit type).
 
     "INTENDED_SYSTEM_EXIT", "INTENDED_USER_EXIT", "USER_ERROR", "SYSTEM_ERROR", ... from the
     GCS worker table; a pid not there (or still alive) is left out.

@@ -13,10 +13,10 @@ import pytest
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from benchmarks.train_job import train_func
 from ray_graceful import GracefulConfig
 from ray_graceful.ray_adapter import available_resources_per_node, drain_node
 from ray_graceful.train import GracefulTrainCallback, resume_step
-from ray_graceful.train_job import train_func
 
 
 @pytest.fixture

@@ -167,7 +167,8 @@ class Coordinator:
         return self._ask("notify", data, timeout=timeout)
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Cheap counters: pid, cycle, phase, processes, pending polls, polls served."""
+        """Diagnostics: cheap counters (pid, cycle, phase, processes, pending polls, polls
+        served) for benchmarks, soaks and tests; `status()` is the view for people."""
         return self._ask("stats", timeout=timeout)
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:

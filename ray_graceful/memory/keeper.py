@@ -17,6 +17,7 @@ forgets a step once a newer one is committed (``release``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -160,6 +161,7 @@ class Keeper:
     def stats(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
+            "pid": os.getpid(),
             "budget_bytes": self.budget_bytes,
             "used_bytes": self.used(),
             "reserved_bytes": self.reserved,  # promised to holds still transferring

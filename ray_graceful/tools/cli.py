@@ -6,7 +6,7 @@ Commands:
   plan       a planning dry run on a scenario file (JSON or YAML)
   demo       the main job: an eviction handled end to end on a local cluster
   anyscale   switch the plugin on in an Anyscale job YAML
-  bench      benchmarks (release, plan, overhead, save, recovery)
+  bench      measure release and save on this machine, against their baselines
   config     the effective configuration, or its reference table
 
 Exit statuses: 0 done; 2 bad arguments or configuration; 3 no Ray cluster reachable; 4 no
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,15 +24,24 @@ from dataclasses import asdict
 from typing import Any
 
 from ..config import ConfigError, GracefulConfig, config_reference_markdown, is_rays_own
-
-EXIT_USAGE, EXIT_NO_CLUSTER, EXIT_NO_COORDINATOR, EXIT_REJECTED = 2, 3, 4, 5
-
-
-class CliError(Exception):
-    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.status = status
-
+from .arguments import (
+    EXIT_NO_CLUSTER,
+    EXIT_NO_COORDINATOR,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    CliError,
+    cut,
+    deadline_in,
+    group_rank,
+    non_empty,
+    non_negative_seconds,
+    positive_int,
+    timeout_seconds,
+    unix_time,
+    utf8_text,
+    writable_dir,
+    writable_file,
+)
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -98,162 +105,6 @@ def _check_reachable(address: str, timeout: float) -> None:
             pass
     except OSError as exc:
         raise CliError(f"no Ray cluster reachable at {address!r}: {exc}", EXIT_NO_CLUSTER) from exc
-
-
-def _parse_rank(text: str) -> tuple[str, int]:
-    group, sep, rank = text.rpartition("/")
-    if not sep or not group or not rank.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: give GROUP/RANK, e.g. policy/3")
-    return group, int(rank)
-
-
-MAX_TIMEOUT_S = 86_400.0  # --timeout: a day; more overflows the clients' timers
-MAX_SECONDS = 1e10  # any number of seconds or Unix time (the year 2286)
-
-
-def _seconds(text: str, minimum: float, allow_equal: bool, maximum: float = MAX_SECONDS) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_cut(text)} is not a number of seconds") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{_cut(text)}: give a finite number of seconds")
-    if value < minimum or (value == minimum and not allow_equal):
-        raise argparse.ArgumentTypeError(
-            f"{_cut(text)}: seconds must be {'>=' if allow_equal else '>'} {minimum:g}"
-        )
-    if value > maximum:
-        raise argparse.ArgumentTypeError(f"{_cut(text)}: at most {maximum:g} seconds")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    return _seconds(text, 0.0, allow_equal=True)
-
-
-def _timeout(text: str) -> float:
-    return _seconds(text, 0.0, allow_equal=True, maximum=MAX_TIMEOUT_S)
-
-
-def _deadline_in(text: str) -> float:
-    from ..notices import MAX_DEADLINE_AHEAD_S
-
-    value = _non_negative(text)
-    if value > MAX_DEADLINE_AHEAD_S:
-        raise argparse.ArgumentTypeError(
-            f"{_cut(text)}: a deadline at most 7 days ({MAX_DEADLINE_AHEAD_S:.0f} s) ahead"
-        )
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    return _seconds(text, 0.0, allow_equal=False, maximum=1e6)
-
-
-def _cut(text: str, limit: int = 60) -> str:
-    """An argument as an error shows it: quoted, and cut short."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def utf8_text(text: str) -> str:
-    """argparse type: text that is valid UTF-8 (argv bytes that are not decode to surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(
-            f"{_cut(text.encode('utf-8', 'backslashreplace').decode())} is not valid UTF-8 text"
-        ) from None
-    return text
-
-
-def comma_choices(*allowed: str) -> Any:
-    """argparse type: a comma-separated subset of ``allowed``, e.g. 'sigterm,drain'."""
-
-    def parse(text: str) -> str:
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        wrong = [p for p in parts if p not in allowed]
-        if not parts or wrong:
-            shown = f"{_cut(wrong[0])} is not one of them; " if wrong else ""
-            raise argparse.ArgumentTypeError(
-                f"{shown}give one or more of {', '.join(allowed)}, separated by commas"
-            )
-        return ",".join(parts)
-
-    return parse
-
-
-def _nearest_existing(path: str) -> str:
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
-def writable_dir(text: str) -> str:
-    """argparse type: a directory that exists and is writable, or can be made."""
-    path = os.path.abspath(utf8_text(text))
-    base = _nearest_existing(path)
-    if not os.path.isdir(base):
-        what = "is not a directory" if base == path else f"cannot be made: {base} is not one"
-        raise argparse.ArgumentTypeError(f"{_cut(text)} {what}")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{_cut(text)}: {base} is not writable")
-    return text
-
-
-def writable_file(text: str) -> str:
-    """argparse type: a file path whose directory is (or can be made) writable."""
-    path = os.path.abspath(utf8_text(text))
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{_cut(text)} is a directory: give a file path")
-    try:
-        writable_dir(os.path.dirname(path))
-    except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"{_cut(text)}: its directory {exc}") from None
-    return text
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """argparse type: a comma-separated list of integers >= 1, e.g. '2,4,8'."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1 separated by commas")
-    try:
-        return [positive_int(p) for p in parts]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give integers >= 1 separated by commas, e.g. 2,4,8"
-        ) from None
-
-
-def _non_empty(text: str) -> str:
-    if not utf8_text(text).strip():
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-def _unix_time(text: str) -> float:
-    value = _non_negative(text)
-    if value <= time.time():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is a Unix time in the past ({time.time() - value:.0f}s ago); for seconds "
-            "from now use --deadline-in"
-        )
-    return value
 
 
 # --- commands ------------------------------------------------------------------------------
@@ -393,7 +244,7 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            raise CliError(f"--set {_cut(item)}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
+            raise CliError(f"--set {cut(item)}: give FIELD=VALUE, e.g. checkpoint_dir=/mnt/ckpt")
         field, variable = name.strip().lower(), f"RAY_GRACEFUL_{name.strip().upper()}"
         if field not in fields:
             import difflib
@@ -403,7 +254,7 @@ def _cmd_anyscale(args: argparse.Namespace) -> int:
             if is_rays_own(variable):
                 hint = f" {variable} is Ray's own variable: set it in the job's env_vars yourself."
             raise CliError(
-                f"--set {_cut(name)}: not a ray_graceful setting.{hint} Allowed: "
+                f"--set {cut(name)}: not a ray_graceful setting.{hint} Allowed: "
                 f"{', '.join(fields)}."
             )
         overrides[variable] = value
@@ -442,12 +293,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(output=args.output, steps_before=args.steps)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_benchmark
-
-    return run_benchmark(args)
-
-
 # --- parser --------------------------------------------------------------------------------
 
 
@@ -460,21 +305,21 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--coordinator",
-        type=_non_empty,
+        type=non_empty,
         help="coordinator name, where the jobs set RAY_GRACEFUL_COORDINATOR_NAME (default: the "
         "job's own coordinator)",
     )
     p.add_argument(
-        "--namespace", type=_non_empty, help="coordinator namespace (default: ray_graceful)"
+        "--namespace", type=non_empty, help="coordinator namespace (default: ray_graceful)"
     )
     p.add_argument(
         "--job",
-        type=_non_empty,
+        type=non_empty,
         help="the Ray job whose coordinator to talk to (default: the only one running)",
     )
     p.add_argument(
         "--timeout",
-        type=_timeout,
+        type=timeout_seconds,
         default=10.0,
         help="seconds to wait for the coordinator (default 10)",
     )
@@ -498,21 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = notify.add_mutually_exclusive_group(required=True)
     target.add_argument("--this-node", action="store_true", help="the Ray node this runs on")
-    target.add_argument("--node-id", type=_non_empty, help="a Ray node id (hex)")
-    target.add_argument("--rank", type=_parse_rank, help="one rank, as GROUP/RANK")
+    target.add_argument("--node-id", type=non_empty, help="a Ray node id (hex)")
+    target.add_argument("--rank", type=group_rank, help="one rank, as GROUP/RANK")
     notify.add_argument(
         "--reason", required=True, type=utf8_text, help="why (shown in the plan and outcome)"
     )
     when = notify.add_mutually_exclusive_group()
     when.add_argument(
         "--deadline-in",
-        type=_deadline_in,
+        type=deadline_in,
         metavar="SECONDS",
         help="the node or rank is gone this many seconds from now",
     )
     when.add_argument(
         "--deadline",
-        type=_unix_time,
+        type=unix_time,
         metavar="UNIX_SECONDS",
         help="the node or rank is gone at this time (Unix seconds, in the future)",
     )
@@ -539,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("scenario", metavar="FILE")
     plan.add_argument(
         "--now",
-        type=_non_negative,
+        type=non_negative_seconds,
         metavar="UNIX_SECONDS",
         help="the time to plan at (default: the current time); deadline_in_s counts from it",
     )
@@ -635,7 +480,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # ``python -m``: run the imported module's main, so its CliError is the one bench raises
-    from ray_graceful.tools.cli import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

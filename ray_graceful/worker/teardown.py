@@ -341,9 +341,11 @@ class Teardown:
         assert order.state is not None
         budget = self._budget(order, done)
         state = order.state
+        captured = threading.Event()
 
         def give() -> ShardRecord:
             value = state()
+            captured.set()
             record = hand_off(
                 value,
                 step,
@@ -362,6 +364,13 @@ class Teardown:
         try:
             record: ShardRecord = run_bounded(give, budget, "memory-hand-off")
         except Exception as exc:
+            if isinstance(exc, TimeoutError) and not captured.is_set():
+                # The state itself never came: a disk save would call state() again and hang
+                # again, and a backup of this shard waits on this save's failure to start.
+                raise TimeoutError(
+                    f"the state of shard {order.shard!r} was not captured within its budget "
+                    f"of {budget:.1f}s (state_dict() did not return); not tried again on disk"
+                ) from None
             done.append(f"memory tier: shard {order.shard!r} not held ({exc}); saving to disk")
             return False
         self.report.saved.append(record.to_dict())

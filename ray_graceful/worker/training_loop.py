@@ -103,7 +103,7 @@ class TrainingLoop:
 
 # Modules whose frames sit between a training loop and ``_should_stop``: the public
 # ``should_stop`` wrappers, and Ray's method wrappers. Named exactly, not by the package prefix:
-# a loop may itself live in a ``ray_graceful.*`` module (the demo, the benchmarks).
+# a loop may itself live in a ``ray_graceful.*`` module (the demo, ``bench``'s rank actors).
 _WRAPPER_MODULES = (
     "ray_graceful.worker.training_loop",
     "ray_graceful.worker.mixin",

@@ -199,6 +199,55 @@ def test_a_saver_killed_during_its_save_is_replaced_by_its_backup_in_memory(
         coordinator.shutdown()
 
 
+def test_a_state_that_never_returns_is_covered_by_its_backup_in_memory(
+    rep, fault_log, nodes, memory_config, exit_recorder, tmp_path
+):
+    """Node b is drained; rank 0 (on a) saves shard 0, but its state_dict() never returns.
+    Its save fails at its budget - not tried again on disk, which would hang as long again -
+    so its backup, rank 2 on b, still has the time to save shard 0: committed in memory.
+    (Found by ``python -m benchmarks soak``: the retry on disk left the backup no time.)"""
+    config = memory_config.replace(teardown_timeout_s=10.0, save_budget_s=5.0)
+    coordinator = Coordinator.start(config)
+    try:
+        port = free_port()
+        ranks = place(actors.GracefulTrainer, "aabb", exit_recorder)
+        hang = str(tmp_path / "hanging")
+        ray.get(
+            [
+                r.setup.remote(
+                    i,
+                    4,
+                    "127.0.0.1",
+                    port,
+                    config,
+                    shard="01"[i % 2],
+                    hang_save=hang if i == 0 else None,
+                )
+                for i, r in enumerate(ranks)
+            ],
+            timeout=120,
+        )
+        pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
+        train_then_block(ranks)
+        drain_node(nodes["b"], time.time() + 20)
+        codes = {pid: exit_recorder.wait(pid, 30) for pid in pids}
+        assert None not in codes.values(), codes
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome.result == "committed", outcome.summary()
+        assert outcome.committed["tier"] == "memory"
+        details = [s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"]
+        assert any("not tried again on disk" in d for d in details), details
+        (hung,) = [r for r in outcome.reports if r["ranks"][0]["rank"] == 0]
+        (save,) = [s for s in hung["steps"] if s["name"] == "save"]
+        assert save["duration_s"] < config.save_budget_s + 1.0, save  # failed at its budget
+        assert any("backup of shard 'trainer/0': saving" in d for d in details), details
+        fault_log.record(
+            "memory tier: a saver whose state never returns", 4, 4, 0, "committed", pids
+        )
+    finally:
+        coordinator.shutdown()
+
+
 @ray.remote
 def _value_in(seconds: float) -> bytes:
     time.sleep(seconds)

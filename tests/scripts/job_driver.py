@@ -90,7 +90,7 @@ def train_run() -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_graceful.train_job import train_func
+    from benchmarks.train_job import train_func
 
     def run(total: int, step_s: float, name: str, evicting: bool) -> dict:
         files = {k: os.path.join(workdir, f"{name}-{k}") for k in ("progress", "attempts")}

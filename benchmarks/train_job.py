@@ -1,4 +1,4 @@
-"""A small TorchTrainer job (DDP on gloo, CPU): the Ray Train test and `bench recovery` run it.
+"""A small TorchTrainer job (DDP on gloo, CPU): the Ray Train test and `recovery` run it.
 
 It appends one line per executed step to ``progress`` (rank, step, time) and one per attempt
 to ``attempt_file`` (rank, "start", step, time, pid, node id), so a test can tell where each attempt
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
+
+from ray_graceful.config import GracefulConfig
 
 
 def train_func(config: dict) -> None:
@@ -94,3 +97,35 @@ def train_func(config: dict) -> None:
             continue
         if done % config["every"] == 0:
             report_checkpoint(done)
+
+
+def callback_config(work: str, **settings: Any) -> GracefulConfig:
+    """ray_graceful's settings in the recovery benchmarks: a fast drain poll and probe."""
+    return GracefulConfig(
+        report_dir=os.path.join(work, "reports"),
+        drain_poll_interval_s=0.5,
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+        **settings,
+    )
+
+
+def torch_trainer(loop: dict[str, Any], callbacks: list[Any], work: str) -> Any:
+    """The recovery benchmarks' TorchTrainer: 2 CPU workers on ``bench_slot`` nodes."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop,
+        scaling_config=ScalingConfig(
+            num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
+        ),
+        run_config=RunConfig(
+            storage_path=os.path.join(work, "storage"),
+            name="run",
+            callbacks=callbacks,
+            failure_config=FailureConfig(max_failures=3),
+        ),
+    )

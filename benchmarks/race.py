@@ -1,4 +1,4 @@
-"""``ray-graceful bench recovery --peers``: the same Ray Train job, the same events, four ways.
+"""``python -m benchmarks recovery --peers``: the same Ray Train job, the same events, four ways.
 
 A ``TorchTrainer`` (2 CPU workers, gloo DDP, a periodic checkpoint every ``--every`` steps) on
 a cluster with spare worker slots. After ``--evict-after`` steps one event happens to the node
@@ -47,10 +47,12 @@ def _read(path: str) -> list[list[str]]:
 
 def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of one way through one scenario."""
-    from ..health.scripted import write_faults
-    from ..ray_adapter import drain_node, worker_exits
-    from ..train import GracefulTrainCallback
-    from .bench import _alive, bench_callback_config, bench_trainer, local_cluster
+    from ray_graceful.health.scripted import write_faults
+    from ray_graceful.ray_adapter import drain_node, worker_exits
+    from ray_graceful.tools.bench.kit import local_cluster, process_alive
+    from ray_graceful.train import GracefulTrainCallback
+
+    from .train_job import callback_config, torch_trainer
 
     with local_cluster(extra_nodes=4, head_cpus=2, node_resources={"bench_slot": 1}) as (
         cluster,
@@ -63,7 +65,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         if way == "graceful":
             callbacks.append(
                 GracefulTrainCallback(
-                    bench_callback_config(work, health_probe="scripted", health_script_path=faults)
+                    callback_config(work, health_probe="scripted", health_script_path=faults)
                 )
             )
         loop = {
@@ -76,7 +78,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         }
         if scenario == "stuck":
             loop.update(stall_rank=1, stall_at=args.evict_after + 1)
-        trainer = bench_trainer(loop, callbacks, work)
+        trainer = torch_trainer(loop, callbacks, work)
         box: dict[str, Any] = {}
         started = time.time()
         thread = threading.Thread(
@@ -97,7 +99,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         doomed = [victim]
         if scenario == "sigterm":
             os.kill(pids[1], signal.SIGTERM)
-            while _alive(pids[1]) and time.time() < t0 + args.deadline:
+            while process_alive(pids[1]) and time.time() < t0 + args.deadline:
                 time.sleep(0.01)
         else:
             if scenario == "faulty":
@@ -145,7 +147,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
 
 
 def bench_race(args: argparse.Namespace) -> dict[str, Any]:
-    from .bench import _table
+    from ray_graceful.tools.bench.kit import markdown_table
 
     scenarios = [s for s in args.scenarios.split(",") if s]
     ways = [w for w in args.ways.split(",") if w]
@@ -172,7 +174,7 @@ def bench_race(args: argparse.Namespace) -> dict[str, Any]:
                     "HUNG" if r["hung"] else (r["error"] or "ok")[:40],
                 ]
             )
-    table = _table(
+    table = markdown_table(
         [
             "scenario",
             "way",

@@ -1,4 +1,5 @@
-"""``bench save --format dcp``: the emergency DCP save against PyTorch's own collective save.
+"""``python -m benchmarks save --format dcp``: the emergency DCP save against PyTorch's own
+collective save.
 
 One run, per state size (the whole state, 16 float32 tensors sharded by rows over ``--ranks``
 ranks as DTensors - FSDP2's layout), each repetition in alternating order:
@@ -33,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from .bench import _table
+from ray_graceful.tools.bench.kit import markdown_table
 
 WAYS = ("emergency dcp", "dcp.save", "default saver")
 TENSORS = 16
@@ -54,7 +55,7 @@ def bench_save_dcp(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, root: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from ..worker.process_groups import free_port
+    from ray_graceful.worker.process_groups import free_port
 
     context = mp.get_context("spawn")
     rows, results = [], []
@@ -90,7 +91,7 @@ def _run(args: argparse.Namespace, root: str) -> dict[str, Any]:
                     ("yes" if equal else "NO") if way == "emergency dcp" else "",
                 ]
             )
-    table = _table(
+    table = markdown_table(
         [
             "MB",
             "way",
@@ -134,8 +135,8 @@ def _save_rank(rank: int, world: int, port: int, root: str, mb: int, reps: int, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from ..checkpoint import commit, save_state_dict, write_shard
-    from ..dcp import dcp_saver
+    from ray_graceful.checkpoint import commit, save_state_dict, write_shard
+    from ray_graceful.dcp import dcp_saver
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip

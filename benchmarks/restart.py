@@ -34,13 +34,15 @@ import time
 import uuid
 from typing import Any
 
-from ..worker.mixin import GracefulWorkerMixin
-from .bench_memory import NAMESPACE, STATE_TENSORS, RestartWorker
+from ray_graceful.tools.bench.kit import BenchRank
+from ray_graceful.worker.mixin import GracefulWorkerMixin
+
+from .memory import NAMESPACE, STATE_TENSORS
 
 WAYS = ("warm", "cold-memory", "cold-disk")
 
 
-class RestartRank(GracefulWorkerMixin):
+class RestartRank(GracefulWorkerMixin, BenchRank):
     """A rank whose whole state is ``mb`` MB of tensors, allocated (and touched) at start."""
 
     def __init__(self, mb: int, config: Any) -> None:
@@ -56,7 +58,7 @@ class RestartRank(GracefulWorkerMixin):
 
     def join(self, rank: int, world: int, port: int) -> int:
         """``init_process_group``, then the plugin's one call (with the loader a rejoin uses)."""
-        self._init_group(rank, world, port)
+        self.join_group(rank, world, port)
         for tensor in self.state.values():
             tensor.fill_(float(rank + 1))
         self.graceful_setup(
@@ -67,9 +69,6 @@ class RestartRank(GracefulWorkerMixin):
             load_state_dict=self.load,
         )
         return os.getpid()
-
-    # The memory-tier study's loop: an all-reduce a step, ``should_stop`` at each boundary.
-    train = RestartWorker.train
 
     def load(self, state: dict[str, Any]) -> None:
         """What a model's ``load_state_dict`` does: copy into the tensors it already has."""
@@ -101,12 +100,12 @@ class RestartRank(GracefulWorkerMixin):
 
     def start_cold(self, rank: int, world: int, port: int, tier: str) -> dict[str, Any]:
         """Join a new group, load the committed shard (``tier``: "memory" or "disk"), step."""
-        from ..memory.handoff import load_shard
-        from ..protocol import shard_key
-        from ..worker.restore import load_latest
+        from ray_graceful.memory.handoff import load_shard
+        from ray_graceful.protocol import shard_key
+        from ray_graceful.worker.restore import load_latest
 
         self.marks["called_at"] = time.time()
-        self._init_group(rank, world, port)
+        self.join_group(rank, world, port)
         self.marks["joined_at"] = time.time()
         if tier == "memory":
             loaded = load_latest("bench", rank, self.config)
@@ -119,25 +118,12 @@ class RestartRank(GracefulWorkerMixin):
         self.marks["loaded_at"] = time.time()
         return {**self.first_step(), "tier": loaded.tier, "step": loaded.step}
 
-    def _init_group(self, rank: int, world: int, port: int) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
-
 
 def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
     """Warm against cold (memory tier, disk), N ranks, per-rank shard sizes; see the module."""
     import ray
 
-    from .bench import local_cluster
+    from ray_graceful.tools.bench.kit import local_cluster
 
     # At its peak a node's store holds every shard twice: each saver's own put and its
     # keeper's copy (a saver's copy is dropped once held). Smaller, and Ray spills the
@@ -190,11 +176,11 @@ def _restart_once(
 ) -> dict[str, Any]:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ..config import GracefulConfig
-    from ..coordinator import Coordinator
-    from ..ray_adapter import drain_node
-    from ..warm_group import WarmGroup
-    from ..worker.process_groups import free_port
+    from ray_graceful.config import GracefulConfig
+    from ray_graceful.coordinator import Coordinator
+    from ray_graceful.ray_adapter import drain_node
+    from ray_graceful.warm_group import WarmGroup
+    from ray_graceful.worker.process_groups import free_port
 
     evicted = max(1, n // 4)
     work = tempfile.mkdtemp(prefix="bench-restart-")
@@ -233,7 +219,7 @@ def _restart_once(
             actors += spares
             ray.get([s.__ray_ready__.remote() for s in spares], timeout=300)  # imports done
             group = WarmGroup(coordinator, workers, spares=spares, method="rejoin")
-        running = [w.train.remote(10**6) for w in workers]
+        running = [w.train.remote(10**6, 1, 0.05) for w in workers]
         _wait_training(coordinator, n)
 
         t0 = time.time()
@@ -329,7 +315,7 @@ def _cold_times(t0: float, committed_at: float, marks: list[dict[str, Any]]) -> 
 
 
 def _drop_from_page_cache(path: str) -> None:
-    from .bench_memory import _drop_page_cache
+    from .memory import _drop_page_cache
 
     for folder, _dirs, files in os.walk(path):
         for name in files:
@@ -344,7 +330,7 @@ def _line(run: dict[str, Any]) -> str:
 
 
 def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespace) -> str:
-    from .bench import _table
+    from ray_graceful.tools.bench.kit import markdown_table
 
     rows = []
     for n in args.ranks:
@@ -385,7 +371,7 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
                         ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())),
                     ]
                 )
-    table = _table(
+    table = markdown_table(
         [
             "N",
             "MB/rank",
@@ -415,9 +401,14 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
     )
 
 
-def add_restart_parser(names: Any, positive_int: Any, positive_ints: Any, seconds: Any) -> Any:
-    """``bench restart``'s options."""
-    from .cli import comma_choices
+def add_restart_parser(names: Any) -> Any:
+    """``python -m benchmarks restart``'s options."""
+    from ray_graceful.tools.arguments import (
+        comma_choices,
+        positive_int,
+        positive_ints,
+        positive_seconds,
+    )
 
     restart = names.add_parser(
         "restart", help="warm restart vs cold (memory tier, disk): a drained node to training"
@@ -434,11 +425,14 @@ def add_restart_parser(names: Any, positive_int: Any, positive_ints: Any, second
         help="warm, cold-memory, cold-disk (default: all)",
     )
     restart.add_argument(
-        "--deadline", type=seconds, default=10.0, help="the drain's deadline (default 10 s)"
+        "--deadline",
+        type=positive_seconds,
+        default=10.0,
+        help="the drain's deadline (default 10 s)",
     )
     restart.add_argument(
         "--drain-poll",
-        type=seconds,
+        type=positive_seconds,
         default=0.25,
         help="the coordinator's drain poll interval (default 0.25 s)",
     )

@@ -1,4 +1,4 @@
-"""``ray-graceful bench fanout``: a real coordinator and N simulated ranks, the fan-out timed.
+"""``python -m benchmarks fanout``: a real coordinator and N simulated ranks, the fan-out timed.
 
 Two ways for the ranks to reach the coordinator, measured in the same run:
 
@@ -29,8 +29,8 @@ import os
 import time
 from typing import Any
 
-from ..config import GracefulConfig
-from ..protocol import Ack, PollKind, PollState, RankSpec, Register, TeardownReport
+from ray_graceful.config import GracefulConfig
+from ray_graceful.protocol import Ack, PollKind, PollState, RankSpec, Register, TeardownReport
 
 POLLERS = 4
 NOTICED_NODES = 8
@@ -49,8 +49,8 @@ class Poller:
         self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
         self.relays: dict[str, Any] = {}
         if per_node:
-            from ..node.agent import RayUpstream
-            from ..node.relay import NodeRelay
+            from ray_graceful.node.agent import RayUpstream
+            from ray_graceful.node.relay import NodeRelay
 
             upstream = RayUpstream(handle)
             for node in sorted(set(ranks.values())):
@@ -157,7 +157,7 @@ def _fanout_once(
 
 
 def _one_size(ray: Any, args: argparse.Namespace, n: int, per_node: int) -> list[dict]:
-    from ..coordinator import Coordinator
+    from ray_graceful.coordinator import Coordinator
 
     config = GracefulConfig(
         coordinator_name=f"fanout-{n}-{per_node}-{os.getpid()}",
@@ -199,7 +199,7 @@ def _one_size(ray: Any, args: argparse.Namespace, n: int, per_node: int) -> list
 
 
 def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
-    from .bench import _pct, _table, local_cluster
+    from ray_graceful.tools.bench.kit import local_cluster, markdown_table, percentile
 
     rows, results = [], []
     with local_cluster(head_cpus=4) as _cluster:
@@ -214,17 +214,17 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
                     [
                         "per rank" if per_node == 0 else f"agents, {per_node}/node",
                         n,
-                        _pct([r["registration_s"] for r in runs], 0.5),
-                        _pct([r["first_rank_s"] for r in runs], 0.5),
-                        _pct([r["all_ordered_s"] for r in runs], 0.5),
-                        _pct([r["all_ordered_s"] for r in runs], 0.9),
-                        _pct([r["median_rank_s"] for r in runs], 0.5),
+                        percentile([r["registration_s"] for r in runs], 0.5),
+                        percentile([r["first_rank_s"] for r in runs], 0.5),
+                        percentile([r["all_ordered_s"] for r in runs], 0.5),
+                        percentile([r["all_ordered_s"] for r in runs], 0.9),
+                        percentile([r["median_rank_s"] for r in runs], 0.5),
                         max(rss),
                         (rss[-1] - rss[0]) / max(len(rss) - 1, 1),
-                        _pct([r["idle_calls_per_s"] for r in runs], 0.5),
+                        percentile([r["idle_calls_per_s"] for r in runs], 0.5),
                     ]
                 )
-    table = _table(
+    table = markdown_table(
         [
             "ranks reach the coordinator",
             "ranks",
@@ -242,8 +242,10 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": results, "table": table}
 
 
-def add_fanout_parser(names: Any, positive_int: Any, positive_ints: Any, seconds: Any) -> Any:
-    """``bench fanout``'s options."""
+def add_fanout_parser(names: Any) -> Any:
+    """``python -m benchmarks fanout``'s options."""
+    from ray_graceful.tools.arguments import positive_int, positive_ints, positive_seconds
+
     fanout = names.add_parser("fanout", help="notice to every rank ordered, N simulated ranks")
     fanout.add_argument(
         "--sizes",
@@ -261,7 +263,7 @@ def add_fanout_parser(names: Any, positive_int: Any, positive_ints: Any, seconds
     )
     fanout.add_argument(
         "--health-interval",
-        type=seconds,
+        type=positive_seconds,
         default=5.0,
         help="each rank's (or node's) poll renewal interval (default 5, the config's default)",
     )

@@ -1,4 +1,4 @@
-"""``ray-graceful bench save --tier memory``: the memory tier against the disk, same run.
+"""``python -m benchmarks save --tier memory``: the memory tier against the disk, same run.
 
 A cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: two raylets, two object
 stores), a keeper on each. For each size, a state dict of 16 float32 tensors is saved by the
@@ -21,7 +21,8 @@ import tempfile
 import time
 from typing import Any
 
-from ..worker.mixin import GracefulWorkerMixin
+from ray_graceful.tools.bench.kit import BenchRank
+from ray_graceful.worker.mixin import GracefulWorkerMixin
 
 NAMESPACE = "ray_graceful_bench"
 
@@ -32,11 +33,11 @@ def bench_save_memory(args: argparse.Namespace) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ..checkpoint import load_state_dict, save_state_dict, write_shard
-    from ..memory.handoff import hand_off
-    from ..memory.keeper import Keeper, keeper_name
-    from ..memory.tree import from_tree
-    from .bench import _table
+    from ray_graceful.checkpoint import load_state_dict, save_state_dict, write_shard
+    from ray_graceful.memory.handoff import hand_off
+    from ray_graceful.memory.keeper import Keeper, keeper_name
+    from ray_graceful.memory.tree import from_tree
+    from ray_graceful.tools.bench.kit import markdown_table
 
     largest = max(args.sizes) << 20
     store = int(largest * 3.5) + (256 << 20)  # saver's put + keeper's copy, with headroom
@@ -133,7 +134,7 @@ def bench_save_memory(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    table = _table(
+    table = markdown_table(
         [
             "MB",
             "save: mem local s (first)",
@@ -174,13 +175,13 @@ def _drop_page_cache(path: str) -> None:
 STATE_TENSORS = 16
 
 
-class RestartWorker(GracefulWorkerMixin):
+class RestartWorker(GracefulWorkerMixin, BenchRank):
     """A hand-built rank whose whole state is ``mb`` MB of tensors."""
 
     def __init__(self) -> None:
         import torch.distributed  # noqa: F401 (what every rank imports before its work)
 
-        from ..worker import restore  # noqa: F401
+        from ray_graceful.worker import restore  # noqa: F401
 
         self.constructed_at = time.time()  # the process is up, its imports done
         self.state: dict[str, Any] = {}
@@ -202,20 +203,16 @@ class RestartWorker(GracefulWorkerMixin):
     ) -> dict[str, Any]:
         """Join the group, load (``resume``: "memory" - the one call a user makes, memory
         first - or "disk", the committed checkpoint only), set up, take one training step."""
-        import datetime
 
         import torch
         import torch.distributed as dist
 
-        from ..memory.handoff import load_shard
-        from ..protocol import shard_key
-        from ..worker.restore import load_latest
+        from ray_graceful.memory.handoff import load_shard
+        from ray_graceful.protocol import shard_key
+        from ray_graceful.worker.restore import load_latest
 
         called_at = time.time()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-        )
+        self.join_group(rank, world, port)
         joined_at = time.time()
         tier, step = "-", 0
         if resume == "memory":
@@ -246,17 +243,6 @@ class RestartWorker(GracefulWorkerMixin):
             "step": step,
         }
 
-    def train(self, steps: int) -> int:
-        import torch
-        import torch.distributed as dist
-
-        for step in range(1, steps + 1):
-            dist.all_reduce(torch.ones(1))
-            if self.should_stop(step):
-                return step
-            time.sleep(0.05)
-        return steps
-
 
 def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
     """A group's node is evicted; new groups restart from the memory tier and from disk.
@@ -272,9 +258,9 @@ def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
     """
     import ray
 
-    from ..config import GracefulConfig
-    from ..coordinator import Coordinator
-    from .bench import _table, local_cluster
+    from ray_graceful.config import GracefulConfig
+    from ray_graceful.coordinator import Coordinator
+    from ray_graceful.tools.bench.kit import local_cluster, markdown_table
 
     largest = max(args.sizes) << 20
     store = int(largest * args.ranks * 2.5) + (256 << 20)
@@ -348,7 +334,7 @@ def bench_restart_memory(args: argparse.Namespace) -> dict[str, Any]:
                         f"{disk['load_s'] / med['load_s']:.1f}x",
                     ]
                 )
-    table = _table(
+    table = markdown_table(
         [
             "MB per shard",
             "restart from",
@@ -380,7 +366,7 @@ def _evict(ray: Any, coordinator: Any, config: Any, node_id: str, ranks: int, mb
     group = _group(ray, node_id, ranks)
     ray.get([r.fill.remote(mb) for r in group], timeout=300)
     _start(ray, group, config, None)
-    running = [r.train.remote(10**6) for r in group]
+    running = [r.train.remote(10**6, 1, 0.05) for r in group]
     time.sleep(1.0)
     coordinator.notify(node_id=node_id, reason="bench: node evicted", deadline=time.time() + 60)
     ray.wait(running, num_returns=len(running), timeout=120)  # they exit 0
@@ -411,7 +397,7 @@ def _group(ray: Any, node_id: str, ranks: int) -> list[Any]:
 
 
 def _start(ray: Any, group: list[Any], config: Any, resume: str | None) -> list[dict[str, Any]]:
-    from ..worker.process_groups import free_port
+    from ray_graceful.worker.process_groups import free_port
 
     port = free_port()
     return ray.get(

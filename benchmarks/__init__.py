@@ -1,0 +1,20 @@
+"""The project's benchmark harnesses: the numbers behind docs/benchmarks.md.
+
+Not part of the installed package. Run from a checkout of the repository, after the README's
+install: ``python -m benchmarks NAME [options]`` (``--help`` lists them).
+
+- ``release``, ``save``: the package's own diagnostics (``ray-graceful bench release|save``),
+  with the studies ``save --tier memory`` (``memory.py``) and ``save --format dcp``
+  (``dcp.py``) added;
+- ``plan``: the planner at 1,000 - 100,000 ranks (``plan.py``);
+- ``overhead``: step time with the plugin idle (``overhead.py``);
+- ``recovery``: a Ray Train run preempted mid-way (``recovery.py``), ``--peers`` the race
+  against Ray Train's own handling (``race.py``, with ``train_job.py``'s jobs),
+  ``--tier memory`` a hand-built group's restart from the memory tier (``memory.py``);
+- ``restart``: warm restart against cold (``restart.py``);
+- ``fanout``: a real coordinator and thousands of simulated ranks and nodes (``fanout.py``);
+- ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``).
+
+Every one shares ``ray_graceful.tools.bench.kit``: the local cluster, the rank-actor base,
+the Markdown table, the results file (default ``bench-output/<name>.json``).
+"""

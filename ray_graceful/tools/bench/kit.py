@@ -1,0 +1,206 @@
+"""What every benchmark shares: a private local cluster, one rank-actor base, percentiles, one
+table printer and the results file.
+
+Both sides use it: the package's own diagnostics (``ray-graceful bench release`` / ``save``)
+and the project's harnesses in the repository's ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were taken on: written into every results file."""
+    import ray
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@contextlib.contextmanager
+def local_cluster(
+    extra_nodes: int = 0,
+    head_cpus: int = 4,
+    node_resources: dict[str, float] | None = None,
+    object_store_bytes: int | None = None,
+) -> Iterator[tuple[Any, list[Any]]]:
+    """A private multi-node Ray cluster on this machine, in its own temp directory, with the
+    driver attached. The head carries the resource ``bench_head``, extra node ``i`` carries
+    ``bench_n<i>`` (and ``node_resources``), so a benchmark can place each actor."""
+    work = tempfile.mkdtemp(prefix="ray-graceful-bench-")
+    os.environ["RAY_TMPDIR"] = work
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "include_dashboard": False,
+            "resources": {"bench_head": 1000},
+            "object_store_memory": object_store_bytes,
+        },
+    )
+    nodes = [
+        cluster.add_node(
+            num_cpus=2,
+            resources={f"bench_n{i}": 1000, **(node_resources or {})},
+            object_store_memory=object_store_bytes,
+        )
+        for i in range(extra_nodes)
+    ]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+class BenchRank:
+    """The base of every benchmark's rank actor: joins one process group and trains by
+    all-reduces, asking ``should_stop`` at each step boundary.
+
+    Here ``should_stop`` always says no (the job without the plugin); a subclass that adopts
+    the plugin lists ``GracefulWorkerMixin`` first, and the plugin's ``should_stop`` answers.
+    """
+
+    step = 0
+    backend = "gloo"
+
+    def should_stop(self, step: int | None = None) -> bool:
+        return False
+
+    def join_group(
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        imports: tuple[str, ...] = (),
+    ) -> int:
+        """``imports`` first (a real training process's import graph, e.g. transformers), then
+        ``init_process_group`` over TCP on this host; returns the process id."""
+        import importlib
+
+        import torch.distributed as dist
+
+        for module in imports:
+            importlib.import_module(module)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.backend = backend
+        return os.getpid()
+
+    def train(self, steps: int, elements: int = 1 << 18, pause_s: float = 0.0) -> dict[str, Any]:
+        """All-reduce ``elements`` float32s a step (1 MiB by default) until ``steps`` ran or
+        ``should_stop`` said stop. A collective that raises ends the loop: what the rank saw
+        is returned, not raised."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.ones(elements, device="cuda" if self.backend == "nccl" else "cpu")
+        try:
+            for _ in range(steps):
+                dist.all_reduce(tensor)
+                self.step += 1
+                if self.should_stop(self.step):
+                    break
+                if pause_s:
+                    time.sleep(pause_s)
+        except Exception as exc:
+            return {"released_at": time.time(), "error": str(exc)[-80:], "step": self.step}
+        return {"released_at": time.time(), "error": None, "step": self.step}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) with linear interpolation; NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Rows as a Markdown table (rich, no colour), ready for docs/benchmarks.md: floats to 3
+    decimals."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    grid = Table(box=box.MARKDOWN)
+    for name in header:
+        grid.add_column(name, justify="right", overflow="fold")
+    for row in rows:
+        grid.add_row(*(f"{c:.3f}" if isinstance(c, float) else str(c) for c in row))
+    out = io.StringIO()
+    Console(file=out, width=250, color_system=None, force_terminal=False).print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines() if line.strip())
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def run_and_write(
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    name: str,
+    program: str,
+) -> int:
+    """Run one benchmark, print its table, and write its results, the command that produced
+    them and the machine to ``args.json`` (default ``bench-output/<name>.json``)."""
+    command = " ".join([program, *sys.argv[1:]])
+    started = time.time()
+    out = run(args)
+    out.update(
+        {
+            "benchmark": name,
+            "command": command.strip(),
+            "machine": machine(),
+            "seconds": time.time() - started,
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+        }
+    )
+    print(out["table"])
+    path = args.json or os.path.join("bench-output", f"{name}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2, sort_keys=True, default=str)
+    print(f"wrote {path}")
+    return 0

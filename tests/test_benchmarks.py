@@ -1,0 +1,74 @@
+"""The project's harnesses (``python -m benchmarks``) and the package's diagnostic
+(``ray-graceful bench``) as a user starts them: every command answers ``--help``, a mistake is
+one line and exit status 2 before anything runs, and a harness asked of the installed package
+says where it went."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ray_graceful.tools.bench.kit import markdown_table, percentile
+from ray_graceful.tools.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARNESSES = ("release", "save", "plan", "overhead", "recovery", "fanout", "restart", "soak")
+
+
+def harness(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_every_harness_has_help(name):
+    done = harness(name, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks") and "--json" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--sizes", "abc"], "give integers >= 1 separated by commas"),
+        (["plan", "--json", "/tmp"], "'/tmp' is a directory: give a file path"),
+        (["recovery", "--peers", "--ways", "ray"], "give one or more of none"),
+        (["fanout", "--ranks-per-node", "8,x"], "each 0 (per rank) to 4096"),
+        (["soak", "--kinds", "sigterm,flood"], "'flood' is not one of them"),
+        (["soak", "--cycles", "0"], "give an integer >= 1"),
+        (["save", "--format", "dcp", "--tier", "memory"], "use --tier disk"),
+    ],
+)
+def test_harness_mistakes_are_explained(args, message):
+    done = harness(*args)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_plan_run_writes_its_table_and_results(tmp_path):
+    out = tmp_path / "plan.json"
+    done = harness("plan", "--sizes", "100", "--reps", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("| ranks |") and out.exists()
+
+
+@pytest.mark.parametrize("name", ["fanout", "restart", "soak", "plan"])
+def test_the_package_says_where_a_harness_went(name, capsys):
+    assert main(["bench", name, "--sizes", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m benchmarks {name}" in err and "Traceback" not in err
+
+
+def test_tables_are_markdown_and_percentiles_interpolate():
+    lines = markdown_table(["N", "p50 s"], [[8, 0.0561]]).splitlines()
+    assert lines[0].replace(" ", "") == "|N|p50s|" and lines[2].replace(" ", "") == "|8|0.056|"
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([], 0.5) != percentile([], 0.5)  # NaN: no values
