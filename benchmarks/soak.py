@@ -38,6 +38,7 @@ from ray_graceful.worker.mixin import GracefulWorkerMixin
 KINDS = ("sigterm", "drain", "faulty", "sigkill", "hanging-save", "coordinator-kill")
 SHARDS = ("0", "1", "0", "1")
 RESOURCES = ("coordinator_rss_mb", "keepers_rss_mb", "threads", "fds", "live_actors")
+# keepers_rss_mb: the keeper on the coordinator's node, the one that lives through every cycle.
 
 
 class SoakRank(GracefulWorkerMixin, BenchRank):
@@ -136,6 +137,7 @@ def _one_cycle(
     deadline_s: float,
     faults: str,
 ) -> dict[str, Any]:
+    from ray_graceful.checkpoint import latest_committed
     from ray_graceful.health.scripted import write_faults
     from ray_graceful.ray_adapter import drain_node
     from ray_graceful.worker.process_groups import free_port
@@ -161,7 +163,9 @@ def _one_cycle(
         pids = ray.get(setups, timeout=180)
         for r in ranks:
             r.train.remote(10**9, 1 << 14, 0.01)
-        number = _wait_registered(coordinator, len(ranks))
+        number = _wait_training(coordinator, len(ranks))
+        latest = latest_committed(config.checkpoint_dir)
+        before = latest.step if latest else None
         t0 = time.time()
         if kind == "drain":
             drain_node(node.node_id, t0 + deadline_s, "soak: drain")
@@ -175,7 +179,7 @@ def _one_cycle(
             if kind == "coordinator-kill":
                 dead = int(coordinator.stats()["pid"])
                 os.kill(dead, signal.SIGKILL)
-                _wait_registered(coordinator, len(ranks), not_pid=dead)
+                _wait_training(coordinator, len(ranks), not_pid=dead)
             os.kill(pids[1], signal.SIGTERM)
         out_by = t0 + deadline_s + 5.0
         while any(process_alive(p) for p in pids) and time.time() < out_by:
@@ -191,7 +195,7 @@ def _one_cycle(
             "hangs": hangs,
             "result": result,
             "reason": None if outcome is None else outcome.reason,
-            "torn": _torn(config.checkpoint_dir, outcome),
+            "torn": _torn(coordinator, config.checkpoint_dir, number, outcome, before),
             "crashes": _crashes(set(pids) - killed),
         }
     finally:
@@ -203,31 +207,37 @@ def _one_cycle(
             cluster.remove_node(node)
 
 
-def _wait_registered(coordinator: Any, n: int, not_pid: int | None = None) -> int:
-    """Wait until the coordinator has all ``n`` processes (``not_pid``: until its restarted
-    process has them again); the cycle an eviction now opens."""
+def _wait_training(coordinator: Any, n: int, not_pid: int | None = None) -> int:
+    """Wait until the coordinator has all ``n`` processes registered and each has told it a
+    step boundary past the first two (``not_pid``: its restarted process, after a kill); the
+    cycle an eviction now opens."""
     give_up = time.time() + 60
     while time.time() < give_up:
         with contextlib.suppress(Exception):
             stats = coordinator.stats(timeout=5)
-            if stats["processes"] >= n and stats["pid"] != not_pid:
+            ranks = coordinator.status(timeout=5).get("ranks") or []
+            steps = [r["last_step"] if r["last_step"] is not None else -1 for r in ranks]
+            if stats["pid"] != not_pid and len(steps) >= n and min(steps) >= 2:
                 return int(stats["cycle"])
         time.sleep(0.05)
-    raise RuntimeError(f"the coordinator never had the {n} ranks registered")
+    raise RuntimeError(f"the coordinator never saw the {n} ranks training")
 
 
-def _torn(root: str, outcome: Any) -> int:
-    """Committed checkpoints that do not verify or lack a shard (must stay 0)."""
-    from ray_graceful.checkpoint import scan_checkpoints
+def _torn(coordinator: Any, root: str, cycle: int, outcome: Any, before: int | None) -> int:
+    """1 if this cycle left a torn checkpoint (must stay 0): its committed step does not
+    verify on disk with both shards (a memory-tier commit: once its durable copy landed), or
+    a cycle that did not commit changed what the job resumes from."""
+    from ray_graceful.checkpoint import latest_committed
 
-    torn = 0
-    for _step, _dir, checkpoint, _why in scan_checkpoints(root, verify_checksums=True):
-        if checkpoint is not None and sorted(checkpoint.shards) != ["soak/0", "soak/1"]:
-            torn += 1
     if outcome is not None and outcome.result == "committed":
-        steps = {s for s, _d, c, _w in scan_checkpoints(root) if c is not None}
-        torn += int(outcome.committed.get("step")) not in steps
-    return torn
+        if outcome.committed.get("tier") == "memory":
+            coordinator.wait_durable(cycle, timeout=60)
+        latest = latest_committed(root, verify_checksums=True)
+        step = int(outcome.committed["step"])
+        whole = latest is not None and sorted(latest.shards) == ["soak/0", "soak/1"]
+        return int(not (whole and latest is not None and latest.step >= step))
+    latest = latest_committed(root, verify_checksums=True)
+    return int((latest.step if latest else None) != before)
 
 
 def _crashes(pids: set[int]) -> int:
@@ -244,14 +254,14 @@ def _crashes(pids: set[int]) -> int:
 def _resources(ray: Any, coordinator: Any) -> dict[str, Any]:
     from ray_graceful.ray_adapter import live_actors
 
-    pid = int(coordinator.stats()["pid"])
-    keepers = coordinator.keeper_stats()
-    keeper_rss = sum(
-        _rss_mb(k["pid"]) for k in keepers.values() if isinstance(k, dict) and "pid" in k
-    )
+    stats = coordinator.stats()
+    pid = int(stats["pid"])
+    # The keeper on the coordinator's node lives through every cycle; the others come and go
+    # with the nodes the soak adds and drains.
+    home = coordinator.keeper_stats().get(stats["node_id"], {})
     return {
         "coordinator_rss_mb": _rss_mb(pid),
-        "keepers_rss_mb": keeper_rss,
+        "keepers_rss_mb": _rss_mb(home["pid"]) if "pid" in home else 0.0,
         "threads": len(os.listdir(f"/proc/{pid}/task")),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "live_actors": live_actors(),

@@ -14,9 +14,13 @@ import os
 
 from ..protocol import ExitPath, StepRecord, TeardownReport
 
-__all__ = ["ExitPath", "StepRecord", "TeardownReport", "read_reports", "write_report_file"]
+__all__ = ["ExitPath", "Skip", "StepRecord", "TeardownReport", "read_reports", "write_report_file"]
 
 LOG_PREFIX = "ray_graceful teardown "
+
+
+class Skip(Exception):
+    """Raised by a teardown step to record itself as skipped, with the reason."""
 
 
 def write_report_file(report: TeardownReport, report_dir: str) -> str | None:

@@ -23,6 +23,7 @@ from ..dcp import DcpSaver
 from ..protocol import Order, RankSpec, Rendezvous
 from .connect import connect
 from .control import ControlChannel, gpu_indices
+from .emergency_save import SaveOrder, Saver
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
@@ -31,10 +32,8 @@ from .process_groups import GroupHandle, SetupError, resolve_group
 from .report import write_report_file
 from .setup_status import GracefulSetupWarning, SetupStatus
 from .signals import current_listener, install_listener, set_claim_check
-from .teardown import SaveOrder, Teardown
+from .teardown import Teardown
 from .training_loop import TrainingLoop
-
-Saver = Callable[[str, int], "tuple[int, int] | None"]
 
 
 @dataclass

@@ -16,10 +16,9 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
                           flight (ai2cm/ace #1438); a rank stuck in a collective aborts first
                           (a sync would never return) and drains after. Release = abort NCCL
                           communicators, shut gloo connections down; no collective is issued.
-4. ``save``             - only if this rank was ordered to and is quiescent, within its
-                          budget, atomically; labelled with the step it parked at. Its own
-                          shards first (the coordinator is told at once how that went), then
-                          those it backs up, only if the coordinator says their saver could not.
+4. ``save``             - only if this rank was ordered to and is quiescent: its own shards,
+                          then those it backs up (``emergency_save.py``), labelled with the
+                          step the training thread parked at.
 5. ``destroy_process_group`` - bounded, on a helper thread.
 6. ``exit``             - the report is written (JSON file + one log line), then Ray's
                           intended-exit path (recorded INTENDED_SYSTEM_EXIT, status 0) where
@@ -37,50 +36,30 @@ finalizing, and no Python thread can run.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from .. import ray_adapter
-from ..checkpoint import ShardRecord, write_shard
 from ..config import GracefulConfig
-from ..dcp import chunk_summary, is_shard_files
 from ..protocol import StepStatus
+from .emergency_save import EmergencySave, SaveOrder
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
-from .report import LOG_PREFIX, StepRecord, TeardownReport, ray_identity, write_report_file
+from .report import (
+    LOG_PREFIX,
+    Skip,
+    StepRecord,
+    TeardownReport,
+    ray_identity,
+    write_report_file,
+)
 from .threads import busy_threads, run_bounded, thread_in_collective
-
-
-@dataclasses.dataclass
-class SaveOrder:
-    """Save shard ``shard`` under ``root`` with ``saver``, within ``budget_s``.
-
-    No step: the step is the one the training thread parked at (or last reported), read once
-    it is quiescent - never when the order arrives, when the thread may still finish a step.
-    """
-
-    root: str
-    shard: str
-    budget_s: float
-    saver: Callable[[str, int], tuple[int, int] | None]
-    group: str = ""
-    rank: int = -1
-    # A backup saver: ``turn(wait_s)`` asks the coordinator whether to save (True, why), waiting
-    # at most ``wait_s``; asked no later than ``start_by``, when the save still fits.
-    turn: Callable[[float], tuple[bool, str]] | None = None
-    start_by: float = 0.0
-    # Memory tier: hand ``state()`` to these keepers (in ``namespace``) instead of writing a
-    # file; on refusal, save to ``root`` as before and say so.
-    keepers: tuple[str, ...] = ()
-    state: Callable[[], Any] | None = None
-    namespace: str = ""
 
 
 class TrainingThread(Protocol):
@@ -91,10 +70,6 @@ class TrainingThread(Protocol):
 
     def step(self) -> int | None:
         """The step the thread parked at, else the last step boundary it reported."""
-
-
-class _Skip(Exception):
-    """Raised by a step to record itself as skipped, with the reason."""
 
 
 STUCK_IN_COLLECTIVE_S = 0.3
@@ -125,12 +100,9 @@ class Teardown:
     ) -> None:
         self.config = config
         self.groups = groups
-        self.save_orders = list(save_orders or [])
         self.skip_save_reason = skip_save_reason
         self.on_stop = on_stop
         self.on_report = on_report
-        self.on_saved = on_saved
-        self._told_saved = False
         self.training = training
         self.exit_process = exit_process
         self.quiescent = training is None  # no loop registered: nothing to wait for
@@ -156,7 +128,9 @@ class Teardown:
             deadline=deadline,
         )
         self.done = threading.Event()
-        self._abandon_save = threading.Event()
+        self.saving = EmergencySave(
+            config, list(save_orders or []), self.remaining, cycle=cycle, on_saved=on_saved
+        )
 
     # --- time ------------------------------------------------------------------------------
 
@@ -190,8 +164,9 @@ class Teardown:
         try:
             self._step("save", self._save)
         finally:
+            self.report.saved = [record.to_dict() for record in self.saving.saved]
             self.training_released.set()
-            self._tell_saved()
+            self.saving.tell_saved(self._how_the_save_went())
         self._step("destroy_process_group", self._destroy)
         self._finish()
         return self.report
@@ -202,7 +177,7 @@ class Teardown:
         try:
             record.detail = fn() or ""
             record.status = StepStatus.RAN
-        except _Skip as skip:
+        except Skip as skip:
             record.status, record.detail = StepStatus.SKIPPED, str(skip)
         except BaseException as exc:
             record.status, record.detail = StepStatus.FAILED, f"{type(exc).__name__}: {exc}"
@@ -215,7 +190,7 @@ class Teardown:
 
     def _release_peers(self) -> str:
         if not self.groups:
-            raise _Skip("no process group registered")
+            raise Skip("no process group registered")
         done, errors = [], []
         for group in self.groups:
             try:
@@ -230,9 +205,9 @@ class Teardown:
         try:
             import torch
         except ImportError:
-            raise _Skip("torch not importable") from None
+            raise Skip("torch not importable") from None
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            raise _Skip("CUDA not in use in this process")
+            raise Skip("CUDA not in use in this process")
         timeout = min(self.config.cuda_sync_timeout_s, max(self.remaining(), 0.0))
         run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
         return "torch.cuda.synchronize() returned"
@@ -260,7 +235,7 @@ class Teardown:
     def _quiesce(self) -> str:
         """Reach the training thread's step boundary, bounded; a save never starts mid-step."""
         if self.training is None:
-            raise _Skip("no training loop registered")
+            raise Skip("no training loop registered")
         started = time.monotonic()
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
         state = self._wait_for_boundary(limit)
@@ -294,153 +269,30 @@ class Teardown:
         self.quiescent = True
 
     def _save(self) -> str:
-        if not self.save_orders:
-            raise _Skip(self.skip_save_reason or "not ordered to save")
+        if not self.saving.orders:
+            raise Skip(self.skip_save_reason or "not ordered to save")
         self._await_quiescent_after_release()
         step = self.training.step() if self.training is not None else None
         if step is None:
-            raise _Skip(
+            raise Skip(
                 "no step boundary recorded: call should_stop(step) in the training loop, so a "
                 "checkpoint can be labelled with the step it holds"
             )
         self.report.last_step = step
-        done = [f"state of step {step}"]
-        own = [o for o in self.save_orders if o.turn is None]
-        backups = [o for o in self.save_orders if o.turn is not None]
-        for order in own:
-            self._save_one(order, step, done)
-        self._tell_saved()  # before any backup turn: another process's backup may wait on it
-        for order in backups:
-            assert order.turn is not None
-            wait_s = min(
-                order.start_by - time.time(), self.remaining() - self.config.destroy_timeout_s
-            )
-            must_save, why = order.turn(max(wait_s, 0.0))
-            if not must_save:
-                done.append(f"backup of shard {order.shard!r}: not saving ({why})")
-                continue
-            done.append(f"backup of shard {order.shard!r}: saving ({why})")
-            self._save_one(order, step, done)
-        if not own and not any(o.shard in {r["shard"] for r in self.report.saved} for o in backups):
-            raise _Skip("; ".join(done))
-        return "; ".join(done)
+        return self.saving.run(step)
 
-    def _budget(self, order: SaveOrder, done: list[str]) -> float:
-        budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
-        if budget <= 0:
-            raise RuntimeError(
-                f"no time left before the deadline to save shard {order.shard!r} "
-                f"({'; '.join(done)})"
-            )
-        return budget
-
-    def _hand_off(self, order: SaveOrder, step: int, done: list[str]) -> bool:
-        """Memory tier: True once every keeper named holds the shard; False: save to disk."""
-        from ..memory.handoff import hand_off
-
-        assert order.state is not None
-        budget = self._budget(order, done)
-        state = order.state
-        captured = threading.Event()
-
-        def give() -> ShardRecord:
-            value = state()
-            captured.set()
-            record = hand_off(
-                value,
-                step,
-                order.shard,
-                order.keepers,
-                order.namespace,
-                self.report.cycle,
-                budget,
-                order.group,
-                order.rank,
-            )
-            if is_shard_files(value):  # DCP: the coordinator checks coverage at commit
-                record = dataclasses.replace(record, dcp_chunks=chunk_summary(value))
-            return record
-
-        try:
-            record: ShardRecord = run_bounded(give, budget, "memory-hand-off")
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) and not captured.is_set():
-                # The state itself never came: a disk save would call state() again and hang
-                # again, and a backup of this shard waits on this save's failure to start.
-                raise TimeoutError(
-                    f"the state of shard {order.shard!r} was not captured within its budget "
-                    f"of {budget:.1f}s (state_dict() did not return); not tried again on disk"
-                ) from None
-            done.append(f"memory tier: shard {order.shard!r} not held ({exc}); saving to disk")
-            return False
-        self.report.saved.append(record.to_dict())
-        done.append(
-            f"shard {order.shard!r}: {record.bytes} bytes held in memory on "
-            f"{len(record.holders)} node(s) in {record.seconds:.2f}s"
-        )
-        return True
-
-    def _save_one(self, order: SaveOrder, step: int, done: list[str]) -> None:
-        if order.keepers and order.state is not None and self._hand_off(order, step, done):
-            return
-        if order.keepers and order.state is None:
-            done.append("memory tier: this rank registered a saver=, not state=; saving to disk")
-        if not order.root:
-            # Memory-only mode (no checkpoint_dir): "saving to disk" would mean the process's
-            # working directory. Nothing is written; the shard is missing and the cycle says so.
-            raise RuntimeError(
-                f"shard {order.shard!r} is not held in memory and no checkpoint_dir is "
-                f"configured: nowhere to save it, nothing written ({'; '.join(done)})"
-            )
-        budget = self._budget(order, done)
-
-        def save() -> ShardRecord:
-            return write_shard(
-                order.root,
-                step,
-                order.shard,
-                order.saver,
-                abandoned=self._abandon_save,
-                group=order.group,
-                rank=order.rank,
-            )
-
-        try:
-            record: ShardRecord = run_bounded(save, budget, "emergency-save")
-        except TimeoutError:
-            self._abandon_save.set()
-            raise TimeoutError(
-                f"save of shard {order.shard!r} exceeded its budget of {budget:.1f}s; "
-                "abandoned, never renamed into place"
-            ) from None
-        self.report.saved.append(record.to_dict())
-        done.append(
-            f"shard {order.shard!r}: {record.bytes} bytes in {record.seconds:.2f}s"
-            + (" (already committed: kept, not rewritten)" if record.reused else "")
-        )
-
-    def _tell_saved(self) -> None:
-        """Tell the coordinator, once, which of its own shards this process saved."""
-        own = [o.shard for o in self.save_orders if o.turn is None]
-        if self._told_saved or self.on_saved is None or not own:
-            return
-        self._told_saved = True
-        saved = {r["shard"] for r in self.report.saved}
+    def _how_the_save_went(self) -> str:
         try:
             record = self.report.step("save")
-            why = f"save {record.status}: {record.detail}"[:300]
         except KeyError:
-            why = "no save step ran"
-        try:
-            self.on_saved([s for s in own if s in saved], [s for s in own if s not in saved], why)
-        except Exception as exc:  # the backup then waits for the report, or its own limit
-            write_stderr(f"ray_graceful: could not tell the coordinator the save result: {exc!r}\n")
+            return "no save step ran"
+        return f"save {record.status}: {record.detail}"[:300]
 
     def _destroy(self) -> str:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise _Skip("no default process group")
+            raise Skip("no default process group")
         timeout = min(self.config.destroy_timeout_s, max(self.remaining(), 0.0))
         run_bounded(dist.destroy_process_group, timeout, "destroy-process-group")
         return "destroy_process_group() returned"
@@ -552,6 +404,7 @@ class Teardown:
                 record.detail = "the watchdog fired at the deadline"
                 record.duration_s = time.monotonic() - self.t0 - record.started_s
         self.report.exit_path, self.report.exit_code = "watchdog", self.config.exit_code
+        self.report.saved = [record.to_dict() for record in list(self.saving.saved)]
         self.report.finished_s = time.monotonic() - self.t0
         write_report_file(self.report, self.config.report_dir)
         write_stderr(f"{LOG_PREFIX}{self.report.to_json()}\n")
