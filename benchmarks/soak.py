@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from ray_graceful.tools.bench.kit import BenchRank, process_alive
+from ray_graceful.tools.bench.kit import BenchRank, process_alive, recorded_crashes
 from ray_graceful.worker.mixin import GracefulWorkerMixin
 
 KINDS = ("sigterm", "drain", "faulty", "sigkill", "hanging-save", "coordinator-kill")
@@ -196,7 +196,7 @@ def _one_cycle(
             "result": result,
             "reason": None if outcome is None else outcome.reason,
             "torn": _torn(coordinator, config.checkpoint_dir, number, outcome, before),
-            "crashes": _crashes(set(pids) - killed),
+            "crashes": recorded_crashes(set(pids) - killed),
         }
     finally:
         for r in ranks:
@@ -238,17 +238,6 @@ def _torn(coordinator: Any, root: str, cycle: int, outcome: Any, before: int | N
         return int(not (whole and latest is not None and latest.step >= step))
     latest = latest_committed(root, verify_checksums=True)
     return int((latest.step if latest else None) != before)
-
-
-def _crashes(pids: set[int]) -> int:
-    from ray_graceful.ray_adapter import worker_exits
-
-    give_up = time.time() + 5
-    recorded = worker_exits(pids)
-    while len(recorded) < len(pids) and time.time() < give_up:
-        time.sleep(0.2)  # the GCS records a worker's end a moment after the process is gone
-        recorded = worker_exits(pids)
-    return sum(kind == "SYSTEM_ERROR" for kind in recorded.values())
 
 
 def _resources(ray: Any, coordinator: Any) -> dict[str, Any]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 
 import pytest
+
+from ray_graceful.tools.bench.kit import recorded_crashes
 
 REPS = int(os.environ.get("RG_FAULT_REPS", "1"))
 _results: dict[str, list[dict]] = defaultdict(list)
@@ -41,23 +42,9 @@ class FaultLog:
                 "released": released,
                 "hangs": hangs,
                 "checkpoint": checkpoint,
-                "crashes": ray_crashes(set(pids) - set(killed)),
+                "crashes": recorded_crashes(set(pids) - set(killed)),
             }
         )
-
-
-def ray_crashes(pids: set[int]) -> int:
-    """How many of ``pids`` Ray recorded as a worker crash (SYSTEM_ERROR)."""
-    if not pids:
-        return 0
-    from ray_graceful.ray_adapter import worker_exits
-
-    deadline = time.monotonic() + 5.0
-    recorded = worker_exits(pids)
-    while len(recorded) < len(pids) and time.monotonic() < deadline:
-        time.sleep(0.2)  # the GCS records a worker's end a moment after the process is gone
-        recorded = worker_exits(pids)
-    return sum(kind == "SYSTEM_ERROR" for kind in recorded.values())
 
 
 @pytest.fixture

@@ -177,6 +177,21 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def recorded_crashes(pids: set[int], wait_s: float = 5.0) -> int:
+    """How many of ``pids`` (ended worker processes) Ray recorded as a worker crash
+    (SYSTEM_ERROR), waiting up to ``wait_s`` for the GCS to record every end."""
+    from ...ray_adapter import worker_exits
+
+    if not pids:
+        return 0
+    give_up = time.monotonic() + wait_s
+    recorded = worker_exits(pids)
+    while len(recorded) < len(pids) and time.monotonic() < give_up:
+        time.sleep(0.2)  # the GCS records a worker's end a moment after the process is gone
+        recorded = worker_exits(pids)
+    return sum(kind == "SYSTEM_ERROR" for kind in recorded.values())
+
+
 def run_and_write(
     run: Callable[[argparse.Namespace], dict[str, Any]],
     args: argparse.Namespace,
