@@ -58,18 +58,25 @@ class EmergencySave:
         self,
         config: GracefulConfig,
         orders: list[SaveOrder],
-        remaining: Callable[[], float],
+        until: float,
         cycle: int = 0,
         on_saved: Callable[[list[str], list[str], str], None] | None = None,
     ) -> None:
         self.config = config
         self.orders = orders
-        self.remaining = remaining
+        # When the teardown's watchdog fires (time.monotonic()). A number, not the teardown's
+        # own method: a reference back would keep the teardown, and the process groups it
+        # holds (gloo's threads), alive past the cycle until the garbage collector runs.
+        self.until = until
         self.cycle = cycle
         self.on_saved = on_saved
         self.saved: list[ShardRecord] = []
         self.abandon = threading.Event()  # set: a save past its budget must never be renamed
         self._told = False
+
+    def remaining(self) -> float:
+        """Seconds left before the watchdog fires."""
+        return self.until - time.monotonic()
 
     def run(self, step: int) -> str:
         """Save every ordered shard as the state of ``step``; what was done, in words."""

@@ -128,15 +128,16 @@ class Teardown:
             deadline=deadline,
         )
         self.done = threading.Event()
+        until = self.deadline_monotonic - config.watchdog_margin_s
         self.saving = EmergencySave(
-            config, list(save_orders or []), self.remaining, cycle=cycle, on_saved=on_saved
+            config, list(save_orders or []), until, cycle=cycle, on_saved=on_saved
         )
 
     # --- time ------------------------------------------------------------------------------
 
     def remaining(self) -> float:
         """Seconds left before the watchdog fires."""
-        return self.deadline_monotonic - self.config.watchdog_margin_s - time.monotonic()
+        return self.saving.remaining()
 
     # --- running ---------------------------------------------------------------------------
 
