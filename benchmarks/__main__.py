@@ -5,6 +5,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +18,13 @@ from ray_graceful.tools.arguments import (
     positive_ints,
     positive_seconds,
 )
-from ray_graceful.tools.bench import add_json_argument, add_release_arguments, add_save_arguments
+from ray_graceful.tools.bench import (
+    DIAGNOSTICS,
+    add_json_argument,
+    add_release_arguments,
+    add_save_arguments,
+    diagnostic,
+)
 from ray_graceful.tools.bench.kit import run_and_write
 
 from .fanout import add_fanout_parser
@@ -158,13 +165,8 @@ def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], dict[str
         from .memory import bench_save_memory
 
         return bench_save_memory
-    if args.bench in ("release", "save"):
-        import importlib
-
-        module = importlib.import_module(f"ray_graceful.tools.bench.{args.bench}")
-        return getattr(module, f"bench_{args.bench}")
-    import importlib
-
+    if args.bench in DIAGNOSTICS:
+        return diagnostic(args.bench)
     return getattr(importlib.import_module(f".{args.bench}", __package__), f"bench_{args.bench}")
 
 

@@ -121,14 +121,14 @@ def _wait_pending(coordinator: Any, n: int, timeout: float) -> float:
 def _fanout_once(
     ray: Any, coordinator: Any, pollers: list[Any], n: int, cycle: int, idle_window_s: float
 ) -> dict:
-    import psutil
+    from ray_graceful.tools.bench.kit import resident_mb
 
     job_id = ray.get_runtime_context().get_job_id()
     registration_s = max(ray.get([p.register.remote(job_id) for p in pollers], timeout=900))
     held = [p.hold.remote(cycle) for p in pollers]
     _wait_pending(coordinator, n, timeout=600)
     stats = coordinator.stats(timeout=120)
-    rss = psutil.Process(stats["pid"]).memory_info().rss
+    rss_mb = resident_mb(stats["pid"])
     calls_before, idle_start = stats["poll_calls"], time.monotonic()
     time.sleep(idle_window_s)  # idle: how often does the job renew its polls?
     idle = coordinator.stats(timeout=120)
@@ -149,7 +149,7 @@ def _fanout_once(
         "all_ordered_s": latest,
         "first_rank_s": min(arrivals) - t0,
         "median_rank_s": sorted(a - t0 for a in arrivals)[len(arrivals) // 2],
-        "rss_mb": rss / 2**20,
+        "rss_mb": rss_mb,
         "idle_calls_per_s": idle_rate,
         "reported": reported,
         "result": outcome.result if outcome else None,

@@ -58,7 +58,7 @@ def _recovery_once(
             except FileNotFoundError:
                 return []
 
-        while len(executed()) < 2 * evict_after and thread.isprocess_alive():
+        while len(executed()) < 2 * evict_after and thread.is_alive():
             time.sleep(0.05)
         at_eviction = max(s for _r, s, _t in executed())
         busy = [
@@ -69,7 +69,7 @@ def _recovery_once(
         t0 = time.time()
         drain_node(busy[0].node_id, t0 + deadline_s, "bench: spot reclaim")
         # The reclaim itself, at the deadline, unless the run already moved off the node.
-        while time.time() < t0 + deadline_s and thread.isprocess_alive():
+        while time.time() < t0 + deadline_s and thread.is_alive():
             time.sleep(0.05)
         cluster.remove_node(busy[0])
         thread.join()

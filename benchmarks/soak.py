@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from ray_graceful.tools.bench.kit import BenchRank, process_alive, recorded_crashes
+from ray_graceful.tools.bench.kit import BenchRank, process_alive, recorded_crashes, resident_mb
 from ray_graceful.worker.mixin import GracefulWorkerMixin
 
 KINDS = ("sigterm", "drain", "faulty", "sigkill", "hanging-save", "coordinator-kill")
@@ -249,23 +249,12 @@ def _resources(ray: Any, coordinator: Any) -> dict[str, Any]:
     # with the nodes the soak adds and drains.
     home = coordinator.keeper_stats().get(stats["node_id"], {})
     return {
-        "coordinator_rss_mb": _rss_mb(pid),
-        "keepers_rss_mb": _rss_mb(home["pid"]) if "pid" in home else 0.0,
+        "coordinator_rss_mb": resident_mb(pid),
+        "keepers_rss_mb": resident_mb(home["pid"]) if "pid" in home else 0.0,
         "threads": len(os.listdir(f"/proc/{pid}/task")),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "live_actors": live_actors(),
     }
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _slope(values: list[float]) -> float:

@@ -131,5 +131,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
             f"package: from a checkout of the repository run `python -m benchmarks {args.bench} "
             f"...` (the package measures {' and '.join(DIAGNOSTICS)})"
         )
-    module = importlib.import_module(f".{args.bench}", __package__)
-    return run_and_write(getattr(module, f"bench_{args.bench}"), args, args.bench, "ray-graceful")
+    return run_and_write(diagnostic(args.bench), args, args.bench, "ray-graceful")
+
+
+def diagnostic(name: str) -> Any:
+    """The function that runs the diagnostic ``name`` (release, save), imported when asked."""
+    return getattr(importlib.import_module(f".{name}", __package__), f"bench_{name}")

@@ -177,6 +177,18 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def resident_mb(pid: int) -> float:
+    """The resident memory of process ``pid`` in MiB (``VmRSS``); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def recorded_crashes(pids: set[int], wait_s: float = 5.0) -> int:
     """How many of ``pids`` (ended worker processes) Ray recorded as a worker crash
     (SYSTEM_ERROR), waiting up to ``wait_s`` for the GCS to record every end."""
