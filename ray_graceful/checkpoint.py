@@ -70,7 +70,7 @@ class ShardRecord:
     dcp_chunks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {**asdict(self), "holders": list(self.holders)}  # JSON's shape: read back, equal
         if out["dcp_chunks"] is None:  # only a memory hand-off of a dcp_saver has them
             del out["dcp_chunks"]
         return out

@@ -92,6 +92,16 @@ def current_node_id() -> str:
         return ""
 
 
+def current_actor_id() -> str:
+    """This actor's Ray id, hex ("" outside an actor): a restart of the actor keeps it."""
+    try:
+        import ray
+
+        return (ray.get_runtime_context().get_actor_id() or "") if ray.is_initialized() else ""
+    except Exception:
+        return ""
+
+
 def actor_was_restarted() -> bool:
     """Whether this actor is a restart of one whose process died (``max_restarts``).
 

@@ -16,7 +16,7 @@ import pytest
 
 from ray_graceful import TeardownReport, latest_committed
 from ray_graceful.checkpoint import save_state_dict, write_shard
-from ray_graceful.coordinator import CoordinatorActor
+from ray_graceful.coordinator import CoordinatorActor, outcomes
 from ray_graceful.protocol import (
     Ack,
     PollState,
@@ -301,6 +301,33 @@ def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     assert coord.machine.cycle.number == 3
     assert coord.machine.registry.processes == {} and coord.machine.registry.ranks == {}
     assert sorted(coord.outcomes.outcomes) == [0, 1, 2]
+
+
+def test_big_outcomes_are_kept_on_disk_and_still_answered(config, monkeypatch):
+    """Issue 22: each outcome holds every rank's report and order; 16 of them kept in memory
+    grew the coordinator by 5 MB a cycle at 4,096 ranks. Past ``KEEP_RECORDS`` only the newest
+    stays in memory, and an older one is read back from its file, the same answer."""
+    monkeypatch.setattr(outcomes, "KEEP_RECORDS", 30)  # 20 ranks: 20 reports + 20 orders each
+
+    async def scenario():
+        coord, *_ = make(config)
+        for cycle in range(3):
+            for i in range(20):
+                spec = RankSpec("g", i, 20, str(i), True)
+                await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
+            await coord.notify({"node_id": "n0", "reason": "test"})
+            await asyncio.sleep(0.05)
+            for i in range(20):
+                await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
+            await coord.wait_outcome(cycle, 10)
+        first = await coord.wait_outcome(0, 1)
+        return coord, first
+
+    coord, first = run(scenario())
+    assert sorted(coord.outcomes.outcomes) == [2], "only the newest is held in memory"
+    assert first is not None and first.cycle == 0 and len(first.reports) == 20
+    with open(os.path.join(config.report_dir, "job-a", "outcome-cycle-0.json")) as f:
+        assert first.to_dict() == json.load(f), "read back: what the file says"
 
 
 @pytest.mark.parametrize("saver_fate", ["failed", "saved", "died", "silent"])

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from ray_graceful import GracefulConfig, latest_committed
-from ray_graceful.checkpoint import ShardRecord, save_state_dict, write_shard
+from ray_graceful.checkpoint import ShardRecord, save_state_dict, shard_file_name, write_shard
+from ray_graceful.coordinator import recovery
 from ray_graceful.coordinator.memory import MemoryTier
 from ray_graceful.memory.commit import MemoryCheckpoint
 from ray_graceful.outcome import publish_record
@@ -32,6 +33,7 @@ class FakeKeeper:
     def __init__(self, node: str, budget: int = 1 << 30) -> None:
         self.node, self.budget = node, budget
         self.held: dict[tuple[int, str], Any] = {}
+        self.cycles: dict[tuple[int, str], int] = {}  # what cycle handed each shard over
         self.released: list[dict[str, Any]] = []
         self.dead = False
 
@@ -39,11 +41,12 @@ class FakeKeeper:
         if self.dead:
             raise RuntimeError(f"keeper on {self.node} died")
 
-    async def hold(self, cycle, step, shard, value, nbytes, group, rank, timeout) -> Reply:
+    async def hold(self, cycle, step, shard, value, nbytes, group, rank, timeout, chunks=None):
         self._alive()
         if nbytes > self.budget:
             return Reply.refused("over its budget")
         self.held[(step, shard)] = value
+        self.cycles[(step, shard)] = cycle
         return Reply.ok(cycle)
 
     async def fetch(self, step: int, shard_key: str) -> Any:
@@ -66,7 +69,12 @@ class FakeKeeper:
         return "ok"
 
     async def stats(self) -> dict[str, Any]:
-        return {"node_id": self.node, "shards": len(self.held)}
+        self._alive()
+        shards = [
+            {"step": step, "shard": key, "bytes": 10, "cycle": self.cycles.get((step, key), 0)}
+            for step, key in sorted(self.held)
+        ]
+        return {"name": f"keeper-{self.node}", "node_id": self.node, "shards": shards}
 
 
 @pytest.fixture
@@ -99,7 +107,9 @@ def held_checkpoint(keepers: dict, step: int, where: dict[str, str], cycle: int 
     shards = {}
     for key, node in where.items():
         keepers[node].held[(step, key)] = f"{key}@{step}"
-        shards[key] = ShardRecord(key, step, "", 10, 0, "g", 0, tier="memory", holders=(node,))
+        keepers[node].cycles[(step, key)] = cycle
+        name = shard_file_name(key)
+        shards[key] = ShardRecord(key, step, name, 10, 0, "g", 0, tier="memory", holders=(node,))
     return MemoryCheckpoint("job", cycle, step, shards)
 
 
@@ -220,3 +230,67 @@ def test_a_cycle_that_did_not_commit_releases_what_it_handed_over(config):
     memory.ensure_keeper("a")
     memory.after_commit(3, None)
     assert all({"below_step": None, "cycle": 3} in k.released for k in keepers.values())
+
+
+def test_a_restarted_coordinator_adopts_its_keepers_and_offers_their_checkpoint_again(config):
+    """Issue 22: the coordinator dies after a memory commit, before its durable copy landed.
+    Its successor takes back the same keepers and reads the checkpoint back from its record:
+    a restarted rank is offered step 6 from memory, and the durable copy is done after all."""
+
+    async def scenario():
+        never = asyncio.Event()
+
+        async def stuck(cycle: int) -> None:  # the first coordinator dies before its copy
+            await never.wait()
+
+        first, keepers = tier(config, before_persist=stuck)
+        for node in ("a", "b"):
+            first.ensure_keeper(node)
+        first.after_commit(0, held_checkpoint(keepers, 6, {"g/0": "a", "g/1": "b"}))
+        await asyncio.sleep(0)
+        for task in first.tasks:
+            task.cancel()
+        assert latest_committed(config.checkpoint_dir) is None
+
+        second = MemoryTier(config, "job", "c0ffee", lambda n, node: None, "head")
+        second.adopt(dict(keepers), recovery.memory_checkpoints(config.report_dir, "job"))
+        assert sorted(second.keepers) == ["a", "b", "head"]
+        where = await second.checkpoint_for("g/1")
+        second.resume()
+        return second, where, await second.wait_durable(0, 10)
+
+    second, where, durable = run(scenario())
+    assert where == {"step": 6, "holders": {"b": "ray_graceful_keeper-job-c0ffee-b"}}
+    latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert latest.step == 6 and durable["path"] == latest.path
+    assert second.record(0)["durable_path"] == latest.path
+
+
+def test_a_restart_reads_back_only_checkpoints_still_offered(config):
+    """Lost ones are not read back, nor ones older than the newest durable copy (released)."""
+    publish = {}
+    for cycle, step, durable, lost in (
+        (0, 2, True, None),
+        (1, 4, True, None),
+        (2, 6, False, None),
+        (3, 8, False, "gone"),
+    ):
+        memory = MemoryCheckpoint(
+            "job",
+            cycle,
+            step,
+            {
+                "g/0": ShardRecord(
+                    "g/0", step, shard_file_name("g/0"), 1, 0, tier="memory", holders=("a",)
+                )
+            },
+        )
+        memory.durable_path = f"/x/step-{step}" if durable else None
+        memory.lost = lost
+        publish_record(config.report_dir, "job", f"memory-cycle-{cycle}", memory.to_record())
+        publish[cycle] = memory
+    with open(os.path.join(config.report_dir, "job", "memory-cycle-9.json"), "w") as f:
+        f.write("{not json")
+    back = recovery.memory_checkpoints(config.report_dir, "job")
+    assert [(m.cycle, m.step) for m in back] == [(1, 4), (2, 6)]
+    assert back[1].shards == publish[2].shards and back[0].durable_path == "/x/step-4"

@@ -7,6 +7,7 @@ with real ranks and a SIGKILLed coordinator, is ``tests/faults/test_coordinator_
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from ray_graceful import latest_committed
-from ray_graceful.checkpoint import commit, save_state_dict, write_shard
+from ray_graceful.checkpoint import (
+    ShardRecord,
+    commit,
+    save_state_dict,
+    shard_file_name,
+    write_shard,
+)
 from ray_graceful.coordinator import recovery
 from ray_graceful.outcome import TerminationOutcome
 from ray_graceful.protocol import Result
@@ -96,9 +103,7 @@ def test_a_committed_step_is_never_touched(tmp_path):
     assert outcome.resume_from["step"] == 5
 
 
-def test_a_memory_cycle_is_abandoned_and_the_plan_own_verdict_kept(tmp_path):
-    memory = recovery.conclude_from_disk(left(tmp_path, tier="memory"))
-    assert memory.result == Result.ABANDONED and "keepers" in memory.reason
+def test_the_plan_own_verdict_is_kept(tmp_path):
     planned = recovery.conclude_from_disk(
         left(tmp_path, tier="abandoned", reason="no replica of shard 1 is healthy")
     )
@@ -131,3 +136,64 @@ def test_an_unreadable_record_is_reported_not_raised(tmp_path, caplog):
     assert recovery.left_open(report_dir, "job") == []
     assert "unreadable record" in caplog.text
     assert recovery.next_cycle(report_dir, "job") == 5  # its number is still never reused
+
+
+def held(shard: str, step: int, *holders: str) -> ShardRecord:
+    name = shard_file_name(shard)
+    return ShardRecord(shard, step, name, 10, 0, "trainer", 0, tier="memory", holders=holders)
+
+
+def test_a_memory_cycle_held_whole_by_keepers_is_committed_in_memory(tmp_path):
+    """Issue 22: the keepers outlived the coordinator; what they hold of the cycle decides."""
+    records = [held("trainer/0", 7, "a"), held("trainer/1", 7, "b"), held("trainer/1", 5, "a")]
+    outcome, memory = recovery.conclude_from_keepers(left(tmp_path, tier="memory"), records, 1)
+    assert outcome.result == Result.COMMITTED and memory.step == 7, outcome.summary()
+    assert outcome.committed["holders"] == {"trainer/0": ["a"], "trainer/1": ["b"]}
+    assert outcome.resume_from == {"step": 7, "tier": "memory"}
+    assert latest_committed(str(tmp_path / "ckpt")) is None, "durable only once copied"
+
+
+def test_a_memory_cycle_missing_a_shard_or_a_replica_is_abandoned_and_says_which(tmp_path):
+    cycle = left(tmp_path, tier="memory")
+    outcome, memory = recovery.conclude_from_keepers(cycle, [held("trainer/0", 7, "a")], 1)
+    assert outcome.result == Result.ABANDONED and memory is None
+    assert "trainer/1" in outcome.reason and "restarted" in outcome.reason
+    mixed = [held("trainer/0", 7, "a"), held("trainer/1", 6, "a")]
+    outcome, _ = recovery.conclude_from_keepers(cycle, mixed, 1)
+    assert outcome.result == Result.ABANDONED, "never two steps in one checkpoint"
+    short = [held("trainer/0", 7, "a"), held("trainer/1", 7, "a")]
+    outcome, _ = recovery.conclude_from_keepers(cycle, short, 2)
+    assert outcome.result == Result.ABANDONED and "memory_replicas is 2" in outcome.reason
+    outcome, _ = recovery.conclude_from_keepers(cycle, [], 1)
+    assert outcome.result == Result.ABANDONED and "no keeper holds" in outcome.reason
+
+
+def test_a_shard_that_went_to_disk_completes_a_memory_cycle_at_its_step(tmp_path):
+    """A shard over its keeper's budget was saved to disk by its rank: it counts, at that step."""
+    cycle = left(tmp_path, tier="memory")
+    save(cycle.root, 7, "trainer/1")
+    outcome, memory = recovery.conclude_from_keepers(cycle, [held("trainer/0", 7, "a")], 1)
+    assert outcome.result == Result.COMMITTED, outcome.summary()
+    assert memory.shards["trainer/1"].tier == "disk" and outcome.committed["on_disk"] == [
+        "trainer/1"
+    ]
+
+
+class Keeper:
+    def __init__(self, shards=None, dead=False):
+        self.shards, self.dead = shards or [], dead
+
+    async def stats(self):
+        if self.dead:
+            raise RuntimeError("keeper died")
+        return {"shards": self.shards}
+
+
+def test_what_the_keepers_hold_of_a_cycle_is_gathered_with_every_holder():
+    one = {"step": 7, "shard": "trainer/0", "bytes": 10, "cycle": 3, "group": "trainer", "rank": 0}
+    other_cycle = {**one, "cycle": 2, "step": 5}
+    keepers = {"a": Keeper([one, other_cycle]), "b": Keeper([one]), "c": Keeper(dead=True)}
+    records = asyncio.run(recovery.held_in_keepers(keepers, 3))
+    assert [(r.shard, r.step, r.holders, r.tier) for r in records] == [
+        ("trainer/0", 7, ("a", "b"), "memory")
+    ]

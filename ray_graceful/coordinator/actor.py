@@ -24,12 +24,11 @@ import functools
 import logging
 import os
 import time
-import uuid
 from typing import Any
 
 from .. import ray_adapter
 from ..config import GracefulConfig
-from ..memory.keeper import keepers_for
+from ..memory.keeper import find_keepers, keepers_for
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
@@ -91,16 +90,19 @@ class CoordinatorActor:
         self.warm = WarmRestarts(config, store_factory or host_store)
         self.warm.prepare()
         self.spares = SparePool()
+        me = ray_adapter.current_actor_id()  # names our keepers; a restart of this actor keeps it
         self.memory = MemoryTier(
             config,
             job_id,
-            uuid.uuid4().hex[:8],
-            keeper_factory
-            or keepers_for(config.coordinator_namespace, job_id, config.memory_budget_mb),
+            me,
+            keeper_factory or keepers_for(config, job_id, me),
             home_node=ray_adapter.current_node_id(),
             publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
         )
+        if self.restarted and config.memory_replicas > 0:  # our keepers outlived our process
+            kept = recovery.memory_checkpoints(config.report_dir, job_id)
+            self.memory.adopt(find_keepers(config.coordinator_namespace, job_id, me), kept)
         self.machine = CycleMachine(
             config, job_id, self.warm, self.spares, self.memory, first_cycle=first_cycle
         )
@@ -122,19 +124,21 @@ class CoordinatorActor:
     def _wake(self) -> None:
         """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
         self.watcher.ensure_running()
+        self.memory.resume()
         while self.left_open:
             self._spawn(self._conclude_left(self.left_open.pop()))
 
     def _spawn(self, work: Any) -> None:
-        """A cycle's own task on the event loop, held until it ends."""
         task = asyncio.get_running_loop().create_task(work)
         self.cycle_tasks.add(task)
         task.add_done_callback(self.cycle_tasks.discard)
 
     async def _conclude_left(self, cycle: recovery.InFlight) -> None:
         """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
-        outcome = await recovery.conclude_when_over(cycle, REPORT_GRACE_S)
-        self._publish(ev.Concluded(outcome, None, None))
+        outcome, memory = await recovery.conclude_when_over(
+            cycle, REPORT_GRACE_S, self.memory.keepers, self.config.memory_replicas
+        )
+        self._publish(ev.Concluded(outcome, memory, None))
 
     # --- the one way in: an event to the machine, its decisions carried out ---------------------
 
@@ -241,8 +245,7 @@ class CoordinatorActor:
 
     async def ack_many(self, acks: list[Ack]) -> list[Reply]:
         """A node agent's acknowledgements, gathered (malformed ones are refused one by one)."""
-        acks = acks if isinstance(acks, list) else [acks]
-        return [self._take(ev.Acked(message)) for message in acks]
+        return [self._take(ev.Acked(m)) for m in (acks if isinstance(acks, list) else [acks])]
 
     # --- notices ----------------------------------------------------------------------------
 
@@ -254,11 +257,8 @@ class CoordinatorActor:
         """An explicit notice (CLI, API): untrusted input; ``cycle`` defaults to the current."""
         self._wake()
         if not isinstance(data, dict):
-            why = "a notice is a mapping of notice fields"
-            return self._take(ev.Malformed({"notice": short(data)}, why))
-        values = dict(data)
-        values.setdefault("cycle", self.machine.cycle.number)
-        values.setdefault("source", "api")
+            return self._take(ev.Malformed({"notice": short(data)}, "a notice is a mapping"))
+        values = {"cycle": self.machine.cycle.number, "source": "api", **data}
         try:
             notice = EvictionNotice.parse(values)
         except NoticeError as exc:

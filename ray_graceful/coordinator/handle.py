@@ -7,6 +7,7 @@ Ray job by default (``coordinator_name``), so one job's notices can never stop a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -224,14 +225,25 @@ class Coordinator:
         return self._ask("assign_spare", group, rank, timeout=30)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """End the coordinator and wait (bounded) until its name is free again.
+        """End the coordinator and its keepers, and wait (bounded) until its name is free again.
 
         ``ray.kill`` returns before the actor is gone; a second run in the same job (a second
-        ``trainer.fit()``) would otherwise find the name taken by a dying coordinator.
+        ``trainer.fit()``) would otherwise find the name taken by a dying coordinator. Keepers
+        outlive a coordinator's crash (``memory/keeper.py``), so they are ended here, at once;
+        one this cannot name (a coordinator that does not answer) leaves on its own once the
+        coordinator is gone.
         """
         import ray
 
+        try:
+            keepers = ray.get(self.handle.keeper_stats.remote(), timeout=2.0)
+        except Exception:
+            keepers = {}
         ray.kill(self.handle)
+        for stats in keepers.values():
+            with contextlib.suppress(Exception):
+                namespace = self.config.coordinator_namespace
+                ray.kill(ray.get_actor(stats["name"], namespace=namespace))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -117,18 +117,48 @@ class MemoryTier:
         name = keeper_name(self.job_id, self.instance_id, node_id)
         self.keepers[node_id] = self.start_keeper(name, node_id)
 
+    # --- after a coordinator restart (coordinator/recovery.py reads the records) -----------------
+
+    def adopt(self, found: dict[str, KeeperClient], checkpoints: list[MemoryCheckpoint]) -> None:
+        """A restarted coordinator takes back its keepers and the memory checkpoints they hold.
+
+        The checkpoints come from their records (the newest durable one and any newer); each is
+        offered again only after its holders answer (``_check_holders``, as before any restart),
+        and a durable copy that had not landed is started again at ``resume``.
+        """
+        self.keepers.update(found)
+        for memory in checkpoints:
+            memory.checked_at = 0.0
+            self.checkpoints[memory.step] = memory
+            self.by_cycle[memory.cycle] = memory
+        if found or checkpoints:
+            logger.warning(
+                "ray_graceful coordinator: adopted %d keeper(s) and the memory checkpoint(s) of "
+                "step(s) %s",
+                len(found),
+                sorted(self.checkpoints),
+            )
+
+    def resume(self) -> None:
+        """On the event loop: the durable copies an adopted checkpoint still lacks."""
+        for memory in self.checkpoints.values():
+            started = memory.cycle in self.durable or memory.durable_error is not None
+            if memory.durable_path is None and not started and self.config.checkpoint_dir:
+                self.durable[memory.cycle] = {}  # started: not twice
+                self._spawn(self._persist(memory))
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     def _changed(self, memory: MemoryCheckpoint) -> None:
-        self.publish(f"memory-cycle-{memory.cycle}", memory.describe())
+        self.publish(f"memory-cycle-{memory.cycle}", memory.to_record())
 
     def record(self, cycle: int) -> dict[str, Any] | None:
         """What the memory checkpoint of ``cycle`` holds and went through, as it is now."""
         memory = self.by_cycle.get(cycle)
-        return memory.describe() if memory is not None else None
+        return memory.to_record() if memory is not None else None
 
     # --- after a cycle concluded ----------------------------------------------------------
 
@@ -279,6 +309,7 @@ class MemoryTier:
                         record.group,
                         record.rank,
                         left,
+                        record.dcp_chunks,
                     ),
                     left,
                 )

@@ -1,10 +1,13 @@
 """The outcomes a coordinator published: written once, waited on, read back after a restart.
 
 Each concluded cycle's ``TerminationOutcome`` goes out once - its file in
-``report_dir/<job>``, its log line, its metrics - and ends every wait for it. The last
-``KEEP_OUTCOMES`` stay in memory (each holds every rank's report); an older one, or one a
-predecessor published before Ray restarted the coordinator, is read back from its file, so
-``wait_outcome(cycle=N)`` gives the same answer across a restart.
+``report_dir/<job>``, its log line, its metrics - and ends every wait for it. The newest stay
+in memory, at most ``KEEP_OUTCOMES`` of them and, beyond the newest, only while they hold fewer
+than ``KEEP_RECORDS`` reports and orders together: an outcome holds every rank's report and
+order, about 1 KiB each, and keeping 16 of 4,096 ranks grew the coordinator by 5 MB a cycle
+(``python -m benchmarks fanout``). An older one, or one a predecessor published before Ray
+restarted the coordinator, is read back from its file, so ``wait_outcome(cycle=N)`` gives the
+same answer from memory, from disk and across a restart.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from . import recovery
 
 logger = logging.getLogger(__name__)
 
-KEEP_OUTCOMES = 16  # concluded cycles whose outcome is kept in memory
+KEEP_OUTCOMES = 16  # concluded cycles whose outcome is kept in memory, at most
+KEEP_RECORDS = 8192  # reports and orders the kept outcomes hold, beyond the newest one
 
 
 class OutcomeBoard:
@@ -29,6 +33,7 @@ class OutcomeBoard:
         # are theirs). Otherwise none are read back: a file there is another run's.
         self.predecessors_below = predecessors_below
         self.outcomes: dict[int, TerminationOutcome] = {}
+        self.published: set[int] = set()  # by this coordinator: kept, or on disk
         self.events: dict[int, asyncio.Event] = {}
         try:
             self.metrics: OutcomeMetrics | None = OutcomeMetrics()
@@ -48,10 +53,19 @@ class OutcomeBoard:
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         recovery.clear_in_flight(self.report_dir, self.job_id, outcome.cycle)
         self.outcomes[outcome.cycle] = outcome
+        self.published.add(outcome.cycle)
         self.events.setdefault(outcome.cycle, asyncio.Event()).set()
-        for old in [c for c in self.outcomes if c < outcome.cycle - KEEP_OUTCOMES]:
-            del self.outcomes[old]
-            self.events.pop(old, None)
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Keep the newest outcomes within ``KEEP_OUTCOMES`` and ``KEEP_RECORDS``."""
+        held = 0
+        for rank, cycle in enumerate(sorted(self.outcomes, reverse=True)):
+            outcome = self.outcomes[cycle]
+            held += len(outcome.reports) + len((outcome.plan or {}).get("orders") or ())
+            if rank > 0 and (rank >= KEEP_OUTCOMES or held > KEEP_RECORDS):
+                del self.outcomes[cycle]
+                self.events.pop(cycle, None)
 
     def latest(self) -> int | None:
         return max(self.outcomes, default=None)
@@ -67,7 +81,7 @@ class OutcomeBoard:
         """The outcome of ``cycle`` if it was published (here, or by a predecessor)."""
         if cycle in self.outcomes:
             return self.outcomes[cycle]
-        if cycle < self.predecessors_below:
+        if cycle < self.predecessors_below or cycle in self.published:
             return recovery.read_outcome(self.report_dir, self.job_id, cycle)
         return None
 
@@ -80,7 +94,7 @@ class OutcomeBoard:
             await asyncio.wait_for(event.wait(), timeout=timeout)
         except asyncio.TimeoutError:
             return None
-        return self.outcomes.get(cycle)
+        return self.get(cycle)
 
     def count_rejected(self) -> None:
         if self.metrics is not None:

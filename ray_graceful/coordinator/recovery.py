@@ -12,15 +12,19 @@ the driver's node); the new process starts empty. What it needs was written down
   ends **committed** if every expected shard was saved at one step under ``checkpoint_dir``
   after the cycle opened - a shard file is renamed into place only once complete and fsynced,
   so its presence is proof; its size and checksum are read back into the manifest - and
-  otherwise **abandoned**, with what was missing. A memory-tier cycle is abandoned: its holds
-  died with the keepers the coordinator owned.
+  otherwise **abandoned**, with what was missing. A memory-tier cycle is concluded from what
+  the keepers hold of it (``conclude_from_keepers``), by the rule of a live memory commit.
+- **the memory tier.** Keepers outlive a coordinator crash (``memory/keeper.py``); the restarted
+  one adopts them, and reads back the memory checkpoints it had committed from their records
+  (``memory-cycle-N.json``, rewritten whenever one changes; ``memory_checkpoints``).
 - **the ranks** register again on their own (``worker/control.py``), within a second or two, but
   not all in the same instant. A plan made before a group is whole again would order out the
   ranks already back and strand the rest in a group that cannot go on - so for its first
   ``SETTLE_S`` a restarted coordinator plans only once every group it has heard from is
   complete (``settled``). A drain under way is seen at the watcher's first poll.
 
-Reading and committing touch only the disk; ``conclude_from_disk`` runs on a thread.
+Reading and committing touch only the disk (and keepers' answers); ``conclude_from_disk`` runs
+on a thread.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..checkpoint import (
@@ -47,16 +51,18 @@ from ..checkpoint import (
     sync_and_checksum,
 )
 from ..config import GracefulConfig
+from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome, publish_record
 from ..plan import RankInfo, incomplete_groups
 from ..protocol import Result, shard_key
 from .cycle import Cycle
+from .memory import KEEPER_PING_S, KeeperClient
 
 Topology = Callable[[], list[RankInfo]]
 
 logger = logging.getLogger(__name__)
 
-_RECORD = re.compile(r"^(outcome|inflight)-cycle-(\d+)\.json$")
+_RECORD = re.compile(r"^(outcome|inflight|memory|durable)-cycle-(\d+)\.json$")
 SETTLE_S = 5.0  # after a restart: how long the first plan waits for every group to be whole
 CLOCK_SLACK_S = 2.0  # a shard file written on another node: its clock may lag ours a little
 UNCOMMITTED = "no manifest (not committed)"
@@ -132,7 +138,12 @@ def clear_in_flight(report_dir: str, job_id: str, cycle: int) -> None:
 
 
 def _records(report_dir: str, job_id: str) -> dict[str, set[int]]:
-    found: dict[str, set[int]] = {"outcome": set(), "inflight": set()}
+    found: dict[str, set[int]] = {
+        "outcome": set(),
+        "inflight": set(),
+        "memory": set(),
+        "durable": set(),
+    }
     try:
         names = os.listdir(job_dir(report_dir, job_id))
     except OSError:
@@ -187,28 +198,168 @@ def left_open(report_dir: str, job_id: str) -> list[InFlight]:
     return open_cycles
 
 
-async def conclude_when_over(cycle: InFlight, grace_s: float) -> TerminationOutcome:
-    """``conclude_from_disk`` once the cycle's deadline (plus ``grace_s``) has passed: by then
-    every rank of it has saved or given up, and left. On a thread: it reads every shard."""
+def _read_json(report_dir: str, job_id: str, name: str) -> Any:
+    path = os.path.join(job_dir(report_dir, job_id), f"{name}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
+        return None
+
+
+def memory_checkpoints(report_dir: str, job_id: str) -> list[MemoryCheckpoint]:
+    """The memory checkpoints a predecessor committed and still offered: from the newest whose
+    durable copy landed, and every newer one (older ones its keepers had released)."""
+    found = _records(report_dir, job_id)
+    checkpoints = []
+    for number in sorted(found["memory"]):
+        data = _read_json(report_dir, job_id, f"memory-cycle-{number}")
+        if data is None:
+            continue  # unreadable: said so
+        try:
+            memory = MemoryCheckpoint.from_record(job_id, data)
+        except CheckpointError as exc:
+            logger.error("ray_graceful coordinator: memory-cycle-%s: %s", number, exc)
+            continue
+        durable = _read_json(report_dir, job_id, f"durable-cycle-{number}")
+        if memory.durable_path is None and isinstance(durable, dict) and durable.get("path"):
+            memory.durable_path, memory.durable_at = durable["path"], durable.get("at")
+        if not memory.lost:
+            checkpoints.append(memory)
+    durable_steps = [m.step for m in checkpoints if m.durable_path]
+    oldest = max(durable_steps, default=-1)
+    return [m for m in checkpoints if m.step >= oldest]
+
+
+async def held_in_keepers(keepers: Mapping[str, KeeperClient], cycle: int) -> list[ShardRecord]:
+    """What the keepers hold of ``cycle``: one record per (step, shard), with its holders."""
+    nodes = list(keepers)
+    answers = await asyncio.gather(
+        *(asyncio.wait_for(keepers[n].stats(), KEEPER_PING_S) for n in nodes),
+        return_exceptions=True,
+    )
+    records: dict[tuple[int, str], ShardRecord] = {}
+    for node, answer in zip(nodes, answers, strict=True):
+        if isinstance(answer, BaseException):
+            logger.warning("ray_graceful coordinator: keeper on %s: %r", node[:12], answer)
+            continue
+        for held in answer.get("shards", []):
+            if held.get("cycle") != cycle:
+                continue
+            key = (held["step"], held["shard"])
+            known = records.get(key)
+            if known is not None:
+                records[key] = replace(known, holders=(*known.holders, node))
+                continue
+            records[key] = ShardRecord(
+                held["shard"],
+                held["step"],
+                shard_file_name(held["shard"]),
+                held["bytes"],
+                0,
+                held.get("group", ""),
+                held.get("rank", -1),
+                tier="memory",
+                holders=(node,),
+                dcp_chunks=held.get("dcp_chunks"),
+            )
+    return list(records.values())
+
+
+async def conclude_when_over(
+    cycle: InFlight,
+    grace_s: float,
+    keepers: Mapping[str, KeeperClient] | None = None,
+    replicas: int = 0,
+) -> tuple[TerminationOutcome, MemoryCheckpoint | None]:
+    """The cycle's outcome once its deadline (plus ``grace_s``) has passed: by then every rank
+    of it has saved or given up, and left. From the disk on a thread (it reads every shard), or
+    from the keepers for a memory-tier cycle; a memory commit comes back with its checkpoint."""
     await asyncio.sleep(max(cycle.deadline - time.time(), 0) + grace_s)
-    outcome = await asyncio.to_thread(conclude_from_disk, cycle)
+    memory = None
+    if cycle.tier == "memory":
+        held = await held_in_keepers(keepers or {}, cycle.cycle)
+        outcome, memory = await asyncio.to_thread(conclude_from_keepers, cycle, held, replicas)
+    else:
+        outcome = await asyncio.to_thread(conclude_from_disk, cycle)
     logger.warning("ray_graceful coordinator: %s", outcome.summary())
-    return outcome
+    return outcome, memory
+
+
+def _lead(cycle: InFlight) -> str:
+    return f"the coordinator restarted during cycle {cycle.cycle}"
+
+
+def _outcome(
+    cycle: InFlight,
+    result: Result,
+    reason: str,
+    committed: dict[str, Any] | None = None,
+    resume_from: dict[str, Any] | None = None,
+) -> TerminationOutcome:
+    if resume_from is None:
+        latest = latest_committed(cycle.root) if cycle.root else None
+        resume_from = {"step": latest.step, "path": latest.path} if latest else None
+    return TerminationOutcome(
+        cycle=cycle.cycle,
+        job_id=cycle.job_id,
+        result=result,
+        plan={"expected": list(cycle.expected), "tier": cycle.tier},
+        missing=["every report: they went to the coordinator that died"],
+        committed=committed,
+        resume_from=resume_from,
+        reason=reason,
+        timings={"outcome": time.time() - cycle.opened_at},
+    )
+
+
+def conclude_from_keepers(
+    cycle: InFlight, held: list[ShardRecord], replicas: int
+) -> tuple[TerminationOutcome, MemoryCheckpoint | None]:
+    """A memory-tier cycle whose coordinator died: committed in memory, as a live commit would
+    be (``commit_in_memory``: every shard at one step, each held by ``replicas`` keepers - or
+    on disk at that step, where it did not fit a keeper), or abandoned with what was missing."""
+    by_step: dict[int, dict[str, ShardRecord]] = {}
+    for record in held:
+        if record.shard in cycle.expected:
+            by_step.setdefault(record.step, {})[record.shard] = record
+    why = "no keeper holds any shard of it"
+    since = cycle.opened_at - CLOCK_SLACK_S
+    for step in sorted(by_step, reverse=True):
+        records = by_step[step]
+        for shard in cycle.expected:
+            path = (
+                os.path.join(step_dir(cycle.root, step), shard_file_name(shard))
+                if cycle.root
+                else ""
+            )
+            if shard not in records and path and _fresh(path, since):
+                try:
+                    records[shard] = _read_back(cycle.root or "", step, shard)
+                except OSError:
+                    pass
+        try:
+            memory = commit_in_memory(
+                cycle.job_id, cycle.cycle, list(cycle.expected), list(records.values()), replicas
+            )
+        except CheckpointError as exc:
+            why = f"step {step}: {exc}"
+            continue
+        reason = f"{_lead(cycle)}: every shard was held by keepers at step {step}; committed"
+        resume_from = {"step": memory.step, "tier": "memory"}
+        return _outcome(cycle, Result.COMMITTED, reason, memory.describe(), resume_from), memory
+    return _outcome(cycle, Result.ABANDONED, f"{_lead(cycle)}: {why}"), None
 
 
 def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:
     """The outcome of a cycle whose coordinator died: committed from the disk, or abandoned."""
-    lead = f"the coordinator restarted during cycle {cycle.cycle}"
+    lead = _lead(cycle)
     committed = None
     if cycle.tier == "abandoned":
         result, reason = Result.ABANDONED, cycle.reason
     elif cycle.tier == "ray-train":
         result, reason = Result.RAY_TRAIN, f"{lead}; the savers reported to Ray Train"
-    elif cycle.tier == "memory":
-        result, reason = (
-            Result.ABANDONED,
-            f"{lead}: its shards were held in memory by keepers that ended with the coordinator",
-        )
     elif cycle.tier is None or cycle.root is None:
         result, reason = Result.NO_CHECKPOINT, f"{lead}; no checkpoint_dir is configured"
     else:
@@ -230,18 +381,7 @@ def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:
                 reason = f"{lead}: every shard was on disk at step {step}; committed from there"
             except (CheckpointError, OSError) as exc:
                 result, reason = Result.ABANDONED, f"{lead}: {exc}"
-    latest = latest_committed(cycle.root) if cycle.root else None
-    return TerminationOutcome(
-        cycle=cycle.cycle,
-        job_id=cycle.job_id,
-        result=result,
-        plan={"expected": list(cycle.expected), "tier": cycle.tier},
-        missing=["every report: they went to the coordinator that died"],
-        committed=committed,
-        resume_from={"step": latest.step, "path": latest.path} if latest else None,
-        reason=reason,
-        timings={"outcome": time.time() - cycle.opened_at},
-    )
+    return _outcome(cycle, result, reason, committed)
 
 
 def _complete_step(cycle: InFlight) -> tuple[int | None, str]:

@@ -49,6 +49,33 @@ class MemoryCheckpoint:
             "lost": self.lost,
         }
 
+    def to_record(self) -> dict[str, Any]:
+        """``describe()`` with every shard's record: ``memory-cycle-N.json``, from which a
+        restarted coordinator rebuilds this checkpoint (``from_record``)."""
+        return {
+            **self.describe(),
+            "cycle": self.cycle,
+            "committed_at": self.committed_at,
+            "records": [r.to_dict() for _, r in sorted(self.shards.items())],
+        }
+
+    @classmethod
+    def from_record(cls, job_id: str, data: dict[str, Any]) -> MemoryCheckpoint:
+        """The checkpoint ``to_record`` wrote; CheckpointError if ``data`` is not one."""
+        try:
+            records = [ShardRecord.from_dict(r) for r in data["records"]]
+            memory = cls(job_id, int(data["cycle"]), int(data["step"]), {})
+            memory.committed_at = float(data["committed_at"])
+            memory.durable_path = data.get("durable_path")
+            memory.durable_at = data.get("durable_at")
+            memory.durable_error = data.get("durable_error")
+            memory.handed_on = list(data.get("handed_on") or [])
+            memory.lost = data.get("lost")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"not a memory checkpoint record: {exc!r}") from None
+        memory.shards = {r.shard: r for r in records}
+        return memory
+
 
 def commit_in_memory(
     job_id: str,

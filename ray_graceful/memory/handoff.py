@@ -23,6 +23,7 @@ from ..checkpoint import (
     load_committed_shard,
     shard_file_name,
 )
+from ..dcp import chunk_summary, is_shard_files
 from .tree import from_tree, to_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,15 @@ def hand_off(
     import ray
 
     started = time.monotonic()
+    # DCP: what the coordinator checks coverage with at commit (and a restarted one, from the
+    # keepers: each keeps it beside the shard)
+    chunks = chunk_summary(state) if is_shard_files(state) else None
     tree = to_tree({"step": step, "state": state})
     nbytes = tree_bytes(tree)
     ref = ray.put(tree)
     handles = [ray.get_actor(name, namespace=namespace) for name in keepers]
     calls = [
-        h.hold.remote(cycle, step, shard_key, [ref], nbytes, group, rank, timeout_s)
+        h.hold.remote(cycle, step, shard_key, [ref], nbytes, group, rank, timeout_s, chunks)
         for h in handles
     ]
     replies = ray.get(calls, timeout=timeout_s)
@@ -70,6 +74,7 @@ def hand_off(
         seconds=time.monotonic() - started,
         tier="memory",
         holders=tuple(str(r.details["node_id"]) for r in replies),
+        dcp_chunks=chunks,
     )
 
 

@@ -7,16 +7,22 @@ another) and puts it again, as its own object in its own node's object store: fr
 shard lives as long as the keeper, whatever happens to the saver and its node. The saver is told
 "held" only then.
 
-The coordinator starts one keeper per node that runs ranks (pinned to that node, owned by the
-coordinator, so it lives as long as the job's coordinator) and decides which keepers hold which
-shard (``placement.py``). A keeper refuses what does not fit its budget - the saver then saves
-to disk and says so - writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic,
-checksummed, exactly as a rank's own save), hands shards to a restarted rank (``fetch``), and
-forgets a step once a newer one is committed (``release``).
+The coordinator starts one keeper per node that runs ranks (pinned to that node) and decides
+which keepers hold which shard (``placement.py``). A keeper is detached from the coordinator's
+process, so that what it holds outlives a coordinator crash: Ray restarts the coordinator (same
+actor, same id), which finds its keepers again by name (``find_keepers``) and reads back what
+they hold. It is not detached from the job: it watches its coordinator and leaves once that is
+gone for good (DEAD in the GCS - the job ended, ``shutdown``, restarts used up).
+
+A keeper refuses what does not fit its budget - the saver then saves to disk and says so -
+writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic, checksummed, exactly
+as a rank's own save), hands shards to a restarted rank (``fetch``), and forgets a step once a
+newer one is committed (``release``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,20 +30,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import ray_adapter
 from ..checkpoint import ShardRecord, save_state_dict, write_shard
+from ..config import GracefulConfig
 from ..dcp import is_shard_files, write_shard_files
 from ..protocol import Reply
 from .tree import from_tree
 
+logger = logging.getLogger(__name__)
+
 KEEPER_PREFIX = "ray_graceful_keeper"
+COORDINATOR_WATCH_S = 2.0  # how often a keeper asks whether its coordinator is gone for good
 
 
 def keeper_name(job_id: str, coordinator_id: str, node_id: str) -> str:
     """The keeper of ``node_id`` started by coordinator ``coordinator_id`` of job ``job_id``.
 
     Named, so savers and restarted ranks reach it by the name their order (or the coordinator)
-    gives them; the coordinator's id keeps a dying keeper of an earlier coordinator of the same
-    job (``trainer.fit()`` twice) from being taken for a live one.
+    gives them, and a restarted coordinator finds it again. The coordinator's id is its Ray
+    actor id, which a restart keeps and a second coordinator of the same job (``trainer.fit()``
+    twice) does not share: a leaving keeper of the first is never taken for the second's.
     """
     return f"{KEEPER_PREFIX}-{job_id}-{coordinator_id}-{node_id}"
 
@@ -54,18 +66,45 @@ class Held:
     held_at: float
     group: str = ""
     rank: int = -1
+    dcp_chunks: dict[str, Any] | None = None  # a dcp_saver's shard: its chunks (dcp.py)
 
 
 class Keeper:
     """The keeper's implementation (a threaded actor: holds, fetches and persists overlap)."""
 
-    def __init__(self, job_id: str, node_id: str, budget_bytes: int) -> None:
+    def __init__(
+        self, job_id: str, node_id: str, budget_bytes: int, coordinator_id: str = ""
+    ) -> None:
         self.job_id = job_id
         self.node_id = node_id
         self.budget_bytes = budget_bytes
         self.held: dict[tuple[int, str], Held] = {}
         self.reserved = 0  # bytes promised to holds still transferring
         self.lock = threading.Lock()
+        if coordinator_id:
+            threading.Thread(
+                target=self._leave_with, args=(coordinator_id,), daemon=True, name="keeper-watch"
+            ).start()
+
+    def _leave_with(self, coordinator_id: str) -> None:
+        """Leave once the coordinator is DEAD in the GCS (not while Ray restarts it)."""
+        while True:
+            time.sleep(COORDINATOR_WATCH_S)
+            try:
+                gone = coordinator_id in ray_adapter.dead_actors({coordinator_id})
+            except Exception as exc:  # the GCS away for a moment: ask again
+                logger.warning("ray_graceful keeper: cannot see the coordinator: %r", exc)
+                continue
+            if gone:
+                logger.info("ray_graceful keeper: the coordinator is gone for good; leaving")
+                ray_adapter.call_self("leave")
+                return
+
+    def leave(self) -> None:
+        """End this keeper (its coordinator is gone for good): an intended exit."""
+        import ray
+
+        ray.actor.exit_actor()
 
     def used(self) -> int:
         return sum(h.nbytes for h in self.held.values())
@@ -80,6 +119,7 @@ class Keeper:
         group: str = "",
         rank: int = -1,
         timeout_s: float = 60.0,
+        dcp_chunks: dict[str, Any] | None = None,
     ) -> Reply:
         """Take a copy of the shard in ``boxed_ref`` (a list, so Ray does not resolve it).
 
@@ -109,7 +149,7 @@ class Keeper:
                 self.reserved -= nbytes
         with self.lock:
             self.held[(step, shard_key)] = Held(
-                shard_key, step, cycle, nbytes, own, time.time(), group, rank
+                shard_key, step, cycle, nbytes, own, time.time(), group, rank, dcp_chunks
             )
         return Reply.ok(cycle, node_id=self.node_id, nbytes=nbytes)
 
@@ -159,7 +199,10 @@ class Keeper:
         return freed
 
     def stats(self) -> dict[str, Any]:
+        import ray
+
         return {
+            "name": ray.get_runtime_context().get_actor_name() or "",
             "node_id": self.node_id,
             "pid": os.getpid(),
             "budget_bytes": self.budget_bytes,
@@ -167,7 +210,15 @@ class Keeper:
             "reserved_bytes": self.reserved,  # promised to holds still transferring
             "shards": sorted(
                 (
-                    {"step": h.step, "shard": h.shard_key, "bytes": h.nbytes}
+                    {
+                        "step": h.step,
+                        "shard": h.shard_key,
+                        "bytes": h.nbytes,
+                        "cycle": h.cycle,
+                        "group": h.group,
+                        "rank": h.rank,
+                        **({"dcp_chunks": h.dcp_chunks} if h.dcp_chunks is not None else {}),
+                    }
                     for h in self.held.values()
                 ),
                 key=lambda d: (d["step"], d["shard"]),
@@ -210,9 +261,12 @@ class RemoteKeeper:
 KEEPER_CONCURRENCY = 32
 
 
-def start_keeper(name: str, namespace: str, job_id: str, node_id: str, budget: int) -> RemoteKeeper:
+def start_keeper(
+    name: str, namespace: str, job_id: str, node_id: str, budget: int, coordinator_id: str
+) -> RemoteKeeper:
     """Start the keeper ``name`` pinned to ``node_id`` (no wait: it is up long before any
-    eviction); it lives as long as the coordinator that starts it."""
+    eviction), or reach it if it runs already (a restarted coordinator's). Detached, so a
+    coordinator crash leaves it holding; it leaves when the coordinator is gone for good."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -221,16 +275,41 @@ def start_keeper(name: str, namespace: str, job_id: str, node_id: str, budget: i
         .options(
             name=name,
             namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
             num_cpus=0,
             max_concurrency=KEEPER_CONCURRENCY,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(job_id, node_id, budget)
+        .remote(job_id, node_id, budget, coordinator_id)
     )
     return RemoteKeeper(handle)
 
 
-def keepers_for(namespace: str, job_id: str, budget_mb: int) -> Callable[[str, str], RemoteKeeper]:
+def keepers_for(
+    config: GracefulConfig, job_id: str, coordinator_id: str
+) -> Callable[[str, str], RemoteKeeper]:
     """The coordinator's keeper factory: ``(name, node_id) -> RemoteKeeper`` for this job."""
-    return lambda name, node_id: start_keeper(name, namespace, job_id, node_id, budget_mb << 20)
+    namespace, budget = config.coordinator_namespace, config.memory_budget_mb << 20
+    return lambda name, node_id: start_keeper(
+        name, namespace, job_id, node_id, budget, coordinator_id
+    )
+
+
+def find_keepers(namespace: str, job_id: str, coordinator_id: str) -> dict[str, RemoteKeeper]:
+    """The keepers a coordinator of this id started and that still run, by node: what a
+    restarted coordinator adopts (their names say whose they are and where)."""
+    import ray
+
+    prefix = keeper_name(job_id, coordinator_id, "")
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace or not entry["name"].startswith(prefix):
+            continue
+        try:
+            handle = ray.get_actor(entry["name"], namespace=namespace)
+        except ValueError:  # left between the listing and now
+            continue
+        found[entry["name"][len(prefix) :]] = RemoteKeeper(handle)
+    return found

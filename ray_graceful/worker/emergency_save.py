@@ -17,7 +17,6 @@ from typing import Any
 
 from ..checkpoint import ShardRecord, write_shard
 from ..config import GracefulConfig
-from ..dcp import chunk_summary, is_shard_files
 from .exit_path import write_stderr
 from .report import Skip
 from .threads import run_bounded
@@ -123,7 +122,7 @@ class EmergencySave:
         def give() -> ShardRecord:
             value = state()
             captured.set()
-            record = hand_off(
+            return hand_off(
                 value,
                 step,
                 order.shard,
@@ -134,9 +133,6 @@ class EmergencySave:
                 order.group,
                 order.rank,
             )
-            if is_shard_files(value):  # DCP: the coordinator checks coverage at commit
-                record = dataclasses.replace(record, dcp_chunks=chunk_summary(value))
-            return record
 
         try:
             record: ShardRecord = run_bounded(give, budget, "memory-hand-off")

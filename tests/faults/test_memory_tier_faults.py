@@ -123,7 +123,7 @@ def test_a_keeper_whose_node_is_drained_later_hands_its_shards_on(
         assert committed["holders"] == {"trainer/0": [head], "trainer/1": [head]}, committed
         assert {(h["from"], h["to"]) for h in committed["handed_on"]} == {(nodes["a"], head)}
         assert committed["lost"] is None
-        ray.kill(_keeper_of(nodes["a"]))  # node a's memory is gone with it
+        ray.kill(_keeper_of(coordinator, nodes["a"]))  # node a's memory is gone with it
 
         restarted, _ = start_group(config, exit_recorder, ["head"] * 2, ["0", "1"])
         loaded = ray.get(
@@ -324,7 +324,7 @@ def test_a_keeper_lost_before_its_durable_copy_leaves_nothing_torn(
         assert outcome.committed["holders"] == {"trainer/0": [nodes["a"]], "trainer/1": [head]}
         durable = coordinator.wait_durable(0, timeout=30)
         assert durable is not None and "error" in durable, durable
-        ray.kill(_keeper_of(nodes["a"]))
+        ray.kill(_keeper_of(coordinator, nodes["a"]))
         time.sleep(1.0)
         latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
         assert latest.step == 1, "nothing of step 3 is listed as committed on disk"
@@ -351,17 +351,70 @@ def test_a_keeper_lost_before_its_durable_copy_leaves_nothing_torn(
         coordinator.shutdown()
 
 
-def _keeper_of(node_id: str):
-    name = next(n for n in _keeper_names() if n.endswith(node_id))
-    return ray.get_actor(name, namespace="ray_graceful")
+def test_a_coordinator_killed_before_its_memory_commit_comes_back_to_its_keepers(
+    rep, fault_log, nodes, memory_config, exit_recorder
+):
+    """Issue 22: the coordinator is frozen once its plan is out, and SIGKILLed once the savers
+    have handed both shards to keepers - before it could commit. Ray restarts it; it adopts the
+    same keeper processes, concludes the cycle from what they hold (committed in memory, one
+    step), makes it durable, and a restarted group loads that step from memory."""
+    config = memory_config
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
+        train_then_block(ranks)
+        keepers = coordinator.keeper_stats()
+        handles = {
+            n: ray.get_actor(k["name"], namespace="ray_graceful") for n, k in keepers.items()
+        }
+        pid = coordinator.stats()["pid"]
+        drain_node(nodes["b"], time.time() + 12)
+        wait_for(lambda: glob.glob(f"{config.report_dir}/*/inflight-cycle-0.json"), 10, "the plan")
+        os.kill(pid, signal.SIGSTOP)  # no report can land, nothing be committed
+        try:
+            wait_for(lambda: _held(handles) >= {"trainer/0", "trainer/1"}, 15, "both shards held")
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        codes = {p: exit_recorder.wait(p, 25) for p in pids}
+        assert None not in codes.values(), codes
+        outcome = coordinator.wait_outcome(timeout=40, cycle=0)
+        assert outcome.result == "committed" and "restarted" in outcome.reason, outcome.summary()
+        assert outcome.committed["tier"] == "memory"
+        assert set(outcome.committed["holders"]) == {"trainer/0", "trainer/1"}
+        after = coordinator.keeper_stats()
+        assert {n: after[n]["pid"] for n in keepers} == {n: k["pid"] for n, k in keepers.items()}
+        durable = coordinator.wait_durable(0, timeout=30)
+        assert durable is not None and "path" in durable, durable
+        latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert latest.step == outcome.committed["step"]
+        restarted, _ = start_group(config, exit_recorder, ["a", "head"], ["0", "1"])
+        loaded = ray.get(
+            [r.restore.remote(s, config) for r, s in zip(restarted, "01", strict=True)],
+            timeout=60,
+        )
+        assert {x["step"] for x in loaded} == {latest.step}, loaded
+        kill_actors(*restarted)
+        fault_log.record(
+            "memory tier: coordinator killed between hand-off and commit",
+            4,
+            sum(c is not None for c in codes.values()),
+            0,
+            "committed (keepers adopted)",
+            pids,
+        )
+    finally:
+        coordinator.shutdown()
 
 
-def _keeper_names() -> list[str]:
-    return [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("ray_graceful_keeper")
-    ]
+def _held(handles) -> set[str]:
+    """The shards the keepers hold, asked of them directly (the coordinator is frozen)."""
+    stats = ray.get([h.stats.remote() for h in handles.values()], timeout=10)
+    return {shard["shard"] for s in stats for shard in s["shards"]}
+
+
+def _keeper_of(coordinator, node_id: str):
+    """This coordinator's keeper on ``node_id`` (named in its stats)."""
+    return ray.get_actor(coordinator.keeper_stats()[node_id]["name"], namespace="ray_graceful")
 
 
 def test_memory_only_a_shard_over_budget_is_never_written_to_the_working_directory(
