@@ -281,20 +281,26 @@ def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
     assert not acked, "an acknowledgement of another version does not stop the re-sends"
 
 
+async def evict_groups(coord, cycles: int, ranks: int) -> None:
+    """``cycles`` times: a group of ``ranks`` on node n0 registers, n0 gets a notice, every
+    rank reports; until the cycle's outcome."""
+    for cycle in range(cycles):
+        for i in range(ranks):
+            spec = RankSpec("g", i, ranks, str(i), True)
+            await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
+        await coord.notify({"node_id": "n0", "reason": "test"})
+        await asyncio.sleep(0.05)
+        for i in range(ranks):
+            await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
+        await coord.wait_outcome(cycle, 10)
+
+
 def test_nothing_of_a_concluded_cycle_stays_but_its_outcome(config):
     """Memory does not grow with the number of cycles: old processes and ranks are dropped."""
 
     async def scenario():
         coord, *_ = make(config)
-        for cycle in range(3):
-            for i in range(20):
-                spec = RankSpec("g", i, 20, str(i), True)
-                await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
-            await coord.notify({"node_id": "n0", "reason": "test"})
-            await asyncio.sleep(0.05)
-            for i in range(20):
-                await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
-            await coord.wait_outcome(cycle, 10)
+        await evict_groups(coord, cycles=3, ranks=20)
         return coord
 
     coord = run(scenario())
@@ -311,15 +317,7 @@ def test_big_outcomes_are_kept_on_disk_and_still_answered(config, monkeypatch):
 
     async def scenario():
         coord, *_ = make(config)
-        for cycle in range(3):
-            for i in range(20):
-                spec = RankSpec("g", i, 20, str(i), True)
-                await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
-            await coord.notify({"node_id": "n0", "reason": "test"})
-            await asyncio.sleep(0.05)
-            for i in range(20):
-                await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
-            await coord.wait_outcome(cycle, 10)
+        await evict_groups(coord, cycles=3, ranks=20)
         first = await coord.wait_outcome(0, 1)
         return coord, first
 
