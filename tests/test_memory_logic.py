@@ -35,6 +35,7 @@ class FakeKeeper:
         self.held: dict[tuple[int, str], Any] = {}
         self.cycles: dict[tuple[int, str], int] = {}  # what cycle handed each shard over
         self.released: list[dict[str, Any]] = []
+        self.persisted: list[tuple[int, str]] = []
         self.dead = False
 
     def _alive(self) -> None:
@@ -55,6 +56,7 @@ class FakeKeeper:
 
     async def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
         self._alive()
+        self.persisted.append((step, shard_key))
         value = self.held[(step, shard_key)]
         record = write_shard(
             root, step, shard_key, lambda p, s: save_state_dict({"v": value}, p), group="g"
@@ -294,3 +296,28 @@ def test_a_restart_reads_back_only_checkpoints_still_offered(config):
     back = recovery.memory_checkpoints(config.report_dir, "job")
     assert [(m.cycle, m.step) for m in back] == [(1, 4), (2, 6)]
     assert back[1].shards == publish[2].shards and back[0].durable_path == "/x/step-4"
+
+
+def test_a_durable_copy_under_way_is_never_started_twice(config):
+    """``resume`` runs at every wake-up of the shell: it starts only an adopted checkpoint's
+    missing copy, once - a second copy of the same step racing the first failed it (the demo:
+    "MANIFEST.json.tmp-<pid> -> MANIFEST.json: No such file")."""
+
+    async def scenario():
+        go = asyncio.Event()
+
+        async def before_persist(cycle: int) -> None:
+            await go.wait()
+
+        memory, keepers = tier(config, before_persist=before_persist)
+        memory.ensure_keeper("a")
+        memory.after_commit(0, held_checkpoint(keepers, 3, {"g/0": "a"}))
+        for _ in range(3):
+            memory.resume()
+            await asyncio.sleep(0)
+        go.set()
+        return keepers, await memory.wait_durable(0, 10)
+
+    keepers, durable = run(scenario())
+    assert "path" in durable, durable
+    assert keepers["a"].persisted == [(3, "g/0")], "one copy of the step, not two"

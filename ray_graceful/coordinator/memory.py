@@ -93,6 +93,7 @@ class MemoryTier:
         self.durable: dict[int, dict[str, Any]] = {}  # cycle -> {"path", "at"} | {"error"}
         self.durable_events: dict[int, asyncio.Event] = {}
         self.tasks: set[asyncio.Task] = set()
+        self.unfinished: list[MemoryCheckpoint] = []  # adopted, their durable copy not landed
 
     # --- placement (the cycle machine's view) -------------------------------------------------
 
@@ -131,6 +132,8 @@ class MemoryTier:
             memory.checked_at = 0.0
             self.checkpoints[memory.step] = memory
             self.by_cycle[memory.cycle] = memory
+            if memory.durable_path is None and memory.durable_error is None:
+                self.unfinished.append(memory)
         if found or checkpoints:
             logger.warning(
                 "ray_graceful coordinator: adopted %d keeper(s) and the memory checkpoint(s) of "
@@ -140,11 +143,11 @@ class MemoryTier:
             )
 
     def resume(self) -> None:
-        """On the event loop: the durable copies an adopted checkpoint still lacks."""
-        for memory in self.checkpoints.values():
-            started = memory.cycle in self.durable or memory.durable_error is not None
-            if memory.durable_path is None and not started and self.config.checkpoint_dir:
-                self.durable[memory.cycle] = {}  # started: not twice
+        """On the event loop: the durable copies an adopted checkpoint still lacks (once: a
+        second copy of the same step racing the first would fail it)."""
+        while self.unfinished:
+            memory = self.unfinished.pop()
+            if self.config.checkpoint_dir is not None:
                 self._spawn(self._persist(memory))
 
     def _spawn(self, coro: Any) -> None:
