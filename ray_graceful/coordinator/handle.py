@@ -240,9 +240,9 @@ class Coordinator:
         except Exception:
             keepers = {}
         ray.kill(self.handle)
+        namespace = self.config.coordinator_namespace
         for stats in keepers.values():
             with contextlib.suppress(Exception):
-                namespace = self.config.coordinator_namespace
                 ray.kill(ray.get_actor(stats["name"], namespace=namespace))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

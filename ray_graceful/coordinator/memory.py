@@ -128,11 +128,11 @@ class MemoryTier:
         and a durable copy that had not landed is started again at ``resume``.
         """
         self.keepers.update(found)
-        for memory in checkpoints:
-            memory.checked_at = 0.0
+        for memory in checkpoints:  # read back: their holders not yet checked (checked_at 0)
             self.checkpoints[memory.step] = memory
             self.by_cycle[memory.cycle] = memory
-            if memory.durable_path is None and memory.durable_error is None:
+            landed = memory.durable_path is not None or memory.durable_error is not None
+            if not landed and self.config.checkpoint_dir is not None:
                 self.unfinished.append(memory)
         if found or checkpoints:
             logger.warning(
@@ -146,9 +146,7 @@ class MemoryTier:
         """On the event loop: the durable copies an adopted checkpoint still lacks (once: a
         second copy of the same step racing the first would fail it)."""
         while self.unfinished:
-            memory = self.unfinished.pop()
-            if self.config.checkpoint_dir is not None:
-                self._spawn(self._persist(memory))
+            self._spawn(self._persist(self.unfinished.pop()))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -30,6 +30,8 @@ on a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,7 +39,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..checkpoint import (
     CheckpointError,
@@ -59,6 +61,7 @@ from .cycle import Cycle
 from .memory import KEEPER_PING_S, KeeperClient
 
 Topology = Callable[[], list[RankInfo]]
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -172,40 +175,34 @@ def next_cycle(report_dir: str, job_id: str) -> int:
     return max(found["outcome"] | found["inflight"], default=-1) + 1
 
 
-def read_outcome(report_dir: str, job_id: str, cycle: int) -> TerminationOutcome | None:
-    """The outcome a previous coordinator of this job published for ``cycle``, if any."""
-    path = os.path.join(job_dir(report_dir, job_id), f"outcome-cycle-{cycle}.json")
+def _read_record(report_dir: str, job_id: str, name: str, parse: Callable[[Any], T]) -> T | None:
+    """``parse`` of the record ``name`` in this job's report directory; None if there is none,
+    or if it does not read or parse (said in the log)."""
+    path = os.path.join(job_dir(report_dir, job_id), f"{name}.json")
     try:
         with open(path) as f:
-            return TerminationOutcome.from_dict(json.load(f))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        if not isinstance(exc, FileNotFoundError):
-            logger.error("ray_graceful coordinator: unreadable outcome %s: %s", path, exc)
+            return parse(json.load(f))
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, TypeError, KeyError, CheckpointError) as exc:
+        logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
+        return None
+
+
+def read_outcome(report_dir: str, job_id: str, cycle: int) -> TerminationOutcome | None:
+    """The outcome a previous coordinator of this job published for ``cycle``, if any."""
+    parse = TerminationOutcome.from_dict
+    return _read_record(report_dir, job_id, f"outcome-cycle-{cycle}", parse)
 
 
 def left_open(report_dir: str, job_id: str) -> list[InFlight]:
     """The cycles a previous coordinator of this job opened and never concluded."""
     found = _records(report_dir, job_id)
-    open_cycles = []
-    for number in sorted(found["inflight"] - found["outcome"]):
-        path = os.path.join(job_dir(report_dir, job_id), f"inflight-cycle-{number}.json")
-        try:
-            with open(path) as f:
-                open_cycles.append(InFlight.from_dict(json.load(f)))
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
-    return open_cycles
-
-
-def _read_json(report_dir: str, job_id: str, name: str) -> Any:
-    path = os.path.join(job_dir(report_dir, job_id), f"{name}.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        logger.error("ray_graceful coordinator: unreadable record %s: %s", path, exc)
-        return None
+    read = (
+        _read_record(report_dir, job_id, f"inflight-cycle-{number}", InFlight.from_dict)
+        for number in sorted(found["inflight"] - found["outcome"])
+    )
+    return [cycle for cycle in read if cycle is not None]
 
 
 def memory_checkpoints(report_dir: str, job_id: str) -> list[MemoryCheckpoint]:
@@ -214,16 +211,16 @@ def memory_checkpoints(report_dir: str, job_id: str) -> list[MemoryCheckpoint]:
     found = _records(report_dir, job_id)
     checkpoints = []
     for number in sorted(found["memory"]):
-        data = _read_json(report_dir, job_id, f"memory-cycle-{number}")
-        if data is None:
-            continue  # unreadable: said so
-        try:
-            memory = MemoryCheckpoint.from_record(job_id, data)
-        except CheckpointError as exc:
-            logger.error("ray_graceful coordinator: memory-cycle-%s: %s", number, exc)
-            continue
-        durable = _read_json(report_dir, job_id, f"durable-cycle-{number}")
-        if memory.durable_path is None and isinstance(durable, dict) and durable.get("path"):
+        memory = _read_record(
+            report_dir,
+            job_id,
+            f"memory-cycle-{number}",
+            functools.partial(MemoryCheckpoint.from_record, job_id),
+        )
+        if memory is None:
+            continue  # none, or unreadable: said so
+        durable = _read_record(report_dir, job_id, f"durable-cycle-{number}", dict)
+        if memory.durable_path is None and durable and durable.get("path"):
             memory.durable_path, memory.durable_at = durable["path"], durable.get("at")
         if not memory.lost:
             checkpoints.append(memory)
@@ -328,17 +325,11 @@ def conclude_from_keepers(
     since = cycle.opened_at - CLOCK_SLACK_S
     for step in sorted(by_step, reverse=True):
         records = by_step[step]
-        for shard in cycle.expected:
-            path = (
-                os.path.join(step_dir(cycle.root, step), shard_file_name(shard))
-                if cycle.root
-                else ""
-            )
-            if shard not in records and path and _fresh(path, since):
-                try:
-                    records[shard] = _read_back(cycle.root or "", step, shard)
-                except OSError:
-                    pass
+        root = cycle.root  # a shard that did not fit a keeper was saved there, at this step
+        for shard in (s for s in cycle.expected if s not in records):
+            if root and _fresh(os.path.join(step_dir(root, step), shard_file_name(shard)), since):
+                with contextlib.suppress(OSError):
+                    records[shard] = _read_back(root, step, shard)
         try:
             memory = commit_in_memory(
                 cycle.job_id, cycle.cycle, list(cycle.expected), list(records.values()), replicas

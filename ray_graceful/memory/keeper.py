@@ -81,6 +81,9 @@ class Keeper:
         self.held: dict[tuple[int, str], Held] = {}
         self.reserved = 0  # bytes promised to holds still transferring
         self.lock = threading.Lock()
+        import ray
+
+        self.name = ray.get_runtime_context().get_actor_name() or ""  # in stats: shutdown() uses it
         if coordinator_id:
             threading.Thread(
                 target=self._leave_with, args=(coordinator_id,), daemon=True, name="keeper-watch"
@@ -199,10 +202,8 @@ class Keeper:
         return freed
 
     def stats(self) -> dict[str, Any]:
-        import ray
-
         return {
-            "name": ray.get_runtime_context().get_actor_name() or "",
+            "name": self.name,
             "node_id": self.node_id,
             "pid": os.getpid(),
             "budget_bytes": self.budget_bytes,
