@@ -141,7 +141,6 @@ def test_worker_and_coordinator_never_import_each_other():
 OVERSIZE = {
     "worker/runtime.py": 610,
     "tools/cli.py": 483,
-    "checkpoint.py": 581,
     "tools/demo.py": 498,
 }
 

@@ -1,0 +1,123 @@
+"""What a checkpoint is made of: shard records, a committed checkpoint, and where each lies.
+
+A step's directory is ``step-<8 digits>``; a shard's file inside it is ``shard-<key>.pt``, its
+key made safe for a file name (with a checksum of the key where characters had to be replaced,
+so two keys never share a file).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..dcp import dcp_directory
+
+MANIFEST = "MANIFEST.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint operation was refused; the message says why."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One saved shard, as reported by its rank and listed in the manifest."""
+
+    shard: str
+    step: int
+    file: str  # name inside the step directory
+    bytes: int
+    crc32: int
+    group: str = ""
+    rank: int = -1
+    seconds: float = 0.0
+    reused: bool = False  # the step was already committed: the committed shard was kept
+    tier: str = "disk"  # "memory": held by keepers (memory/), its file not yet written
+    holders: tuple[str, ...] = ()  # memory: the nodes whose keepers hold it
+    # memory, a dcp_saver's shard: its chunks (dcp.chunk_summary), checked at the memory commit
+    dcp_chunks: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {**asdict(self), "holders": list(self.holders)}  # JSON's shape: read back, equal
+        if out["dcp_chunks"] is None:  # only a memory hand-off of a dcp_saver has them
+            del out["dcp_chunks"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardRecord:
+        """From a report or a manifest entry; CheckpointError if it is not one."""
+        if not isinstance(data, Mapping):
+            raise CheckpointError(f"a shard record is a mapping, got {type(data).__name__}")
+        try:
+            values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+            if isinstance(values.get("holders"), list):
+                values["holders"] = tuple(values["holders"])
+            record = cls(**values)
+        except TypeError as exc:
+            raise CheckpointError(f"not a shard record: {exc}") from None
+        if record.dcp_chunks is not None and not isinstance(record.dcp_chunks, dict):
+            raise CheckpointError(
+                f"shard record field dcp_chunks = {record.dcp_chunks!r}: not a mapping"
+            )
+        kinds = {"shard": str, "file": str, "step": int, "bytes": int, "crc32": int}
+        for name, kind in kinds.items():
+            value = getattr(record, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise CheckpointError(
+                    f"shard record field {name} = {value!r}: not a {kind.__name__}"
+                )
+        if record.file != shard_file_name(record.shard):
+            raise CheckpointError(
+                f"shard {record.shard!r} names file {record.file!r}; its file is "
+                f"{shard_file_name(record.shard)!r} inside its step directory"
+            )
+        return record
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """What ``latest_committed`` returns: a step and where each shard lies."""
+
+    step: int
+    path: str
+    shards: dict[str, str]  # shard key -> absolute file path
+    manifest: dict[str, Any]
+
+    def dcp_path(self, group: str) -> str:
+        """The ``checkpoint_id`` to give ``dcp.load`` for ``group`` (savers from ``dcp_saver``)."""
+        assembled = self.manifest.get("dcp") or {}
+        if not isinstance(assembled, dict) or group not in assembled:
+            raise CheckpointError(
+                f"group {group!r} has no DCP checkpoint at step {self.step} ({self.path}); "
+                f"DCP groups here: {sorted(assembled) if isinstance(assembled, dict) else 'none'}"
+            )
+        if assembled[group] != dcp_directory(group):  # a manifest names only its own directory
+            raise CheckpointError(f"the manifest's DCP directory for {group!r} is not its own")
+        return os.path.join(self.path, assembled[group])
+
+    def shard_path(self, shard: str | int) -> str:
+        key = str(shard)
+        if key not in self.shards:
+            raise CheckpointError(
+                f"shard {key!r} is not in the checkpoint at step {self.step} ({self.path}); "
+                f"it holds {sorted(self.shards)}."
+            )
+        return self.shards[key]
+
+
+def step_dir(root: str, step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step {step!r} is not allowed: must be an int >= 0.")
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def shard_file_name(shard: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", shard)
+    if safe != shard or not safe:
+        safe = f"{safe}-{zlib.crc32(shard.encode()):08x}"
+    return f"shard-{safe}.pt"

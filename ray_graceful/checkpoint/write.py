@@ -1,0 +1,192 @@
+"""The write side: a rank's shard lands atomically, the coordinator's manifest commits.
+
+A rank writes its shard to a temporary name, fsyncs it, and renames it into place; a save that
+is abandoned (over budget, raised, killed) never gets its final name. ``commit`` writes the
+manifest only when every shard of the topology was saved at the same step, so a checkpoint is
+either complete and listed, or not listed at all. A committed step is never modified: a save at
+an already committed step keeps the committed shard and reports it as reused.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..dcp import DcpError, assemble, is_dcp_shard
+from .files import (
+    fsync_path,
+    not_plain,
+    path_size,
+    remove_path,
+    replace_uncommitted,
+    sync_and_checksum,
+    write_json_atomic,
+)
+from .read import read_manifest
+from .records import (
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    ShardRecord,
+    shard_file_name,
+    step_dir,
+)
+
+
+def write_shard(
+    root: str,
+    step: int,
+    shard: str,
+    saver: Callable[[str, int], tuple[int, int] | None],
+    abandoned: threading.Event | None = None,
+    group: str = "",
+    rank: int = -1,
+) -> ShardRecord:
+    """Save one shard atomically: ``saver(tmp_path, step)``, fsync, rename into place.
+
+    ``saver`` may write a file or a directory at ``tmp_path`` (DCP writes directories). If it
+    returns ``(bytes, crc32)`` they are trusted (the default saver computes them while writing);
+    otherwise the result is read back once to compute them. If ``abandoned`` is set by the time
+    the saver returns (the teardown gave up on it), the temp result is removed, never renamed.
+    """
+    if not root:
+        raise CheckpointError(
+            f"shard {shard!r}: no checkpoint directory given (an empty root would write into the "
+            "working directory)"
+        )
+    directory = step_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    name = shard_file_name(shard)
+    committed = _committed_record(directory, step, shard)
+    if committed is not None:
+        return ShardRecord(**{**committed.to_dict(), "group": group, "rank": rank, "reused": True})
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    started = time.monotonic()
+    try:
+        result = saver(tmp, step)
+        if not os.path.exists(tmp):
+            raise CheckpointError(f"the saver returned without writing anything at {tmp}")
+        if result is None:
+            size, crc = sync_and_checksum(tmp)
+        else:
+            size, crc = result
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError("save abandoned by the teardown (over budget); not renamed")
+        if _committed_record(directory, step, shard) is not None:  # committed meanwhile
+            raise CheckpointError(f"step {step} was committed during the save; left as it is")
+        replace_uncommitted(tmp, final)
+        fsync_path(directory)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    return ShardRecord(shard, step, name, size, crc, group, rank, time.monotonic() - started)
+
+
+def _committed_record(directory: str, step: int, shard: str) -> ShardRecord | None:
+    """The committed record of ``shard`` at this step, if the step is committed.
+
+    A committed step that lacks the shard is an error: it is never modified.
+    """
+    manifest_path = os.path.join(directory, MANIFEST)
+    if not os.path.lexists(manifest_path):
+        return None
+    manifest, reason = read_manifest(directory, step)
+    if manifest is None:
+        raise CheckpointError(
+            f"step {step} at {directory} has a manifest that cannot be read ({reason}); "
+            "nothing is written next to it"
+        )
+    raw = manifest["shards"].get(shard)
+    if raw is None:
+        raise CheckpointError(
+            f"step {step} is committed without shard {shard!r}; a committed checkpoint is "
+            "never modified"
+        )
+    return ShardRecord.from_dict(raw)
+
+
+def check_shard_set(expected: list[str], saved: Mapping[str, Any], where: str = "") -> None:
+    """CheckpointError unless ``saved`` holds exactly the ``expected`` shards."""
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise CheckpointError(f"shards {missing} were not saved{where}; not committed")
+    unexpected = sorted(set(saved) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"shards {unexpected} are not in the topology; not committed")
+
+
+def commit(
+    root: str,
+    step: int,
+    expected_shards: list[str],
+    records: list[ShardRecord],
+    cycle: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the manifest - only if every expected shard was saved at ``step``.
+
+    Raises CheckpointError (and writes nothing) when a shard is missing, saved at another
+    step, duplicated, or its file is not on disk with the recorded size.
+    """
+    if not expected_shards:
+        raise CheckpointError("refusing to commit a checkpoint with no shards")
+    by_shard: dict[str, ShardRecord] = {}
+    for record in records:
+        if record.step != step:
+            raise CheckpointError(
+                f"shard {record.shard!r} was saved at step {record.step}, not {step}; "
+                "a checkpoint holds one step."
+            )
+        if record.shard in by_shard:
+            raise CheckpointError(f"shard {record.shard!r} was saved twice at step {step}")
+        by_shard[record.shard] = record
+    check_shard_set(expected_shards, by_shard, f" at step {step}")
+    directory = step_dir(root, step)
+    existing, _reason = read_manifest(directory, step)
+    if existing is not None:
+        if sorted(existing["shards"]) != sorted(expected_shards):
+            raise CheckpointError(
+                f"step {step} is already committed with shards {sorted(existing['shards'])}; "
+                "a committed checkpoint is never modified"
+            )
+        return os.path.join(directory, MANIFEST)  # committed before: kept as it is
+    for record in by_shard.values():
+        if record.file != shard_file_name(record.shard):
+            raise CheckpointError(
+                f"shard {record.shard!r} reports file {record.file!r}, not its own "
+                f"{shard_file_name(record.shard)!r}; not committed"
+            )
+        path = os.path.join(directory, record.file)
+        problem = not_plain(path)
+        if problem:
+            raise CheckpointError(f"shard {record.shard!r} refused: {problem}")
+        size = path_size(path)
+        if size != record.bytes:
+            raise CheckpointError(
+                f"shard {record.shard!r}: {path} has {size} bytes on disk, the report says "
+                f"{record.bytes}; not committed"
+            )
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "cycle": cycle,
+        "committed_at": time.time(),
+        "shards": {k: by_shard[k].to_dict() for k in sorted(by_shard)},
+        **(dict(extra) if extra else {}),
+    }
+    dcp_groups: dict[str, list[str]] = {}
+    for record in records:
+        if is_dcp_shard(os.path.join(directory, record.file)):
+            dcp_groups.setdefault(record.shard.partition("/")[0], []).append(record.file)
+    if dcp_groups:  # the savers wrote DCP: one global .metadata per group, before the manifest
+        try:
+            manifest["dcp"] = assemble(directory, dcp_groups)
+        except DcpError as exc:
+            raise CheckpointError(str(exc)) from None
+    path = os.path.join(directory, MANIFEST)
+    write_json_atomic(path, manifest)
+    return path
