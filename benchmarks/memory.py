@@ -85,11 +85,11 @@ def bench_save_memory(args: argparse.Namespace) -> dict[str, Any]:
                     hand_off(state, rep, "bench/0", (names[where],), NAMESPACE, rep, 600.0)
                     save[f"memory {where}"].append(time.perf_counter() - start)
                     start = time.perf_counter()
-                    boxed = ray.get(keepers[where].fetch.remote(rep, "bench/0"))
-                    value = from_tree(ray.get(boxed[0]))
+                    ref_in_list = ray.get(keepers[where].fetch.remote(rep, "bench/0"))
+                    value = from_tree(ray.get(ref_in_list[0]))
                     assert value["state"]["layer0"].shape == state["layer0"].shape
                     load[f"memory {where}"].append(time.perf_counter() - start)
-                    del value, boxed
+                    del value, ref_in_list
                     ray.get(keepers[where].release.remote(below_step=rep + 1))
 
                 start = time.perf_counter()

@@ -41,7 +41,7 @@ from .worker.process_groups import SetupError
 from .worker.rejoin import rejoin
 from .worker.report import StepRecord, TeardownReport, read_reports
 from .worker.restore import load_latest
-from .worker.runtime import (
+from .worker.setup import (
     GracefulSetupWarning,
     SetupStatus,
     add_process_group,

@@ -118,7 +118,7 @@ class RankSpec:
     world_size: int
     shard: str  # the shard label
     can_save: bool
-    cooperative: bool = False  # the training function saves (Ray Train)
+    train_fn_saves: bool = False  # the training function saves (Ray Train)
     gpus: tuple[int, ...] = ()
 
     @property

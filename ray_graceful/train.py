@@ -47,7 +47,9 @@ from . import ray_adapter
 from .config import GracefulConfig
 from .protocol import shard_key
 from .worker.process_groups import SetupError
-from .worker.runtime import _process_runtime, _register, _should_stop, install_signal_handling
+from .worker.process_runtime import process_runtime
+from .worker.setup import install_signal_handling, register_rank
+from .worker.setup import should_stop as rank_should_stop
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ def should_stop(step: int, every: int = 1) -> bool:
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise SetupError(f"should_stop: every={every!r} must be an int >= 1")
-    local = _should_stop(step)
+    local = rank_should_stop(step)
     if step % every:
         return False
     import torch
@@ -106,8 +108,8 @@ def _register_train_rank(config: GracefulConfig) -> str:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     shard = _train_shard(config, rank)
-    status = _register(
-        GROUP, None, rank, ctx.get_world_size(), shard, None, config, cooperative=True
+    status = register_rank(
+        GROUP, None, rank, ctx.get_world_size(), shard, None, config, train_fn_saves=True
     )
     return str(status)
 
@@ -158,13 +160,15 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
 
 def _my_shards() -> list[str]:
     """The shard keys this rank saves: the plan's choice, or all its own without an order."""
-    runtime = _process_runtime()
+    runtime = process_runtime()
     order = runtime.order
     if order is not None:
         return [s.shard_key for s in order.saves if s.key in runtime.registrations]
     # No coordinator order (SIGTERM with no coordinator reachable): every rank saves its own.
     return [
-        shard_key(g, reg.shard) for (g, _r), reg in runtime.registrations.items() if reg.cooperative
+        shard_key(g, reg.shard)
+        for (g, _r), reg in runtime.registrations.items()
+        if reg.train_fn_saves
     ]
 
 
@@ -182,7 +186,7 @@ def emergency_checkpoint(
         raise SetupError(f"emergency_checkpoint: save={save!r} is not callable")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise SetupError(f"emergency_checkpoint: step={step!r} must be an int >= 0")
-    runtime = _process_runtime()
+    runtime = process_runtime()
     if runtime.order is None and runtime.control is not None and runtime.control.alive:
         # A peer saw the order first (should_stop agreed on it): ours is on its way.
         runtime.control.order_received.wait(runtime.config_or_default().order_wait_s)
@@ -238,7 +242,7 @@ def shard_dir(checkpoint: Any, shard: str | None = None) -> str | None:
         import ray.train
 
         shard = _train_shard(
-            _process_runtime().config_or_default(), ray.train.get_context().get_world_rank()
+            process_runtime().config_or_default(), ray.train.get_context().get_world_rank()
         )
     directory = os.path.join(_local_path(checkpoint), _shard_dir_name(f"{GROUP}/{shard}"))
     return directory if os.path.isdir(directory) else None

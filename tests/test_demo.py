@@ -29,7 +29,7 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
 def test_every_step_the_timeline_draws_has_its_own_legend_entry():
     """Review defect 12: quiesce had no legend entry (each rank's longest bar took a stray
     colour) and a parked backup's skipped save was drawn as a green save."""
-    from ray_graceful.tools.demo import STEP_ORDER, legend_kinds
+    from ray_graceful.tools.timeline import STEP_ORDER, legend_kinds
 
     def step(name, status="ran"):
         return {"name": name, "status": status}

@@ -12,16 +12,16 @@ import types
 import pytest
 
 import ray_graceful
-from ray_graceful.worker import _process_runtime
+from ray_graceful.worker.process_runtime import process_runtime
 
 LOOP_SOURCE = """
 import ray_graceful
-from ray_graceful.worker import _process_runtime
+from ray_graceful.worker.process_runtime import process_runtime
 
 def train(steps, seen):
     for step in range(steps):
         ray_graceful.should_stop(step + 1)
-        seen.append(_process_runtime().loop.state())
+        seen.append(process_runtime().loop.state())
     return step + 1
 """
 
@@ -48,12 +48,12 @@ def test_training_loop_is_busy_inside_and_quiescent_after(module_name):
     seen: list[bool] = []
     assert module.train(3, seen) == 3
     assert seen == ["in_step"] * 3, "inside its loop the thread is inside its step"
-    assert _process_runtime().loop.state() == "idle", "once the loop returned, a save may start"
-    assert _process_runtime().loop.step() == 3
+    assert process_runtime().loop.state() == "idle", "once the loop returned, a save may start"
+    assert process_runtime().loop.step() == 3
 
 
 def test_wrappers_are_not_taken_for_the_loop():
-    runtime = _process_runtime()
+    runtime = process_runtime()
 
     def loop() -> None:
         ray_graceful.GracefulWorkerMixin().should_stop(7)  # the mixin's method wraps it
@@ -111,10 +111,10 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker.runtime import _ProcessRuntime
+    from ray_graceful.worker.process_runtime import ProcessRuntime
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=0.3)
-    runtime = _ProcessRuntime(config=config)
+    runtime = ProcessRuntime(config=config)
     started: dict = {}
     runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
         trigger=trigger, deadline=deadline
@@ -126,7 +126,7 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
 
 
 def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monkeypatch):
-    """The cooperative (Ray Train) guard leaves early only for a loop that is really stuck."""
+    """A guard of a training function that saves (Ray Train) leaves early only when stuck."""
     import time as real_time
 
     from ray_graceful.worker.training_loop import TrainingLoop
@@ -161,13 +161,13 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
 
     from ray_graceful import GracefulConfig
     from ray_graceful.config import ConfigError
-    from ray_graceful.worker.runtime import _ProcessRuntime
+    from ray_graceful.worker.process_runtime import ProcessRuntime
 
     with pytest.raises(ConfigError, match=r"order_wait_s = 45\.0 does not fit"):
         GracefulConfig(teardown_timeout_s=10.0, order_wait_s=45.0, save_budget_s=5.0)
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=3.0)
-    runtime = _ProcessRuntime(config=config)
+    runtime = ProcessRuntime(config=config)
     started: dict = {}
     runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
         at=time.time(), deadline=deadline

@@ -74,7 +74,7 @@ def commit_request(
 
     if plan.abandoned:
         return nothing(Result.ABANDONED, plan.abandoned)
-    if cycle.cooperative:
+    if cycle.train_fn_saves:
         why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
         return nothing(Result.RAY_TRAIN, why)
     if any(r.tier == "memory" for r in records):

@@ -41,7 +41,7 @@ class Cycle:
     late_notices: list[EvictionNotice] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     plan: TerminationPlan | None = None
-    cooperative: bool = False  # the savers report to Ray Train, not to a checkpoint dir
+    train_fn_saves: bool = False  # the savers report to Ray Train, not to a checkpoint dir
     first_notice_at: float | None = None
     plan_at: float | None = None
     orders_at: float | None = None

@@ -51,7 +51,7 @@ def plan_and_order(
         if process.health is not None:
             health[spec.key] = process.health.verdict
             notes[spec.key] = process.health.summary()
-        cycle.cooperative = cycle.cooperative or spec.cooperative
+        cycle.train_fn_saves = cycle.train_fn_saves or spec.train_fn_saves
     cycle.plan = plan = plan_termination(
         topology,
         cycle.notices,
@@ -72,7 +72,7 @@ def plan_and_order(
             deadline = notice.effective_deadline(config.teardown_timeout_s)
             out.append(ev.NodeLeaving(notice.node_id, deadline))
     keepers = _surviving_keepers(plan, placement)
-    rejoiners = warm.choose_survivors(plan, state.active(), cycle.cooperative)
+    rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
     spare_nodes = warm.spare_nodes(plan, spares)
     trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
     for process_id, orders in by_process.items():
@@ -99,7 +99,7 @@ def plan_and_order(
 
 def destination(state: CoordinatorState, cycle: Cycle) -> str | None:
     """Where savers write: Ray Train, the checkpoint directory, or only keepers' memory."""
-    if cycle.cooperative:
+    if cycle.train_fn_saves:
         return "ray-train"
     if state.config.checkpoint_dir is None and state.config.memory_replicas > 0:
         return "memory"

@@ -99,7 +99,7 @@ def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
     tier: str | None = "disk" if config.checkpoint_dir else None
     if plan.abandoned:
         tier = "abandoned"
-    elif cycle.cooperative:
+    elif cycle.train_fn_saves:
         tier = "ray-train"
     elif config.memory_replicas > 0:
         tier = "memory"

@@ -143,11 +143,11 @@ class WarmRestarts:
     # --- 1. at plan time ---------------------------------------------------------------------
 
     def choose_survivors(
-        self, plan: TerminationPlan, processes: Iterable[Process], cooperative: bool
+        self, plan: TerminationPlan, processes: Iterable[Process], train_fn_saves: bool
     ) -> set[str]:
         """The processes whose order says ``rejoin``; remembered for ``decide``."""
         self.survivors = {}
-        if not self.enabled or cooperative or plan.abandoned:
+        if not self.enabled or train_fn_saves or plan.abandoned:
             return set()
         staying = {(o.group, o.rank) for o in plan.orders if not o.evicted and o.health != FAULTY}
         for process in processes:

@@ -123,10 +123,12 @@ def load_shard(
         for node, name in holders:
             try:
                 keeper = ray.get_actor(name, namespace=namespace)
-                boxed = ray.get(keeper.fetch.remote(memory["step"], shard_key), timeout=timeout_s)
-                if boxed is None:
+                ref_in_list = ray.get(
+                    keeper.fetch.remote(memory["step"], shard_key), timeout=timeout_s
+                )
+                if ref_in_list is None:
                     continue
-                value = from_tree(ray.get(boxed[0], timeout=timeout_s))
+                value = from_tree(ray.get(ref_in_list[0], timeout=timeout_s))
             except Exception as exc:
                 logger.warning(
                     "ray_graceful: keeper on %s did not give %s: %r", node, shard_key, exc

@@ -117,14 +117,14 @@ class Keeper:
         cycle: int,
         step: int,
         shard_key: str,
-        boxed_ref: list[Any],
+        ref_in_list: list[Any],
         nbytes: int,
         group: str = "",
         rank: int = -1,
         timeout_s: float = 60.0,
         dcp_chunks: dict[str, Any] | None = None,
     ) -> Reply:
-        """Take a copy of the shard in ``boxed_ref`` (a list, so Ray does not resolve it).
+        """Take a copy of the shard in ``ref_in_list`` (a list, so Ray does not resolve it).
 
         If the saver dies mid-transfer the ``ray.get`` fails, nothing is held, and the error
         goes back to nobody: a shard is held whole or not at all.
@@ -144,7 +144,7 @@ class Keeper:
                 )
             self.reserved += nbytes
         try:
-            value = ray.get(boxed_ref[0], timeout=timeout_s)
+            value = ray.get(ref_in_list[0], timeout=timeout_s)
             own = ray.put(value)  # owned by the keeper: outlives the saver and its node
             del value
         finally:
@@ -157,7 +157,10 @@ class Keeper:
         return Reply.ok(cycle, node_id=self.node_id, nbytes=nbytes)
 
     def fetch(self, step: int, shard_key: str) -> list[Any] | None:
-        """The shard's ObjectRef, boxed (a ``ray.get`` on this node copies nothing)."""
+        """The shard's ObjectRef inside a list, so Ray passes it on unresolved.
+
+        A ``ray.get`` of it on this node copies nothing.
+        """
         held = self.held.get((step, shard_key))
         return None if held is None else [held.ref]
 

@@ -21,11 +21,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
 
 from ..config import ConfigError, GracefulConfig, config_reference_markdown, is_rays_own
 from .arguments import (
-    EXIT_NO_CLUSTER,
     EXIT_NO_COORDINATOR,
     EXIT_REJECTED,
     EXIT_USAGE,
@@ -42,70 +40,7 @@ from .arguments import (
     writable_dir,
     writable_file,
 )
-
-# --- helpers -------------------------------------------------------------------------------
-
-
-def _config(args: argparse.Namespace) -> GracefulConfig:
-    overrides = {}
-    if getattr(args, "coordinator", None):
-        overrides["coordinator_name"] = args.coordinator
-    if getattr(args, "namespace", None):
-        overrides["coordinator_namespace"] = args.namespace
-    return GracefulConfig.from_env(**overrides)
-
-
-def _init(args: argparse.Namespace) -> None:
-    import ray
-
-    _check_reachable(args.address, args.timeout)
-    try:
-        ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
-    except Exception as exc:  # ConnectionError, a missing cluster, auth: all the same here
-        raise CliError(
-            f"no Ray cluster reachable at {args.address!r}: {exc}", EXIT_NO_CLUSTER
-        ) from exc
-
-
-def _connect(args: argparse.Namespace, config: GracefulConfig) -> Any:
-    from ..coordinator import Coordinator
-
-    _init(args)
-    try:
-        return Coordinator.connect(config, timeout=args.timeout, job_id=args.job)
-    except ValueError as exc:
-        raise CliError(
-            f"no coordinator to talk to in namespace {config.coordinator_namespace!r}: {exc}. "
-            "Is a job with ray_graceful running? (--job, --coordinator, --namespace pick one)",
-            EXIT_NO_COORDINATOR,
-        ) from exc
-    except Exception as exc:  # it died, or timed out answering
-        raise CliError(f"the coordinator did not answer: {exc}", EXIT_NO_COORDINATOR) from exc
-
-
-def _check_reachable(address: str, timeout: float) -> None:
-    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for a minute).
-
-    Only "auto", "local" and ``ray://`` addresses skip it; ``localhost:6379`` is a HOST:PORT
-    like any other (it once skipped the check and hung).
-    """
-    import socket
-
-    host, sep, port = address.rpartition(":")
-    if address in ("auto", "local") or address.startswith("ray://"):
-        return
-    if not sep or not host or not port.isdigit():
-        raise CliError(
-            f"--address {address!r}: give HOST:PORT (the GCS address), auto, local or "
-            "ray://HOST:PORT",
-            EXIT_USAGE,
-        )
-    try:
-        with socket.create_connection((host, int(port)), timeout=max(timeout, 0.5)):
-            pass
-    except OSError as exc:
-        raise CliError(f"no Ray cluster reachable at {address!r}: {exc}", EXIT_NO_CLUSTER) from exc
-
+from .connection import connect_coordinator, connect_every_coordinator, job_config
 
 # --- commands ------------------------------------------------------------------------------
 
@@ -113,10 +48,14 @@ def _check_reachable(address: str, timeout: float) -> None:
 def _cmd_notify(args: argparse.Namespace) -> int:
     import ray
 
-    config = _config(args)
+    config = job_config(args)
     node_id = args.node_id
     every_job = args.rank is None and args.job is None and not config.coordinator_name
-    coordinators = _connect_all(args, config) if every_job else [_connect(args, config)]
+    coordinators = (
+        connect_every_coordinator(args, config)
+        if every_job
+        else [connect_coordinator(args, config)]
+    )
     if args.this_node:
         node_id = ray.get_runtime_context().get_node_id()
     deadline = 0.0
@@ -158,23 +97,8 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect_all(args: argparse.Namespace, config: GracefulConfig) -> list[Any]:
-    """Every job's coordinator in the namespace (a node notice concerns them all)."""
-    from ..coordinator import Coordinator
-
-    _init(args)
-    coordinators = Coordinator.connect_all(config)
-    if not coordinators:
-        raise CliError(
-            f"no coordinator to talk to in namespace {config.coordinator_namespace!r}. Is a "
-            "job with ray_graceful running? (--job, --coordinator, --namespace pick one)",
-            EXIT_NO_COORDINATOR,
-        )
-    return coordinators
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
-    coordinator = _connect(args, _config(args))
+    coordinator = connect_coordinator(args, job_config(args))
     try:
         status = coordinator.status(timeout=args.timeout)
     except Exception as exc:

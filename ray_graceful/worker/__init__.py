@@ -1,8 +1,9 @@
 """The worker side: what runs inside each rank's process.
 
 - ``mixin.py``         the adoption point: ``GracefulWorkerMixin``
-- ``runtime.py``       ``after_init_process_group``, ``should_stop``; the per-process runtime that
-                       turns an order into a teardown
+- ``setup.py``         ``after_init_process_group``, ``should_stop``: the public setup API
+- ``process_runtime.py`` the per-process runtime that turns an order (or a SIGTERM) into a
+                       teardown
 - ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step;
                        ``leaving.py`` how a survivor leaves after all
 - ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
@@ -22,8 +23,7 @@
 
 from .mixin import GracefulWorkerMixin
 from .rejoin import rejoin
-from .runtime import (
-    _process_runtime,
+from .setup import (
     add_process_group,
     after_init_process_group,
     install_signal_handling,
@@ -36,7 +36,6 @@ __all__ = [
     "GracefulSetupWarning",
     "GracefulWorkerMixin",
     "SetupStatus",
-    "_process_runtime",
     "add_process_group",
     "after_init_process_group",
     "install_signal_handling",

@@ -1,7 +1,7 @@
 """How a rank process connects: its job's coordinator, found by name; its node's agent, started
 or found (``node/agent.py``); the control channel through one or the other.
 
-``runtime`` is the process's ``_ProcessRuntime`` (``runtime.py``): the channel is kept on it,
+``runtime`` is the process's ``ProcessRuntime`` (``process_runtime.py``): the channel is kept on it,
 along with the agent's handle (Ray ends an actor once no handle to it is left).
 """
 
@@ -31,7 +31,7 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
             config,
             ranks=runtime.rank_specs,
             last_step=lambda: runtime.loop.last_step,
-            on_order=runtime.obey,
+            on_order=runtime.carry_out,
             done=lambda: runtime.teardown is not None,
             on_disconnect=runtime.watch_peers,
             relay=agent if relayed else None,

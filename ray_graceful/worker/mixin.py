@@ -5,7 +5,8 @@
 plain class on purpose: no ``__init__`` to call, no ``async def`` method (one would silently
 turn a sync actor into an async one), no concurrency group (declaring any moves every method of
 a sync actor off the main thread). Adopting it changes nothing about how the actor runs. Its
-methods hand over to the rank's runtime (``runtime.py``) and the warm restart (``rejoin.py``).
+methods hand over to the setup API (``setup.py``), the per-process runtime
+(``process_runtime.py``) and the warm restart (``rejoin.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..protocol import Rejoined
+from .emergency_save import Saver
 from .process_groups import SetupError
 from .rejoin import rejoin
-from .runtime import Saver, SetupStatus, _should_stop, add_process_group, after_init_process_group
+from .setup import add_process_group, after_init_process_group, should_stop
+from .setup_status import SetupStatus
 
 
 def _defined_by_mixin(cls: type, name: str) -> bool:
@@ -110,7 +113,7 @@ class GracefulWorkerMixin:
 
     def should_stop(self, step: int | None = None) -> bool:
         """True once a teardown began (see ``ray_graceful.should_stop``)."""
-        return _should_stop(step)
+        return should_stop(step)
 
     def emergency_checkpoint(self, path: str, step: int) -> tuple[int, int] | None:
         """Write this rank's state for ``step`` at ``path`` (a file or a directory).

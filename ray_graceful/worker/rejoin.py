@@ -37,8 +37,9 @@ from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
 from .leaving import leave
 from .process_groups import SetupError, resolve_group
+from .process_runtime import ProcessRuntime, Registration, process_runtime
 from .restore import coordinator_checkpoint_dir
-from .runtime import Registration, _process_runtime, _ProcessRuntime, after_init_process_group
+from .setup import after_init_process_group
 from .spares import wait_as_spare
 
 RENDEZVOUS_POLL_S = 5.0
@@ -65,7 +66,7 @@ def rejoin(
     ``Rejoined.action`` is "joined" (train on from ``step`` as ``rank`` of ``world_size``) or
     "left" (the process is leaving; ``reason`` says why).
     """
-    runtime = _process_runtime()
+    runtime = process_runtime()
     config = runtime.adopt_config(config)
     survivor = _survivor_registration(runtime)
     coordinator = runtime.control.handle if survivor is not None else find_coordinator(config)
@@ -116,7 +117,7 @@ def rejoin(
         return result
 
 
-def _survivor_registration(runtime: _ProcessRuntime) -> Registration | None:
+def _survivor_registration(runtime: ProcessRuntime) -> Registration | None:
     order = runtime.order
     if order is None or not order.rejoin or runtime.control is None:
         return None
@@ -152,7 +153,7 @@ def _ask(coordinator: Any, member: str, config: GracefulConfig) -> Rendezvous:
 
 
 def _join(
-    runtime: _ProcessRuntime,
+    runtime: ProcessRuntime,
     config: GracefulConfig,
     coordinator: Any,
     member: str,
@@ -207,7 +208,7 @@ def _join(
 
 
 def _register_again(
-    runtime: _ProcessRuntime,
+    runtime: ProcessRuntime,
     survivor: Registration,
     answer: Rendezvous,
     state_dict: Callable[[], Any] | None,

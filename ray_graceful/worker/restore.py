@@ -14,7 +14,7 @@ from ..config import GracefulConfig
 from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import shard_key
 from .control import find_coordinator
-from .runtime import _process_runtime
+from .process_runtime import process_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def load_latest(
     Every rank of a restarted group gets the same step; ``MemoryTierError`` when this rank
     could not get that step from any keeper and disk holds only an older one (restart again).
     """
-    config = config or _process_runtime().config_or_default()
+    config = config or process_runtime().config_or_default()
     coordinator = find_coordinator(config)
     checkpoint_dir = config.checkpoint_dir
     if checkpoint_dir is None and coordinator is not None:

@@ -22,7 +22,8 @@ from ..protocol import SpareOrder
 from .control import find_coordinator
 from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
 from .process_groups import SetupError
-from .runtime import _listener_status, _process_runtime
+from .process_runtime import process_runtime
+from .setup import listener_status
 
 MAX_POLL_FAILURES = 5
 
@@ -56,7 +57,7 @@ def wait_as_spare(
 
     if role not in ("spare", "standby"):
         raise SetupError(f"role {role!r} is not allowed: 'spare' or 'standby'")
-    runtime = _process_runtime()
+    runtime = process_runtime()
     config = runtime.adopt_config(config)
     handle = find_coordinator(config)
     if handle is None:
@@ -68,7 +69,7 @@ def wait_as_spare(
     ctx = ray.get_runtime_context()
     spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
     runtime.spare_id = spare_id
-    _listener_status(config, "wait_as_spare on the main thread", warn=False)
+    listener_status(config, "wait_as_spare on the main thread", warn=False)
     answer = ray.get(
         handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()), timeout=30
     )

@@ -101,20 +101,20 @@ class TrainingLoop:
         teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
 
 
-# Modules whose frames sit between a training loop and ``_should_stop``: the public
+# Modules whose frames sit between a training loop and ``setup.should_stop``: the public
 # ``should_stop`` wrappers, and Ray's method wrappers. Named exactly, not by the package prefix:
 # a loop may itself live in a ``ray_graceful.*`` module (the demo, ``bench``'s rank actors).
 _WRAPPER_MODULES = (
     "ray_graceful.worker.training_loop",
     "ray_graceful.worker.mixin",
-    "ray_graceful.worker.runtime",
+    "ray_graceful.worker.setup",
     "ray_graceful.train",
 )
 
 
 def _caller_code() -> CodeType:
     """The code of the user's function that called should_stop (Ray may wrap the method)."""
-    frame = sys._getframe(3)  # past mark() and _should_stop()
+    frame = sys._getframe(3)  # past mark() and should_stop()
     while frame.f_back is not None:
         module = frame.f_globals.get("__name__", "")
         if module not in _WRAPPER_MODULES and not module.startswith("ray."):

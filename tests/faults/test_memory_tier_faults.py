@@ -274,8 +274,8 @@ def test_a_saver_killed_mid_hand_off_leaves_nothing_held(rep, fault_log, ray_clu
 
     keeper = ray.remote(Keeper).options(num_cpus=0, max_concurrency=4).remote("j", "n", 1 << 30)
     saver = _Saver.remote()
-    boxed, pid = ray.get([saver.pending.remote(), saver.pid.remote()], timeout=60)
-    hold = keeper.hold.remote(0, 3, "trainer/0", boxed, 1 << 20, timeout_s=60.0)
+    ref_in_list, pid = ray.get([saver.pending.remote(), saver.pid.remote()], timeout=60)
+    hold = keeper.hold.remote(0, 3, "trainer/0", ref_in_list, 1 << 20, timeout_s=60.0)
     wait_for(
         lambda: ray.get(keeper.stats.remote(), timeout=10)["reserved_bytes"],
         30,

@@ -1,37 +1,34 @@
-"""The rank's runtime: setup, ``should_stop``, and the one per-process state an order acts on.
+"""The one per-process state an order acts on, and how an order becomes a teardown.
 
-``after_init_process_group`` (and the mixin's ``graceful_setup``, ``mixin.py``) register a rank
-here; the coordinator's order becomes a teardown here (``obey``). Everything lives in one
-per-process ``_ProcessRuntime``: a process may hold several ranks in
-several groups (verl colocates roles), but it has one SIGTERM, one teardown and one exit.
+A process may hold several ranks in several groups (verl colocates roles), but it has one
+SIGTERM, one teardown and one exit: everything lives in one ``ProcessRuntime`` per process
+(``process_runtime()``; a forked child gets a fresh one). The coordinator's order becomes a
+teardown in ``carry_out``; a SIGTERM in ``on_sigterm``; a rank leaving with no coordinator
+reachable in ``begin_teardown`` (its peers are told through the group's store).
+
+The public setup API that fills it is ``setup.py``.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint import save_state_dict, shard_key
+from ..checkpoint import shard_key
 from ..config import GracefulConfig
-from ..dcp import DcpSaver
 from ..protocol import Order, RankSpec, Rendezvous
-from .connect import connect
 from .control import ControlChannel, gpu_indices
 from .emergency_save import SaveOrder, Saver
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
 from .peer_release import PeerWatch, announce_leaving
-from .process_groups import GroupHandle, SetupError, resolve_group
+from .process_groups import GroupHandle, SetupError
 from .report import write_report_file
-from .setup_status import GracefulSetupWarning, SetupStatus
-from .signals import current_listener, install_listener, set_claim_check
 from .teardown import Teardown
 from .training_loop import TrainingLoop
 
@@ -44,7 +41,7 @@ class Registration:
     shard: str
     saver: Saver | None
     release_only: bool = False  # an extra group registered for abort, not a rank to plan for
-    cooperative: bool = False  # the training function saves (Ray Train); see train.py
+    train_fn_saves: bool = False  # the training function saves (Ray Train); see train.py
     state: Callable[[], Any] | None = None  # state_dict=: what the memory tier hands over
     load_state: Callable[[Any], Any] | None = None  # load_state_dict=: a warm restart's restore
 
@@ -80,7 +77,7 @@ class Registration:
 
 
 @dataclass
-class _ProcessRuntime:
+class ProcessRuntime:
     """Per-process state shared by every rank this process holds."""
 
     config: GracefulConfig | None = None  # given explicitly; one per process
@@ -163,7 +160,7 @@ class _ProcessRuntime:
             # Never longer than leaves the teardown its release and exit before the deadline.
             latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
             control.order_received.wait(max(0.0, min(config.order_wait_s, latest - time.time())))
-        # An order handled cooperatively (Ray Train: the training function saves) starts no
+        # An order for ranks whose training function saves (Ray Train) starts no
         # teardown here: having the order is what counts.
         if self.teardown is None and self.order is None:
             why = (
@@ -173,14 +170,14 @@ class _ProcessRuntime:
             )
             self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
 
-    def obey(self, order: Order) -> None:
+    def carry_out(self, order: Order) -> None:
         """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
         with self.lock:
             if self.order is not None:
                 return
             self.order = order
-        if any(reg.cooperative for reg in self.registrations.values()):
-            self._cooperative_stop(order)
+        if any(reg.train_fn_saves for reg in self.registrations.values()):
+            self._stop_at_loop_boundary(order)
             return
         save_orders, skipped = [], []
         for save in order.saves:
@@ -244,7 +241,7 @@ class _ProcessRuntime:
 
         return ask
 
-    def _cooperative_stop(self, order: Order) -> None:
+    def _stop_at_loop_boundary(self, order: Order) -> None:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
 
         ``should_stop()`` turns true and the training function saves at its step boundary
@@ -280,7 +277,7 @@ class _ProcessRuntime:
                 skip_save_reason="saving is the training function's (Ray Train)",
             )
 
-        threading.Thread(target=guard, name="ray_graceful-cooperative-guard", daemon=True).start()
+        threading.Thread(target=guard, name="ray_graceful-loop-boundary-guard", daemon=True).start()
 
     def rank_specs(self) -> tuple[RankSpec, ...]:
         """The ranks this process registers with the coordinator (not the release-only ones)."""
@@ -291,8 +288,8 @@ class _ProcessRuntime:
                 reg.group.rank,
                 reg.group.world_size,
                 reg.shard,
-                reg.saver is not None or reg.cooperative,
-                reg.cooperative,
+                reg.saver is not None or reg.train_fn_saves,
+                reg.train_fn_saves,
                 gpus,
             )
             for reg in self.registrations.values()
@@ -397,214 +394,12 @@ class _ProcessRuntime:
             return config
 
 
-_runtime = _ProcessRuntime()
+_runtime = ProcessRuntime()
 
 
-def _process_runtime() -> _ProcessRuntime:
+def process_runtime() -> ProcessRuntime:
     """The runtime of this process (a forked child gets a fresh, empty one)."""
     global _runtime
     if _runtime.pid != os.getpid():
-        _runtime = _ProcessRuntime()
+        _runtime = ProcessRuntime()
     return _runtime
-
-
-def _listener_status(
-    config: GracefulConfig, where: str = "graceful_setup on the main thread", warn: bool = True
-) -> tuple[bool, str]:
-    """Install the listener where possible; say what happened."""
-    runtime = _process_runtime()
-    set_claim_check(lambda: _process_runtime().claims_signals())
-    on_main = threading.current_thread() is threading.main_thread()
-    listener = current_listener()
-    if on_main:
-        listener = install_listener(listener.installed_from if listener else where)
-    if listener is None:
-        message = (
-            f"not installed: graceful_setup runs on thread {threading.current_thread().name!r}, "
-            "not the main thread (threaded, async or concurrency-group actor). Fix: call "
-            "ray_graceful.install_signal_handling() in the actor's __init__, or start the job "
-            "with runtime_env={'worker_process_setup_hook': 'ray_graceful.hooks.setup'}."
-        )
-        if config.strict and warn:
-            raise SetupError("SIGTERM listener " + message)
-        if not warn:
-            return False, message
-        warnings.warn(
-            "ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4
-        )
-        return False, message
-    listener.on_signal = runtime.on_sigterm
-    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
-    how = f"installed ({listener.installed_from})"
-    if not listener.handler_in_place():
-        how += (
-            "; another SIGTERM handler replaced ours on the main thread, so it runs too (the "
-            "listener still sees every SIGTERM)"
-        )
-    return True, how
-
-
-def install_signal_handling(config: GracefulConfig | None = None) -> str:
-    """Install the SIGTERM listener now, from the main thread (an actor's ``__init__``).
-
-    For actors whose methods do not run on the main thread (threaded, async, concurrency
-    groups): ``__init__`` still does, so call this there; ``graceful_setup`` later finds it.
-    """
-    cfg = _process_runtime().adopt_config(config)
-    if threading.current_thread() is not threading.main_thread():
-        raise SetupError(
-            "install_signal_handling() must run on the main thread: call it from the actor's "
-            "__init__ (async actors run __init__ off the main thread too: use the setup hook "
-            "ray_graceful.hooks.setup instead)."
-        )
-    return _listener_status(cfg, "install_signal_handling() on the main thread")[1]
-
-
-def after_init_process_group(
-    name: str = "default",
-    *,
-    process_group: Any = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    shard: str | int | None = None,
-    saver: Saver | None = None,
-    state_dict: Callable[[], Any] | None = None,
-    config: GracefulConfig | None = None,
-    load_state_dict: Callable[[Any], Any] | None = None,
-) -> SetupStatus:
-    """Register this rank, right after ``init_process_group``; idempotent, any thread.
-
-    - ``name``: the group's label ("policy", "critic"); ranks are keyed by (name, rank).
-    - ``process_group``: the group to release on teardown (default: the world group).
-    - ``rank``/``world_size``: optional, checked against torch.distributed.
-    - ``shard``: which part of the state this rank holds; ranks with the same shard are
-      replicas of each other and only one of them saves it. Default: the rank itself (every
-      rank saves its own state - always correct, never the cheapest; pure data parallel
-      training should pass one shard for all, e.g. ``shard="model"``).
-    - ``saver(path, step)``: writes this rank's state at ``path``; or ``state_dict``: a callable
-      returning what the default saver (``torch.save``) writes.
-    - ``load_state_dict(state)``: puts a loaded ``state_dict()`` back (a warm restart's rank
-      that does not hold the committed step itself; docs/worker.md, "Warm restart").
-    """
-    if saver is not None and state_dict is not None:
-        raise SetupError("pass saver= or state_dict=, not both")
-    for label, fn in (
-        ("saver", saver),
-        ("state_dict", state_dict),
-        ("load_state_dict", load_state_dict),
-    ):
-        if fn is not None and not callable(fn):
-            raise SetupError(f"{label}={fn!r} is not callable")
-        if fn is not None and inspect.iscoroutinefunction(fn):
-            raise SetupError(f"{label} must be a plain function, not 'async def'")
-    if state_dict is not None:
-        provider = state_dict
-
-        def saver(path: str, step: int) -> tuple[int, int]:
-            return save_state_dict({"step": step, "state": provider()}, path)
-
-    elif isinstance(saver, DcpSaver):  # its files serve the memory tier and a warm restart
-        state_dict = saver.in_memory
-        load_state_dict = load_state_dict or saver.restore
-
-    return _register(
-        name,
-        process_group,
-        rank,
-        world_size,
-        shard,
-        saver,
-        config,
-        state=state_dict,
-        load_state=load_state_dict,
-    )
-
-
-def _register(
-    name: str,
-    process_group: Any,
-    rank: int | None,
-    world_size: int | None,
-    shard: str | int | None,
-    saver: Saver | None,
-    config: GracefulConfig | None,
-    release_only: bool = False,
-    cooperative: bool = False,
-    state: Callable[[], Any] | None = None,
-    load_state: Callable[[Any], Any] | None = None,
-) -> SetupStatus:
-    runtime = _process_runtime()
-    cfg = runtime.adopt_config(config)
-    if shard is not None and (not isinstance(shard, (str, int)) or isinstance(shard, bool)):
-        raise SetupError(f"shard={shard!r} is not allowed: give a str or an int.")
-    handle = resolve_group(name, process_group, rank, world_size)
-    shard_key = str(handle.rank) if shard is None else str(shard)
-    with runtime.lock:
-        existing = runtime.registrations.get(handle.key)
-        if existing is not None and existing.group.process_group is not handle.process_group:
-            raise SetupError(
-                f"group {name!r} rank {handle.rank} is already registered with another process "
-                "group; give each group its own name."
-            )
-        if existing is None:
-            runtime.registrations[handle.key] = Registration(
-                handle, shard_key, saver, release_only, cooperative, state, load_state
-            )
-        else:
-            existing.saver = saver or existing.saver
-            existing.state = state if saver is not None else existing.state
-            existing.shard = shard_key
-            existing.cooperative = cooperative
-            existing.load_state = load_state or existing.load_state
-    installed, listener = _listener_status(cfg)
-    control = connect(runtime, cfg) if not release_only else "extra group: released only"
-    return SetupStatus(
-        group=handle.name,
-        rank=handle.rank,
-        world_size=handle.world_size,
-        backends=handle.backends,
-        rank_source=handle.source,
-        shard=shard_key,
-        can_save=saver is not None or cooperative,
-        listener_installed=installed,
-        listener=listener,
-        control=control,
-        notes=tuple(handle.notes),
-    )
-
-
-def should_stop(step: int | None = None) -> bool:
-    """True once a teardown began: leave the training loop at this step boundary.
-
-    Pass the number of completed steps, right after the optimizer step. Once a teardown began,
-    the call parks here until this rank's emergency save is done (bounded by the deadline) and
-    then returns True: the save holds exactly the state after ``step`` and is labelled with it.
-    Until then it costs a flag read (and two stores when ``step`` is given).
-    """
-    return _should_stop(step)
-
-
-def _should_stop(step: int | None) -> bool:
-    runtime = _runtime if _runtime.pid == os.getpid() else _process_runtime()
-    if step is not None:
-        runtime.loop.mark(step)
-    if not runtime.stop_event.is_set():
-        return False
-    if step is not None:
-        runtime.loop.park(step, runtime.teardown)
-    return True
-
-
-def add_process_group(process_group: Any, name: str) -> None:
-    """Register an extra group (weight sync, a second role) to release on teardown."""
-    if process_group is None:
-        raise SetupError("add_process_group needs a process group, got None")
-    _register(name, process_group, None, None, None, None, None, release_only=True)
-
-
-def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teardown:
-    """Start this process's teardown as if it had been signalled (tests, custom notices)."""
-    runtime = _process_runtime()
-    if not runtime.registrations:
-        raise SetupError("teardown_now(): nothing is registered in this process")
-    return runtime.begin_teardown(trigger, exit_process=exit_process)
