@@ -20,6 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from .checkpoint.records import ShardRecord, shard_key
 from .config import GracefulConfig
 from .health import HealthReport
 
@@ -83,11 +84,6 @@ def coordinator_name(config: GracefulConfig, job_id: str) -> str:
     Ray job, so that a second job on the same cluster never registers with, or is stopped by,
     the first job's coordinator."""
     return config.coordinator_name or f"{DEFAULT_NAME}-{job_id}"
-
-
-def shard_key(group: str, label: str) -> str:
-    """How shard ``label`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
-    return f"{group}/{label}"
 
 
 def check_version(message: object) -> None:
@@ -407,7 +403,7 @@ class TeardownReport:
     started_at: float
     deadline: float
     steps: list[StepRecord] = field(default_factory=list)
-    saved: list[dict[str, Any]] = field(default_factory=list)
+    saved: list[ShardRecord] = field(default_factory=list)  # the shards it saved (or reused)
     last_step: int | None = None  # the last step boundary the training loop reported
     exit_path: ExitPath | None = None
     exit_code: int | None = None
@@ -416,6 +412,7 @@ class TeardownReport:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["steps"] = [asdict(s) for s in list(self.steps)]
+        data["saved"] = [record.to_dict() for record in list(self.saved)]
         return data
 
     def to_json(self) -> str:
@@ -427,6 +424,7 @@ class TeardownReport:
         values["steps"] = [
             StepRecord(**{**s, "status": StepStatus(s["status"])}) for s in data.get("steps", [])
         ]
+        values["saved"] = [ShardRecord.from_dict(record) for record in data.get("saved", [])]
         return cls(**values)
 
     def step(self, name: str) -> StepRecord:

@@ -211,7 +211,7 @@ def test_notify_reaches_the_coordinator_and_changes_the_plan(ray_cluster, tmp_pa
             "--reason",
             "preStop: pod terminating",
             "--deadline-in",
-            "20",
+            "6",
             "--address",
             ray_cluster.address,
             "--coordinator",

@@ -321,7 +321,8 @@ def test_thousands_of_pending_polls_answered_at_once(ray_cluster, config, coordi
         timeout=120,
     )
     polls = [handle.poll.remote(f"p{i}", 0, PollState(), 50.0) for i in range(n)]
-    time.sleep(2.0)
+    held = lambda: coordinator.stats()["pending_polls"] == n  # noqa: E731
+    wait_for(held, 60, "every poll held by the coordinator", every=0.1)
     assert not ray.wait(polls, num_returns=n, timeout=0)[0], "the polls are held open"
     start = time.monotonic()
     assert coordinator.notify(node_id="node-x", reason="test", source="cli").accepted

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from ray_graceful import TeardownReport, latest_committed
-from ray_graceful.checkpoint import save_state_dict, write_shard
+from ray_graceful.checkpoint import save_state_dict, step_dir, write_shard
 from ray_graceful.coordinator import CoordinatorActor, outcomes
 from ray_graceful.protocol import (
     Ack,
@@ -79,7 +79,7 @@ def report(cycle: int, saved: list | None = None) -> TeardownReport:
 
 def saved_report(root: str, cycle: int, step: int) -> TeardownReport:
     record = write_shard(root, step, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g")
-    return report(cycle, [record.to_dict()])
+    return report(cycle, [record])
 
 
 IDLE = PollState()
@@ -119,8 +119,9 @@ def test_another_jobs_ranks_and_orders_are_refused(config):
 
 
 def test_a_cycle_that_fails_to_conclude_still_concludes_and_the_next_accepts(config):
-    """A malformed report (or ENOSPC on the manifest...) used to leave the cycle open forever
-    and every later registration refused: now the outcome says "failed" and why."""
+    """An error while concluding used to leave the cycle open forever and every later
+    registration refused: now the outcome says "failed" and why. Here the manifest's path is
+    taken by a directory, so its write fails as ENOSPC or EIO would."""
 
     async def scenario():
         coord, *_ = make(config)
@@ -129,7 +130,9 @@ def test_a_cycle_that_fails_to_conclude_still_concludes_and_the_next_accepts(con
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n0", "reason": "test"})
         await poll
-        await coord.report_teardown("p0", report(0, [{"shard": 5}]))
+        saved = saved_report(config.checkpoint_dir, 0, 7)
+        os.makedirs(os.path.join(step_dir(config.checkpoint_dir, 7), "MANIFEST.json", "taken"))
+        await coord.report_teardown("p0", saved)
         outcome = await coord.wait_outcome(0, 10)
         again = await register(coord, pid="p1")
         return outcome, again

@@ -7,6 +7,7 @@ what is to be committed, and that the outcome is the one record of the cycle.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from ray_graceful import TeardownReport
-from ray_graceful.checkpoint import save_state_dict, write_shard
+from ray_graceful.checkpoint import ShardRecord, save_state_dict, write_shard
 from ray_graceful.coordinator import events as ev
 from ray_graceful.coordinator.conclusion import carry_out
 from ray_graceful.coordinator.machine import CycleMachine
@@ -77,6 +78,25 @@ def test_a_notice_opens_the_cycle_and_closing_the_gathering_orders_every_process
     assert of(m.step(ev.Polled("p0", 0, PollState())), ev.HoldPoll)
 
 
+def test_a_report_whose_saved_shards_are_not_records_is_refused_and_saves_nothing(config):
+    """A report carries ``ShardRecord``s; anything else is refused with the reason, not read."""
+    m = registered(config)
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
+    m.step(ev.GatheringClosed(0))
+    entry = {"shard": "g/0", "step": 5, "file": "shard-g_0-1.pt", "bytes": 1, "crc32": 0}
+    refused = report(m, "p0", [entry])
+    assert not ev.reply_of(refused).accepted and "ShardRecord" in ev.reply_of(refused).reason
+    assert not of(refused, ev.SaveResolved), "nothing was taken from the refused report"
+    assert m.registry.processes["p0"].report is None, "p0 may still send its real report"
+
+
+def test_a_teardown_report_reads_back_from_its_json_equal_and_typed(tmp_path):
+    record = write_shard(str(tmp_path), 3, "g/0", lambda p, s: save_state_dict({"s": s}, p))
+    sent = TeardownReport(1, "h", "n", "job-a", [], "t", 0, 1.0, 2.0, saved=[record])
+    back = TeardownReport.from_dict(json.loads(sent.to_json()))
+    assert back == sent and isinstance(back.saved[0], ShardRecord)
+
+
 def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(config, tmp_path):
     m = registered(config)
     m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
@@ -84,7 +104,7 @@ def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(con
     record = write_shard(
         config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
     )
-    first = report(m, "p0", [record.to_dict()])
+    first = report(m, "p0", [record])
     assert of(first, ev.SaveResolved) == [ev.SaveResolved(0, "g/0", True, "h:0 saved it")]
     assert not of(first, ev.AllReported), "p1 has not reported yet"
     assert of(report(m, "p1"), ev.AllReported) == [ev.AllReported(0)]
@@ -98,6 +118,48 @@ def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(con
     assert m.cycle.number == 1 and m.registry.processes == {}, "the next cycle is open, empty"
     with pytest.raises(AttributeError):
         done.outcome.result = "abandoned"  # an outcome is a record: written once
+
+
+def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config):
+    """The coordinator sits on the driver's node; drained, the job ends with it: every rank is
+    ordered, each shard saved once, by that drain's deadline (no rank's node was drained)."""
+    m = CycleMachine(
+        config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"
+    )
+    for rank in range(4):
+        spec = RankSpec("g", rank, 4, str(rank % 2), True)
+        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
+    deadline = time.time() + 30
+    opened = m.step(ev.DrainsSeen({"home": int(deadline * 1000)}))
+    assert of(opened, ev.CycleOpened) == [ev.CycleOpened(0)]
+    assert {n.node_id for n in m.cycle.notices} == {"n0", "n1", "n2", "n3"}
+    assert all("driver's node" in n.reason for n in m.cycle.notices)
+    again = m.step(ev.DrainsSeen({"home": int(deadline * 1000), "n1": int(deadline * 1000)}))
+    assert not of(again, ev.Rejected) and len(m.cycle.notices) == 4, "each node noticed once"
+    ordered = m.step(ev.GatheringClosed(0))
+    orders = [d.answer.order for d in of(ordered, ev.OrderOut)]
+    assert len(orders) == 4 and all(o.deadline <= deadline + 0.001 for o in orders)
+    assert sorted(s.shard_key for o in orders for s in o.saves if not s.is_backup) == ["g/0", "g/1"]
+
+
+def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
+    m = CycleMachine(
+        config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"
+    )
+    spec = RankSpec("g", 0, 1, "0", True)
+    m.step(ev.Registration(Register("p0", "n0", 0, "h", "job-a", (spec,))))
+    assert not of(m.step(ev.DrainsSeen({"elsewhere": int(time.time() * 1000)})), ev.CycleOpened)
+
+
+def test_a_large_plan_is_logged_as_one_line_of_counts_a_small_one_as_its_table(config):
+    m = registered(config, ranks=2)
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
+    m.step(ev.GatheringClosed(0))
+    plan = m.cycle.plan
+    assert plan.for_log() == plan.table(), "two ranks: the table"
+    line = plan.for_log(max_rows=1)
+    assert "\n" not in line and line.startswith("2 ranks on 2 nodes (1 evicted)")
+    assert "1 backup" in line and "1 save" in line and "checkpoint 1 shard(s)" in line
 
 
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):

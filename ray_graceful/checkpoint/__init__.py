@@ -15,7 +15,6 @@ A checkpoint is either complete and listed, or not listed at all, and a committe
 touched again.
 """
 
-from ..protocol import shard_key
 from .files import fsync_path, load_state_dict, not_plain, save_state_dict, sync_and_checksum
 from .read import latest_committed, load_committed_shard, scan_checkpoints
 from .records import (
@@ -25,6 +24,7 @@ from .records import (
     CommittedCheckpoint,
     ShardRecord,
     shard_file_name,
+    shard_key,
     step_dir,
 )
 from .write import check_shard_set, commit, write_shard
@@ -45,7 +45,7 @@ __all__ = [
     "save_state_dict",
     "scan_checkpoints",
     "shard_file_name",
-    "shard_key",  # re-exported: checkpoints name shards as the protocol does
+    "shard_key",
     "step_dir",
     "sync_and_checksum",
     "write_shard",

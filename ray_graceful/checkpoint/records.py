@@ -110,6 +110,11 @@ class CommittedCheckpoint:
         return self.shards[key]
 
 
+def shard_key(group: str, label: str) -> str:
+    """How shard ``label`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
+    return f"{group}/{label}"
+
+
 def step_dir(root: str, step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"step {step!r} is not allowed: must be an int >= 0.")

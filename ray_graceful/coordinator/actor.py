@@ -13,8 +13,7 @@ tier (``memory.py``) and the backups' waits (``backups.py``), each with injected
                                                                            │ (thread)
           outcome published <─ Concluded <─ machine.step(CommitDone) <─────┘
 
-A cycle always concludes: an error on the way becomes a "failed" outcome with the reason, and
-the next cycle opens all the same.
+A cycle always concludes: an error on the way is a "failed" outcome; the next cycle opens.
 """
 
 from __future__ import annotations
@@ -91,12 +90,13 @@ class CoordinatorActor:
         self.warm.prepare()
         self.spares = SparePool()
         me = ray_adapter.current_actor_id()  # names our keepers; a restart of this actor keeps it
+        home = ray_adapter.current_node_id()  # the driver's node: we are pinned there
         self.memory = MemoryTier(
             config,
             job_id,
             me,
             keeper_factory or keepers_for(config, job_id, me),
-            home_node=ray_adapter.current_node_id(),
+            home_node=home,
             publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
         )
@@ -104,7 +104,7 @@ class CoordinatorActor:
             kept = recovery.memory_checkpoints(config.report_dir, job_id)
             self.memory.adopt(find_keepers(config.coordinator_namespace, job_id, me), kept)
         self.machine = CycleMachine(
-            config, job_id, self.warm, self.spares, self.memory, first_cycle=first_cycle
+            config, job_id, self.warm, self.spares, self.memory, first_cycle, home
         )
         if self.restarted:  # nobody may call us for a while: call ourselves, to _wake()
             ray_adapter.call_self("ping")
@@ -280,7 +280,7 @@ class CoordinatorActor:
             self._take(ev.GatheringClosed(cycle))
             plan = self.machine.cycle.plan
             if plan is not None:
-                logger.info("ray_graceful coordinator: plan for cycle %s\n%s", cycle, plan.table())
+                logger.info("ray_graceful: plan for cycle %s\n%s", cycle, plan.for_log())
                 written = recovery.in_flight(self.machine.cycle, self.config, self.job_id)
                 await asyncio.to_thread(recovery.record_in_flight, self.config.report_dir, written)
                 last = max((o.deadline for o in plan.orders), default=time.time())

@@ -64,7 +64,7 @@ def commit_request(
     plan = cycle.plan
     assert plan is not None
     reports = [p.report for p in involved if p.report is not None]
-    records = tuple(ShardRecord.from_dict(s) for r in reports for s in r.saved)
+    records = tuple(record for r in reports for record in r.saved)
     expected = tuple(shard_key(g, s) for g, s in plan.savers)
     root = config.checkpoint_dir
 

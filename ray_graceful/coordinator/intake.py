@@ -195,6 +195,8 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
         valid = valid and deadline_ms >= 0
         if valid:
             out.append(ev.NodeLeaving(node_id, deadline_ms / 1000.0))  # ranks there or not
+        if valid and node_id == state.home_node and state.home_node:
+            _the_job_ends_with(state, node_id, deadline_ms / 1000.0, out)
         if not state.registry.has_node(node_id, number):
             continue  # a node this job has no rank on
         if not valid:
@@ -209,6 +211,30 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
             state.reject(out, {"source": "drain", "node_id": node_id}, str(exc))
             continue
         take_notices(state, [notice], out, answer=False)
+
+
+def _the_job_ends_with(
+    state: CoordinatorState, node_id: str, deadline: float, out: list[ev.Decision]
+) -> None:
+    """The driver's node is drained: every node of the job is noticed, with that deadline.
+
+    The coordinator is pinned next to the driver, so this is both their node. Once the driver
+    is gone Ray ends every actor of the job, and a coordinator pinned to a node that left has
+    nowhere to restart: each rank node would never get a notice of its own in time. So the
+    whole job saves and leaves by the drain's deadline, as if each node had been drained.
+    """
+    number = state.cycle.number
+    state.drains_seen[node_id] = number
+    nodes = sorted({p.node_id for p in state.active()} - {node_id})
+    reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
+    notices = []
+    for node in nodes:
+        if state.drains_seen.get(node) == number:
+            continue  # drained itself: its own notice is in
+        state.drains_seen[node] = number
+        notices.append(EvictionNotice("drain", reason, number, deadline, node_id=node))
+    if notices:
+        take_notices(state, notices, out, answer=False)
 
 
 def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decision]) -> None:

@@ -28,6 +28,7 @@ from ..protocol import (
     Rejoined,
     Reply,
     Result,
+    ShardRecord,
     SpareOrder,
     TeardownReport,
     check_version,
@@ -54,8 +55,9 @@ class CycleMachine:
         spares: SparePool,
         placement: KeeperPlacement | None = None,
         first_cycle: int = 0,
+        home_node: str = "",
     ) -> None:
-        self.state = CoordinatorState(config, job_id, cycle=Cycle(first_cycle))
+        self.state = CoordinatorState(config, job_id, cycle=Cycle(first_cycle), home_node=home_node)
         self.warm = warm
         self.spares = spares
         self.placement = placement
@@ -158,8 +160,11 @@ class CycleMachine:
             what = {"process": process_id, "cycle": report.cycle}
             self.state.refuse(out, what, self.state.stale(report.cycle))
             return
+        if not all(isinstance(record, ShardRecord) for record in report.saved):
+            self.state.refuse(out, {"process": process_id}, "a report's saved are ShardRecords")
+            return
         process.report = report
-        saved = {s.get("shard") for s in report.saved if isinstance(s, dict)}
+        saved = {record.shard for record in report.saved}
         self.state.resolve_saves(process, saved, report.save_failure(), out)
         self.state.check_all_reported(out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))

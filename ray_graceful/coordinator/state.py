@@ -32,6 +32,7 @@ class CoordinatorState:
     job_state: str = "running"  # "running" | "succeeded" | "closed"
     save_times: dict[tuple[str, str], float] = field(default_factory=dict)  # expected next time
     drains_seen: dict[str, int] = field(default_factory=dict)  # node -> the cycle it was seen in
+    home_node: str = ""  # the coordinator's node, pinned next to the driver: the job ends with it
     polls_served: int = 0
 
     def active(self) -> list[Process]:

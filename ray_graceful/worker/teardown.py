@@ -165,7 +165,7 @@ class Teardown:
         try:
             self._step("save", self._save)
         finally:
-            self.report.saved = [record.to_dict() for record in self.saving.saved]
+            self.report.saved = list(self.saving.saved)
             self.training_released.set()
             self.saving.tell_saved(self._how_the_save_went())
         self._step("destroy_process_group", self._destroy)
@@ -405,7 +405,7 @@ class Teardown:
                 record.detail = "the watchdog fired at the deadline"
                 record.duration_s = time.monotonic() - self.t0 - record.started_s
         self.report.exit_path, self.report.exit_code = "watchdog", self.config.exit_code
-        self.report.saved = [record.to_dict() for record in list(self.saving.saved)]
+        self.report.saved = list(self.saving.saved)
         self.report.finished_s = time.monotonic() - self.t0
         write_report_file(self.report, self.config.report_dir)
         write_stderr(f"{LOG_PREFIX}{self.report.to_json()}\n")

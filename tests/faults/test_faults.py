@@ -217,27 +217,32 @@ def test_coordinator_killed(rep, fault_log, config, coordinator, exit_recorder):
     assert hangs == 0
 
 
-def test_coordinator_node_drained(rep, fault_log, ray_cluster, config, exit_recorder):
+def test_the_drivers_node_drained(rep, fault_log, ray_cluster, config, exit_recorder):
+    """The coordinator runs next to the driver; when Ray drains that node the job ends with it.
+
+    No rank's own node is drained, yet every rank is ordered, each shard is saved once, every
+    rank is out by the drain's deadline, and the checkpoint commits before the node goes.
+    """
     node = ray_cluster.add_node(num_cpus=1)
     ray_cluster.wait_for_nodes()
-    coord = Coordinator.start(config, node_id=node.node_id)
+    coord = Coordinator.start(config, node_id=node.node_id)  # the driver's node, as start() says
     try:
         ranks, pids = start(config, exit_recorder)
-        drain_node(node.node_id, time.time() + 2, "the coordinator's node is reclaimed")
-        time.sleep(2)
-        ray_cluster.remove_node(node)
-        wait_for(lambda: not _alive(coord), 30, "the coordinator to go with its node")
-        time.sleep(1.0)
-        for pid in pids:
-            os.kill(pid, signal.SIGTERM)
+        rank_node = ray_cluster.head_node.node_id  # start() puts every rank on the head
+        drain_node(node.node_id, time.time() + DEADLINE_S, "the driver's node is reclaimed")
+        outcome = coord.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
+        assert outcome is not None, "the coordinator published no outcome"
         released, hangs = settle(exit_recorder, pids)
-        fault_log.record(
-            "drain of the coordinator's node", 4, released, hangs, "n/a (no coordinator)", pids
-        )
+        state = checkpoint_state(outcome, config)
+        fault_log.record("drain of the driver's node", 4, released, hangs, state, pids)
         kill_actors(*ranks)
         assert hangs == 0
+        assert outcome.result == "committed", outcome.summary()
+        assert {n["node_id"] for n in outcome.notices} == {rank_node}
+        assert "driver's node" in outcome.notices[0]["reason"]
     finally:
         kill_actors(coord.handle)
+        ray_cluster.remove_node(node)
 
 
 def _alive(coordinator) -> bool:
