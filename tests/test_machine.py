@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ray_graceful import TeardownReport
+from ray_graceful import TeardownReport, read_reports
 from ray_graceful.checkpoint import ShardRecord, save_state_dict, write_shard
 from ray_graceful.coordinator import events as ev
 from ray_graceful.coordinator.conclusion import carry_out
@@ -23,6 +23,7 @@ from ray_graceful.coordinator.spares import SparePool
 from ray_graceful.coordinator.warm import WarmRestarts
 from ray_graceful.notices import EvictionNotice
 from ray_graceful.protocol import Ack, PollState, RankSpec, Register
+from ray_graceful.worker.report import write_report_file
 from tests.helpers import fast_config
 
 pytestmark = pytest.mark.unit
@@ -97,6 +98,19 @@ def test_a_teardown_report_reads_back_from_its_json_equal_and_typed(tmp_path):
     assert back == sent and isinstance(back.saved[0], ShardRecord)
 
 
+def test_read_reports_reads_them_back_typed_and_skips_a_torn_one_with_a_warning(tmp_path, caplog):
+    record = write_shard(str(tmp_path), 3, "g/0", lambda p, s: save_state_dict({"s": s}, p))
+    sent = TeardownReport(1, "h", "n", "job-a", [], "t", 0, 1.0, 2.0, saved=[record])
+    write_report_file(sent, str(tmp_path / "reports"))
+    job_dir = tmp_path / "reports" / "job-a"
+    (job_dir / "teardown-h-2.json").write_text('{"pid": 2, "hostn')  # torn mid-write
+    bad = {**sent.to_dict(), "pid": 3, "saved": [{"shard": "g/0", "file": "../escape.pt"}]}
+    (job_dir / "teardown-h-3.json").write_text(json.dumps(bad))
+    assert read_reports(str(tmp_path / "reports"), "job-a") == [sent]
+    skipped = [r.getMessage() for r in caplog.records if "skipped report" in r.getMessage()]
+    assert len(skipped) == 2 and any("teardown-h-3.json" in m for m in skipped), skipped
+
+
 def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(config, tmp_path):
     m = registered(config)
     m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
@@ -134,11 +148,14 @@ def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config)
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(0)]
     assert {n.node_id for n in m.cycle.notices} == {"n0", "n1", "n2", "n3"}
     assert all("driver's node" in n.reason for n in m.cycle.notices)
-    again = m.step(ev.DrainsSeen({"home": int(deadline * 1000), "n1": int(deadline * 1000)}))
-    assert not of(again, ev.Rejected) and len(m.cycle.notices) == 4, "each node noticed once"
+    sooner = deadline - 10  # node n1 is drained on its own too, with an earlier deadline
+    again = m.step(ev.DrainsSeen({"home": int(deadline * 1000), "n1": int(sooner * 1000)}))
+    assert not of(again, ev.Rejected) and len(m.cycle.notices) == 5, "home's drain taken once"
     ordered = m.step(ev.GatheringClosed(0))
-    orders = [d.answer.order for d in of(ordered, ev.OrderOut)]
-    assert len(orders) == 4 and all(o.deadline <= deadline + 0.001 for o in orders)
+    orders = {d.process_id: d.answer.order for d in of(ordered, ev.OrderOut)}
+    assert len(orders) == 4 and all(o.deadline <= deadline + 0.001 for o in orders.values())
+    assert orders["p1"].deadline <= sooner + 0.001, "n1's own, earlier deadline holds"
+    orders = list(orders.values())
     assert sorted(s.shard_key for o in orders for s in o.saves if not s.is_backup) == ["g/0", "g/1"]
 
 

@@ -227,12 +227,8 @@ def _the_job_ends_with(
     state.drains_seen[node_id] = number
     nodes = sorted({p.node_id for p in state.active()} - {node_id})
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
-    notices = []
-    for node in nodes:
-        if state.drains_seen.get(node) == number:
-            continue  # drained itself: its own notice is in
-        state.drains_seen[node] = number
-        notices.append(EvictionNotice("drain", reason, number, deadline, node_id=node))
+    # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
+    notices = [EvictionNotice("drain", reason, number, deadline, node_id=n) for n in nodes]
     if notices:
         take_notices(state, notices, out, answer=False)
 

@@ -10,9 +10,13 @@ one log line, and sent to the coordinator, which puts every rank's report in the
 from __future__ import annotations
 
 import json
+import logging
 import os
 
+from ..checkpoint import CheckpointError
 from ..protocol import ExitPath, StepRecord, TeardownReport
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ExitPath", "Skip", "StepRecord", "TeardownReport", "read_reports", "write_report_file"]
 
@@ -42,7 +46,10 @@ def write_report_file(report: TeardownReport, report_dir: str) -> str | None:
 
 
 def read_reports(report_dir: str, job_id: str | None = None) -> list[TeardownReport]:
-    """Every TeardownReport under ``report_dir`` (for one job, if given), oldest first."""
+    """Every TeardownReport under ``report_dir`` (for one job, if given), oldest first.
+
+    A file that is not a report (torn, edited, another version) is skipped with a warning.
+    """
     reports = []
     roots = (
         [os.path.join(report_dir, job_id)]
@@ -56,8 +63,17 @@ def read_reports(report_dir: str, job_id: str | None = None) -> list[TeardownRep
             continue
         for name in sorted(os.listdir(root)):
             if name.startswith("teardown-") and name.endswith(".json"):
-                with open(os.path.join(root, name)) as f:
-                    reports.append(TeardownReport.from_dict(json.load(f)))
+                path = os.path.join(root, name)
+                try:
+                    with open(path) as f:
+                        reports.append(TeardownReport.from_dict(json.load(f)))
+                except (OSError, ValueError, TypeError, KeyError, CheckpointError) as exc:
+                    logger.warning(
+                        "ray_graceful: skipped report %s: not a teardown report (%s: %s)",
+                        path,
+                        type(exc).__name__,
+                        str(exc)[:200],
+                    )
     return sorted(reports, key=lambda r: r.started_at)
 
 
