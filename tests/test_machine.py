@@ -159,6 +159,18 @@ def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config)
     assert sorted(s.shard_key for o in orders for s in o.saves if not s.is_backup) == ["g/0", "g/1"]
 
 
+def test_a_group_registered_after_the_drivers_node_drain_began_is_still_saved(config):
+    """The drain was seen before any rank registered: the next poll of it covers the group."""
+    warm = WarmRestarts(config, lambda: ("h", 1))
+    m = CycleMachine(config, "job-a", warm, SparePool(), None, 0, "home")
+    deadline_ms = int((time.time() + 30) * 1000)
+    assert not of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened), "no rank yet"
+    spec = RankSpec("g", 0, 1, "0", True)
+    m.step(ev.Registration(Register("p0", "n0", 0, "h", "job-a", (spec,))))
+    assert of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened) == [ev.CycleOpened(0)]
+    assert [n.node_id for n in m.cycle.notices] == ["n0"]
+
+
 def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
     m = CycleMachine(
         config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"

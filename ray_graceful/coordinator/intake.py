@@ -195,7 +195,7 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
         valid = valid and deadline_ms >= 0
         if valid:
             out.append(ev.NodeLeaving(node_id, deadline_ms / 1000.0))  # ranks there or not
-        if valid and node_id == state.home_node and state.home_node:
+        if valid and state.home_node and node_id == state.home_node:
             _the_job_ends_with(state, node_id, deadline_ms / 1000.0, out)
         if not state.registry.has_node(node_id, number):
             continue  # a node this job has no rank on
@@ -224,13 +224,14 @@ def _the_job_ends_with(
     whole job saves and leaves by the drain's deadline, as if each node had been drained.
     """
     number = state.cycle.number
-    state.drains_seen[node_id] = number
     nodes = sorted({p.node_id for p in state.active()} - {node_id})
+    if not nodes:
+        return  # no rank yet: looked at again at the next poll, once a group may have registered
+    state.drains_seen[node_id] = number
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
     # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
     notices = [EvictionNotice("drain", reason, number, deadline, node_id=n) for n in nodes]
-    if notices:
-        take_notices(state, notices, out, answer=False)
+    take_notices(state, notices, out, answer=False)
 
 
 def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decision]) -> None:
