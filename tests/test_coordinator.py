@@ -277,7 +277,8 @@ def test_spares_and_standbys_exit_zero_when_the_job_succeeds(
     waits = [spare.wait.remote("spare", config), standby.wait.remote("standby", config)]
     wait_for(lambda: len(coordinator.status()["spares"]) == 2, 30, "both to register")
     assert not ray.wait(waits, timeout=0)[0], "they wait"
-    assert coordinator.job_finished(success=True)["spares_told"] == 2
+    closed = coordinator.job_finished(success=True)
+    assert (closed.job_state, closed.spares_told) == ("succeeded", 2), closed
     results = ray.get(waits, timeout=30)
     assert [r["action"] for r in results] == ["exit", "exit"]
     assert [exit_recorder.wait(pid, 15) for pid in pids] == [0, 0]
@@ -297,7 +298,7 @@ def test_spare_takes_a_slot_and_standby_exits_on_permanent_close(
     standby_wait = standby.wait.remote("standby", config)
     wait_for(lambda: len(coordinator.status()["spares"]) == 2, 30, "both to register")
     assigned = coordinator.assign_spare("trainer", 2)
-    assert assigned["assigned"] is not None
+    assert assigned.assigned and (assigned.group, assigned.rank) == ("trainer", 2), assigned
     result = ray.get(spare_wait, timeout=30)
     assert (result["action"], result["group"], result["rank"]) == ("assigned", "trainer", 2)
     assert ray.get(spare.pid.remote(), timeout=10), "an assigned spare stays to join the group"

@@ -210,8 +210,9 @@ def test_a_spare_is_handed_one_slot_only(config):
         return first, second, order, coord
 
     first, second, order, coord = run(scenario())
-    assert first["assigned"] == "s1"
-    assert second["assigned"] is None, "the second order would go where nobody polls"
+    assert first.spare_id == "s1" and first.assigned
+    assert second.spare_id is None, "the second order would go where nobody polls"
+    assert second.reason == "no spare is waiting"
     assert order.action == "assigned" and order.rank == 0
     assert "s1" not in coord.spares.spares
 

@@ -9,7 +9,16 @@ import pytest
 from ray_graceful import GracefulConfig
 from ray_graceful.coordinator.spares import SpareRecord as Spare
 from ray_graceful.coordinator.warm import Survivor, WarmRestarts
-from ray_graceful.protocol import RankSpec, Rejoined
+from ray_graceful.protocol import (
+    LoadedFrom,
+    RankSpec,
+    Rejoined,
+    RejoinResult,
+    Rendezvous,
+    RendezvousAction,
+    SpareAction,
+    SpareOrder,
+)
 
 
 def warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
@@ -166,3 +175,18 @@ def test_a_member_rejoining_a_second_time_waits_for_the_new_decision_not_the_las
     # The next eviction: p1 is ordered to rejoin again, and asks before that cycle concluded.
     part.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 4, "model", True), "n1", 101)}
     assert asyncio.run(part.rendezvous("p1", 0.05)) is None, "not cycle 1's answer again"
+
+
+def test_a_word_outside_its_set_is_refused_where_the_record_is_built_and_a_plain_one_is_typed():
+    joined = Rejoined("joined", "p1", loaded_from="memory-peer")
+    assert joined.action is RejoinResult.JOINED and joined.loaded_from is LoadedFrom.MEMORY_PEER
+    assert joined.joined and Rendezvous("leave", "gone").action is RendezvousAction.LEAVE
+    assert SpareOrder("assigned", "slot", "g", 0).action is SpareAction.ASSIGNED
+    for build in (
+        lambda: Rejoined("rejoined", "p1"),
+        lambda: Rejoined("joined", "p1", loaded_from="tape"),
+        lambda: Rendezvous("jump"),
+        lambda: SpareOrder("stay"),
+    ):
+        with pytest.raises(ValueError, match="is not a valid"):
+            build()

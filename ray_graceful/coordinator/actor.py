@@ -32,6 +32,7 @@ from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
+    JobClosed,
     PollAnswer,
     PollState,
     Register,
@@ -41,6 +42,8 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    SpareAction,
+    SpareAssigned,
     SpareOrder,
     TeardownReport,
     TurnAnswer,
@@ -365,7 +368,7 @@ class CoordinatorActor:
 
     async def poll_spare(self, spare_id: str, wait_s: float) -> SpareOrder | None:
         if spare_id not in self.spares.spares:
-            return SpareOrder("exit", "this spare is not registered")
+            return SpareOrder(SpareAction.EXIT, "this spare is not registered")
         word = self.spares.take(spare_id)
         if word is None:
             await self.fanout.hold_spare(spare_id, wait_s)
@@ -376,17 +379,13 @@ class CoordinatorActor:
         """A spare or standby is going away (SIGTERM): never hand it a slot."""
         return Reply(self.spares.leave(spare_id), reason)
 
-    async def job_finished(self, success: bool = True, permanent: bool = True) -> dict:
+    async def job_finished(self, success: bool = True, permanent: bool = True) -> JobClosed:
         """The job is over (success, or closed for good): every spare and standby exits 0."""
-        answer = self._take(ev.JobFinished(success, permanent))
-        return dict(answer.details) if isinstance(answer, Reply) else {}
+        return self._take(ev.JobFinished(success, permanent))
 
-    async def assign_spare(self, group: str, rank: int) -> dict:
+    async def assign_spare(self, group: str, rank: int) -> SpareAssigned:
         """Hand a waiting spare the slot of ``group/rank`` for the next cycle (once)."""
-        answer = self._take(ev.SpareWanted(group, rank))
-        if isinstance(answer, Reply) and answer.accepted:
-            return {**answer.details, "cycle": answer.cycle}
-        return {"assigned": None, "reason": answer.reason if answer else ""}
+        return self._take(ev.SpareWanted(group, rank))
 
     # --- the memory tier (coordinator/memory.py) ----------------------------------------------
 

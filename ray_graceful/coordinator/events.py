@@ -28,6 +28,7 @@ from ..notices import EvictionNotice
 from ..outcome import TerminationOutcome
 from ..protocol import (
     Ack,
+    JobClosed,
     PollAnswer,
     PollState,
     Register,
@@ -36,6 +37,7 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    SpareAssigned,
     TeardownReport,
 )
 from .conclusion import CommitRequest, CommitResult
@@ -235,7 +237,7 @@ Event = (
 class Replied:
     """Answer the caller of the event with this."""
 
-    answer: Reply | PollAnswer
+    answer: Reply | PollAnswer | SpareAssigned | JobClosed
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ Decision = (
 )
 
 
-def reply_of(decisions: list[Any]) -> Reply | PollAnswer | None:
+def reply_of(decisions: list[Any]) -> Reply | PollAnswer | SpareAssigned | JobClosed | None:
     """The answer among ``decisions`` for the caller of the event, if there is one."""
     for decision in decisions:
         if isinstance(decision, Replied):

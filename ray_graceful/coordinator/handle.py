@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..outcome import TerminationOutcome
-from ..protocol import DEFAULT_NAME, Reply, coordinator_name
+from ..protocol import DEFAULT_NAME, JobClosed, Reply, SpareAssigned, coordinator_name
 from .actor import MAX_CONCURRENCY, CoordinatorActor
 
 
@@ -217,12 +217,16 @@ class Coordinator:
         """Memory tier: every node's keeper - its budget, what it holds."""
         return self._ask("keeper_stats", timeout=30)
 
-    def job_finished(self, success: bool = True, permanent: bool = True) -> dict[str, Any]:
+    def job_finished(self, success: bool = True, permanent: bool = True) -> JobClosed:
         """Tell spares and standbys the job is over: they exit 0."""
-        return self._ask("job_finished", success, permanent, timeout=30)
+        closed: JobClosed = self._ask("job_finished", success, permanent, timeout=30)
+        return closed
 
-    def assign_spare(self, group: str, rank: int) -> dict[str, Any]:
-        return self._ask("assign_spare", group, rank, timeout=30)
+    def assign_spare(self, group: str, rank: int) -> SpareAssigned:
+        """Hand a waiting spare the slot of ``group/rank`` for the next cycle; its answer names
+        the spare, or says why none was given (``.assigned`` is False)."""
+        assigned: SpareAssigned = self._ask("assign_spare", group, rank, timeout=30)
+        return assigned
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """End the coordinator and its keepers, and wait (bounded) until its name is free again.

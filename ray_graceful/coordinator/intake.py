@@ -178,9 +178,7 @@ def take_notices(
             cycle.late_notices.append(notice)
     if answer:
         reply = (
-            Reply.ok(cycle.number, teardown=True)
-            if accepted
-            else Reply.refused("; ".join(reasons), cycle.number)
+            Reply.ok(cycle.number) if accepted else Reply.refused("; ".join(reasons), cycle.number)
         )
         out.append(ev.Replied(reply))
 

@@ -24,11 +24,14 @@ from ..config import GracefulConfig
 from ..notices import EvictionNotice, short
 from ..plan import RankInfo, incomplete_groups
 from ..protocol import (
+    JobClosed,
     ProtocolError,
     Rejoined,
     Reply,
     Result,
     ShardRecord,
+    SpareAction,
+    SpareAssigned,
     SpareOrder,
     TeardownReport,
     check_version,
@@ -265,7 +268,7 @@ class CycleMachine:
             return
         spare = self.spares.add(spare_id, role, node_id, pid)
         if self.job_state != "running":
-            self.spares.tell(spare, SpareOrder("exit", f"job {self.job_state}"))
+            self.spares.tell(spare, SpareOrder(SpareAction.EXIT, f"job {self.job_state}"))
         elif role == "spare" and self.state.config.memory_replicas > 0:
             out.append(ev.KeeperNeeded(node_id))  # the shard it will load can wait on its node
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
@@ -273,27 +276,26 @@ class CycleMachine:
     def _assign_spare(self, group: str, rank: int, out: list[ev.Decision]) -> None:
         spare = self.spares.waiting_spare()
         if spare is None:
-            out.append(ev.Replied(Reply.refused("no spare is waiting", self.cycle.number)))
+            reason = "no spare is waiting"
+            out.append(ev.Replied(SpareAssigned(None, group, rank, self.cycle.number, reason)))
             return
         spare.assigned = True
         word = SpareOrder(
-            "assigned", "given an evicted rank's slot", group, rank, self.cycle.number
+            SpareAction.ASSIGNED, "given an evicted rank's slot", group, rank, self.cycle.number
         )
         self.spares.tell(spare, word)
         out.append(ev.SpareTold(spare.spare_id))
         number = self.cycle.number
-        answer = Reply.ok(number, assigned=spare.spare_id, group=group, rank=rank)
-        out.append(ev.Replied(answer))
+        out.append(ev.Replied(SpareAssigned(spare.spare_id, group, rank, number)))
 
     def _job_finished(self, success: bool, permanent: bool, out: list[ev.Decision]) -> None:
         if success:
             self.state.job_state = "succeeded"
         elif permanent:
             self.state.job_state = "closed"
-        told = self.spares.tell_all(SpareOrder("exit", f"job {self.job_state}"))
+        told = self.spares.tell_all(SpareOrder(SpareAction.EXIT, f"job {self.job_state}"))
         out.extend(ev.SpareTold(spare_id) for spare_id in told)
-        answer = Reply.ok(self.cycle.number, job_state=self.job_state, spares_told=len(told))
-        out.append(ev.Replied(answer))
+        out.append(ev.Replied(JobClosed(self.job_state, len(told), self.cycle.number)))
 
     # --- status ---------------------------------------------------------------------------------
 

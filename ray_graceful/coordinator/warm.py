@@ -32,7 +32,15 @@ from typing import Any
 from ..config import GracefulConfig
 from ..health import FAULTY
 from ..plan import TerminationPlan
-from ..protocol import RankSpec, Rejoined, Rendezvous, SpareOrder, shard_key
+from ..protocol import (
+    RankSpec,
+    Rejoined,
+    Rendezvous,
+    RendezvousAction,
+    SpareAction,
+    SpareOrder,
+    shard_key,
+)
 from .cycle import Cycle
 from .fanout import held, resolve
 from .registry import Process, Registry
@@ -292,7 +300,7 @@ class WarmRestarts:
             self._store = self._store_factory()
         host, port = self._store
         return Rendezvous(
-            "join",
+            RendezvousAction.JOIN,
             cycle=record.cycle,
             group=group,
             rank=rank,
@@ -343,7 +351,12 @@ class WarmRestarts:
                 spare.assigned = True
                 why = f"warm restart: {answer.was}"
                 told.append(
-                    (spare, SpareOrder("assigned", why, answer.group, answer.rank, answer.cycle))
+                    (
+                        spare,
+                        SpareOrder(
+                            SpareAction.ASSIGNED, why, answer.group, answer.rank, answer.cycle
+                        ),
+                    )
                 )
         return record, told
 
@@ -358,8 +371,10 @@ class WarmRestarts:
         if record is not None and member in record.members:
             return record.members[member]
         if record is not None and member in record.told_to_leave:
-            return Rendezvous("leave", record.told_to_leave[member], record.cycle)
-        return Rendezvous("leave", "not a member of a warm restart (no rejoin order for it)")
+            return Rendezvous(RendezvousAction.LEAVE, record.told_to_leave[member], record.cycle)
+        return Rendezvous(
+            RendezvousAction.LEAVE, "not a member of a warm restart (no rejoin order for it)"
+        )
 
     async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
         """The member's answer; None if the cycle did not conclude within ``wait_s``."""

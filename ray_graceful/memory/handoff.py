@@ -24,6 +24,7 @@ from ..checkpoint import (
     shard_file_name,
 )
 from ..dcp import chunk_summary, is_shard_files
+from ..protocol import LoadedFrom
 from .tree import from_tree, to_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def hand_off(
         rank=rank,
         seconds=time.monotonic() - started,
         tier="memory",
-        holders=tuple(str(r.details["node_id"]) for r in replies),
+        holders=tuple(r.node_id for r in replies),
         dcp_chunks=chunks,
     )
 
@@ -84,7 +85,7 @@ class LoadedShard:
 
     step: int
     value: Any
-    tier: str  # "memory-local" | "memory-peer" | "disk"
+    tier: LoadedFrom
     source: str
 
     @property
@@ -134,7 +135,7 @@ def load_shard(
                     "ray_graceful: keeper on %s did not give %s: %r", node, shard_key, exc
                 )
                 continue
-            tier = "memory-local" if node == here else "memory-peer"
+            tier = LoadedFrom.MEMORY_LOCAL if node == here else LoadedFrom.MEMORY_PEER
             return LoadedShard(memory["step"], value, tier, f"keeper on node {node[:12]}")
         if on_disk is None or on_disk.step < memory["step"]:
             # The coordinator had just found every holder alive: loading an older step here
@@ -147,5 +148,7 @@ def load_shard(
             )
     if on_disk is not None and shard_key in on_disk.shards:
         path = on_disk.shard_path(shard_key)
-        return LoadedShard(on_disk.step, load_committed_shard(on_disk, shard_key), "disk", path)
+        return LoadedShard(
+            on_disk.step, load_committed_shard(on_disk, shard_key), LoadedFrom.DISK, path
+        )
     return None

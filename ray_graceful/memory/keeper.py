@@ -34,7 +34,6 @@ from .. import ray_adapter
 from ..checkpoint import ShardRecord, save_state_dict, write_shard
 from ..config import GracefulConfig
 from ..dcp import is_shard_files, write_shard_files
-from ..protocol import Reply
 from .tree import from_tree
 
 logger = logging.getLogger(__name__)
@@ -52,6 +51,18 @@ def keeper_name(job_id: str, coordinator_id: str, node_id: str) -> str:
     twice) does not share: a leaving keeper of the first is never taken for the second's.
     """
     return f"{KEEPER_PREFIX}-{job_id}-{coordinator_id}-{node_id}"
+
+
+@dataclass(frozen=True)
+class ShardKept:
+    """A keeper's answer to ``hold``: the shard is held on ``node_id`` (``again``: it already
+    was, a second delivery or a backup after its saver), or refused with the ``reason``."""
+
+    accepted: bool
+    node_id: str
+    nbytes: int = 0
+    again: bool = False
+    reason: str = ""
 
 
 @dataclass
@@ -123,7 +134,7 @@ class Keeper:
         rank: int = -1,
         timeout_s: float = 60.0,
         dcp_chunks: dict[str, Any] | None = None,
-    ) -> Reply:
+    ) -> ShardKept:
         """Take a copy of the shard in ``ref_in_list`` (a list, so Ray does not resolve it).
 
         If the saver dies mid-transfer the ``ray.get`` fails, nothing is held, and the error
@@ -134,13 +145,14 @@ class Keeper:
         with self.lock:
             existing = self.held.get((step, shard_key))
             if existing is not None:  # a second delivery, or a backup after its saver
-                return Reply.ok(cycle, node_id=self.node_id, nbytes=existing.nbytes, again=True)
+                return ShardKept(True, self.node_id, existing.nbytes, again=True)
             if self.used() + self.reserved + nbytes > self.budget_bytes:
-                return Reply.refused(
-                    f"keeper on node {self.node_id[:12]} is over its budget: holds "
+                return ShardKept(
+                    False,
+                    self.node_id,
+                    reason=f"keeper on node {self.node_id[:12]} is over its budget: holds "
                     f"{self.used() >> 20} MiB of {self.budget_bytes >> 20} MiB "
                     f"(memory_budget_mb), this shard needs {nbytes >> 20} MiB",
-                    cycle,
                 )
             self.reserved += nbytes
         try:
@@ -154,7 +166,7 @@ class Keeper:
             self.held[(step, shard_key)] = Held(
                 shard_key, step, cycle, nbytes, own, time.time(), group, rank, dcp_chunks
             )
-        return Reply.ok(cycle, node_id=self.node_id, nbytes=nbytes)
+        return ShardKept(True, self.node_id, nbytes)
 
     def fetch(self, step: int, shard_key: str) -> list[Any] | None:
         """The shard's ObjectRef inside a list, so Ray passes it on unresolved.
@@ -243,7 +255,7 @@ class RemoteKeeper:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def hold(self, *args: Any) -> Reply:
+    async def hold(self, *args: Any) -> ShardKept:
         return await self.handle.hold.remote(*args)
 
     async def fetch(self, step: int, shard_key: str) -> list[Any] | None:

@@ -11,15 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-STEP_ORDER = (
-    "stop",
-    "quiesce",
-    "release_peers",
-    "drain_device",
-    "save",
-    "destroy_process_group",
-    "exit",
-)
+from ..protocol import TeardownStep
+
+STEP_ORDER = tuple(step.value for step in TeardownStep)
 
 
 def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:

@@ -32,7 +32,15 @@ from typing import Any
 from .. import rendezvous as store
 from ..config import GracefulConfig
 from ..memory.handoff import load_shard
-from ..protocol import Rejoined, Rendezvous, shard_key
+from ..protocol import (
+    LoadedFrom,
+    Rejoined,
+    RejoinResult,
+    Rendezvous,
+    RendezvousAction,
+    SpareAction,
+    shard_key,
+)
 from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
 from .leaving import leave
@@ -87,15 +95,17 @@ def rejoin(
                 "is off, or its rank is being evicted): nothing to rejoin"
             )
         waited = wait_as_spare("spare", config)
-        if waited.action != "assigned":
-            return Rejoined("left", waited.spare_id, reason=waited.reason, pid=os.getpid())
+        if waited.action != SpareAction.ASSIGNED:
+            return Rejoined(
+                RejoinResult.LEFT, waited.spare_id, reason=waited.reason, pid=os.getpid()
+            )
         member = waited.spare_id
         backend = backend or _default_backend()
     answer = runtime.rendezvous if survivor is not None else None
     answer = answer or _ask(coordinator, member, config)
-    if answer.action != "join":
+    if answer.action != RendezvousAction.JOIN:
         leave(config, answer.reason)
-        return Rejoined("left", member, reason=answer.reason, pid=os.getpid())
+        return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
     try:
         return _join(
             runtime,
@@ -110,7 +120,7 @@ def rejoin(
         )
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"[:400]
-        result = _result(answer, member, "left", reason=reason)
+        result = _result(answer, member, RejoinResult.LEFT, reason=reason)
         _tell(coordinator, result)
         _destroy_quietly()
         leave(config, reason)
@@ -146,10 +156,14 @@ def _ask(coordinator: Any, member: str, config: GracefulConfig) -> Rendezvous:
         try:
             answer = ray.get(coordinator.rendezvous.remote(member, wait_s), timeout=wait_s + 30)
         except Exception as exc:
-            return Rendezvous("leave", f"the coordinator could not be asked ({type(exc).__name__})")
+            return Rendezvous(
+                RendezvousAction.LEAVE, f"the coordinator could not be asked ({type(exc).__name__})"
+            )
         if isinstance(answer, Rendezvous):
             return answer
-    return Rendezvous("leave", f"no rendezvous within rejoin_timeout_s={config.rejoin_timeout_s}")
+    return Rendezvous(
+        RendezvousAction.LEAVE, f"no rendezvous within rejoin_timeout_s={config.rejoin_timeout_s}"
+    )
 
 
 def _join(
@@ -188,14 +202,14 @@ def _join(
             f"({control.state if control else 'no coordinator'})"
         )
     if survivor is not None and clean_step == answer.step and old_shard == answer.shard:
-        loaded_from = "own state"
+        loaded_from = LoadedFrom.OWN_STATE
     else:
         loaded_from = _load(config, coordinator, answer, loader)
     runtime.loop.last_step = answer.step
     result = _result(
         answer,
         member,
-        "joined",
+        RejoinResult.JOINED,
         loaded_from=loaded_from,
         seconds={
             "rendezvous": formed - started,
@@ -245,7 +259,7 @@ def _load(
     coordinator: Any,
     answer: Rendezvous,
     loader: Callable[[Any], Any] | None,
-) -> str:
+) -> LoadedFrom:
     """Load shard ``answer.shard`` of step ``answer.step`` into this rank; where it came from."""
     if loader is None:
         raise SetupError(
@@ -266,7 +280,7 @@ def _load(
     return loaded.tier
 
 
-def _result(answer: Rendezvous, member: str, action: str, **fields: Any) -> Rejoined:
+def _result(answer: Rendezvous, member: str, action: RejoinResult, **fields: Any) -> Rejoined:
     import ray
 
     return Rejoined(

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..config import GracefulConfig
-from ..protocol import SpareOrder
+from ..protocol import SpareAction, SpareOrder
 from .control import find_coordinator
 from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
 from .process_groups import SetupError
@@ -32,7 +32,7 @@ MAX_POLL_FAILURES = 5
 class SpareResult:
     """What ended the wait: ``action`` is "exit", "assigned" or "timeout"."""
 
-    action: str
+    action: SpareAction
     reason: str = ""
     group: str | None = None
     rank: int | None = None
@@ -91,19 +91,23 @@ def wait_as_spare(
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayActorError as exc:
-                order = SpareOrder("exit", f"the coordinator is gone ({exc})")
+                order = SpareOrder(SpareAction.EXIT, f"the coordinator is gone ({exc})")
             except Exception as exc:  # anything else: retry a few times, then leave
                 failures += 1
                 if failures < MAX_POLL_FAILURES:
                     time.sleep(min(0.2 * 2**failures, config.health_interval_s))
                     continue
                 order = SpareOrder(
-                    "exit", f"the coordinator could not be polled {failures} times ({exc!r})"
+                    SpareAction.EXIT,
+                    f"the coordinator could not be polled {failures} times ({exc!r})",
                 )
             if order is None:
                 continue
-            if not isinstance(order, SpareOrder) or order.action not in ("exit", "assigned"):
-                order = SpareOrder("exit", f"the coordinator answered {order!r}")
+            if not isinstance(order, SpareOrder) or order.action not in (
+                SpareAction.EXIT,
+                SpareAction.ASSIGNED,
+            ):
+                order = SpareOrder(SpareAction.EXIT, f"the coordinator answered {order!r}")
             box["result"] = SpareResult(
                 order.action, order.reason, order.group, order.rank, order.cycle
             )
@@ -114,20 +118,24 @@ def wait_as_spare(
     end = None if timeout is None else time.monotonic() + timeout
     while not done.wait(0.05):
         if not poller.is_alive() and "result" not in box:
-            box["result"] = SpareResult("exit", "the spare's poll thread ended unexpectedly")
+            box["result"] = SpareResult(
+                SpareAction.EXIT, "the spare's poll thread ended unexpectedly"
+            )
             break
         if runtime.stop_event.is_set():
             with contextlib.suppress(Exception):
                 ray.get(handle.leave_spare.remote(spare_id, "SIGTERM"), timeout=2)
-            box["result"] = SpareResult("exit", "SIGTERM: this spare is being evicted")
+            box["result"] = SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
             break
         if end is not None and time.monotonic() > end:
-            box["result"] = SpareResult("timeout", f"no word from the coordinator in {timeout}s")
+            box["result"] = SpareResult(
+                SpareAction.TIMEOUT, f"no word from the coordinator in {timeout}s"
+            )
             break
     done.set()
     box["result"] = dataclasses.replace(box["result"], spare_id=spare_id)
-    runtime.spare_id = None if box["result"].action == "assigned" else spare_id
-    if box["result"].action == "exit" and exit_on_finish:
+    runtime.spare_id = None if box["result"].action == SpareAction.ASSIGNED else spare_id
+    if box["result"].action == SpareAction.EXIT and exit_on_finish:
         _exit_when_idle(config, box["result"].reason)
     return box["result"]
 

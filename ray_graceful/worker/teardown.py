@@ -46,7 +46,7 @@ from typing import Protocol
 
 from .. import ray_adapter
 from ..config import GracefulConfig
-from ..protocol import StepStatus
+from ..protocol import ReportedRank, StepStatus, TeardownStep
 from .emergency_save import EmergencySave, SaveOrder
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
@@ -121,7 +121,7 @@ class Teardown:
             hostname=socket.gethostname(),
             node_id=identity["node_id"],
             job_id=identity["job_id"],
-            ranks=[{"group": g.name, "rank": g.rank, "world_size": g.world_size} for g in groups],
+            ranks=[ReportedRank(g.name, g.rank, g.world_size) for g in groups],
             trigger=trigger,
             cycle=cycle,
             started_at=time.time(),
@@ -154,25 +154,25 @@ class Teardown:
         return thread
 
     def run(self) -> TeardownReport:
-        self._step("stop", self._stop)
-        self._step("quiesce", self._quiesce)
+        self._step(TeardownStep.STOP, self._stop)
+        self._step(TeardownStep.QUIESCE, self._quiesce)
         if self.quiescent:  # at a step boundary: let the device finish, then abort
-            self._step("drain_device", self._drain_device)
-            self._step("release_peers", self._release_peers)
+            self._step(TeardownStep.DRAIN_DEVICE, self._drain_device)
+            self._step(TeardownStep.RELEASE_PEERS, self._release_peers)
         else:  # inside a collective: a sync would never return, so abort first
-            self._step("release_peers", self._release_peers)
-            self._step("drain_device", self._drain_device)
+            self._step(TeardownStep.RELEASE_PEERS, self._release_peers)
+            self._step(TeardownStep.DRAIN_DEVICE, self._drain_device)
         try:
-            self._step("save", self._save)
+            self._step(TeardownStep.SAVE, self._save)
         finally:
             self.report.saved = list(self.saving.saved)
             self.training_released.set()
             self.saving.tell_saved(self._how_the_save_went())
-        self._step("destroy_process_group", self._destroy)
+        self._step(TeardownStep.DESTROY_PROCESS_GROUP, self._destroy)
         self._finish()
         return self.report
 
-    def _step(self, name: str, fn: Callable[[], str]) -> None:
+    def _step(self, name: TeardownStep, fn: Callable[[], str]) -> None:
         record = StepRecord(name, StepStatus.RUNNING, started_s=time.monotonic() - self.t0)
         self.report.steps.append(record)
         try:
@@ -284,7 +284,7 @@ class Teardown:
 
     def _how_the_save_went(self) -> str:
         try:
-            record = self.report.step("save")
+            record = self.report.step(TeardownStep.SAVE)
         except KeyError:
             return "no save step ran"
         return f"save {record.status}: {record.detail}"[:300]
@@ -315,7 +315,9 @@ class Teardown:
                 write_stderr(f"ray_graceful: could not deliver the report: {exc!r}\n")
 
     def _finish(self) -> None:
-        record = StepRecord("exit", StepStatus.RUNNING, started_s=time.monotonic() - self.t0)
+        record = StepRecord(
+            TeardownStep.EXIT, StepStatus.RUNNING, started_s=time.monotonic() - self.t0
+        )
         self.report.steps.append(record)
         if not self.exit_process:
             record.status, record.detail = StepStatus.SKIPPED, "exit_process=False"

@@ -1,0 +1,95 @@
+"""Everything that crosses between a worker process and the coordinator, typed to its leaves.
+
+One way: notice -> plan -> order -> acknowledgement -> report -> outcome.
+
+- ``messages``: a rank's process and the coordinator - ``Register``, ``PollState``,
+  ``PollAnswer`` with its ``Order``, ``Ack``, ``SigtermSeen``, ``SaveResult``, a backup's
+  ``SaveTurn`` / ``TurnAnswer``, and the plain ``Reply``;
+- ``report``: the ``TeardownReport`` a process sends when its teardown ended;
+- ``spares``: a spare's ``SpareOrder``; the driver's ``SpareAssigned`` and ``JobClosed``;
+- ``warm``: a warm restart's ``Rendezvous`` and ``Rejoined``;
+- ``words``: the closed sets of words (enums that are also their strings);
+- ``checks``: the version and field bounds every message is checked against where it arrives.
+
+A message is built once, checked where it arrives (``check()``) and read by field; each carries
+``PROTOCOL_VERSION``, and another version is refused with a reason.
+"""
+
+from ..checkpoint.records import ShardRecord, shard_key
+from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, check_version
+from .messages import (
+    DEFAULT_NAME,
+    Ack,
+    Order,
+    PollAnswer,
+    PollState,
+    RankKey,
+    RankSpec,
+    Register,
+    Reply,
+    SaveAssignment,
+    SaveResult,
+    SaveTurn,
+    SigtermSeen,
+    TurnAnswer,
+    coordinator_name,
+)
+from .report import ExitPath, ReportedRank, StepRecord, TeardownReport
+from .spares import JobClosed, SpareAssigned, SpareOrder
+from .warm import Rejoined, Rendezvous
+from .words import (
+    Action,
+    LoadedFrom,
+    PollKind,
+    RejoinResult,
+    RendezvousAction,
+    Result,
+    SpareAction,
+    StepStatus,
+    TeardownStep,
+    Word,
+)
+
+__all__ = [
+    "DEFAULT_NAME",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Action",
+    "ExitPath",
+    "JobClosed",
+    "LoadedFrom",
+    "Order",
+    "PollAnswer",
+    "PollKind",
+    "PollState",
+    "ProtocolError",
+    "RankKey",
+    "RankSpec",
+    "Register",
+    "RejoinResult",
+    "Rejoined",
+    "Rendezvous",
+    "RendezvousAction",
+    "Reply",
+    "ReportedRank",
+    "Result",
+    "SaveAssignment",
+    "SaveResult",
+    "SaveTurn",
+    "ShardRecord",
+    "SigtermSeen",
+    "SpareAction",
+    "SpareAssigned",
+    "SpareOrder",
+    "StepRecord",
+    "StepStatus",
+    "TeardownReport",
+    "TeardownStep",
+    "TurnAnswer",
+    "Word",
+    "check_count",
+    "check_text",
+    "check_version",
+    "coordinator_name",
+    "shard_key",
+]

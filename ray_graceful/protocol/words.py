@@ -1,0 +1,98 @@
+"""The closed sets of words the protocol speaks: each an enum that is also its plain string.
+
+A ``Word`` compares equal to, prints as and serialises (JSON) as its value, so a record read
+back from an outcome file or a log still matches ``Result.COMMITTED`` or ``"committed"``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Word(str, enum.Enum):
+    """A closed set of words: compares, prints and serialises (JSON) as its plain string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Action(Word):
+    """What the plan has one rank do (``plan.RankOrder.action``)."""
+
+    SAVE = "save"  # save its shard, then leave
+    BACKUP = "backup"  # save its shard only if the shard's saver cannot
+    LEAVE = "leave"  # leave without saving
+
+
+class PollKind(Word):
+    """What a long poll's answer is."""
+
+    ORDER = "order"  # an Order: tear down
+    IDLE = "idle"  # nothing within the poll's wait: poll again
+    UNKNOWN = "unknown"  # this process is not registered
+    STALE = "stale"  # the poll named a cycle that is not the current one
+    AWAY = "away"  # (from a node agent) the coordinator is restarting or gone: register again
+
+
+class StepStatus(Word):
+    """How one teardown step went."""
+
+    RUNNING = "running"
+    RAN = "ran"
+    SKIPPED = "skipped"  # with the reason in its detail
+    FAILED = "failed"  # with the error in its detail
+    INTERRUPTED = "interrupted"  # the deadline's watchdog ended the process during it
+
+
+class Result(Word):
+    """What a cycle came to (``TerminationOutcome.result``)."""
+
+    COMMITTED = "committed"  # every shard of the plan at one step: a restart loads it
+    ABANDONED = "abandoned"  # nothing committed, with the reason
+    NO_CHECKPOINT = "no-checkpoint"  # nowhere to write: no checkpoint_dir, no memory tier
+    RAY_TRAIN = "ray-train"  # the savers reported to Ray Train (ray.train.get_checkpoint())
+    FAILED = "failed"  # the coordinator could not conclude normally (the reason says why)
+
+
+class SpareAction(Word):
+    """What ends a spare's or standby's wait (``SpareOrder.action``, ``SpareResult.action``)."""
+
+    EXIT = "exit"  # the job is over, or this spare is leaving: exit
+    ASSIGNED = "assigned"  # take the slot named in the order
+    TIMEOUT = "timeout"  # (the worker side only) no word within the wait's timeout
+
+
+class RendezvousAction(Word):
+    """A warm restart's answer to one member (``Rendezvous.action``)."""
+
+    JOIN = "join"  # form the new group through the named store
+    LEAVE = "leave"  # leave, as without a warm restart (the reason says why)
+
+
+class RejoinResult(Word):
+    """What one member of a warm restart did (``Rejoined.action``)."""
+
+    JOINED = "joined"  # trains on in the new group
+    LEFT = "left"  # is leaving (the reason says why)
+
+
+class LoadedFrom(Word):
+    """Where a rank's state for a resume came from (``Rejoined.loaded_from``,
+    ``LoadedShard.tier``)."""
+
+    OWN_STATE = "own state"  # a warm restart's survivor proved it holds the step: no load
+    MEMORY_LOCAL = "memory-local"  # the memory tier, a keeper on this node
+    MEMORY_PEER = "memory-peer"  # the memory tier, a keeper on another node
+    DISK = "disk"  # the committed checkpoint on disk
+
+
+class TeardownStep(Word):
+    """A step of one process's teardown, in the order it runs (``StepRecord.name``)."""
+
+    STOP = "stop"  # should_stop() turns true
+    QUIESCE = "quiesce"  # the training thread parks at a step boundary, or is released
+    RELEASE_PEERS = "release_peers"  # every peer is released from its collectives
+    DRAIN_DEVICE = "drain_device"  # the GPU's queued work finishes (or is abandoned)
+    SAVE = "save"  # this rank's shard, if the plan has it save
+    DESTROY_PROCESS_GROUP = "destroy_process_group"
+    EXIT = "exit"  # the process leaves (the report is written just before)
