@@ -165,6 +165,10 @@ def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], dict[str
         from .memory import bench_save_memory
 
         return bench_save_memory
+    if args.bench == "soak" and args.warm:
+        from .soak_warm import bench_soak_warm
+
+        return bench_soak_warm
     if args.bench in DIAGNOSTICS:
         return diagnostic(args.bench)
     return getattr(importlib.import_module(f".{args.bench}", __package__), f"bench_{args.bench}")

@@ -86,6 +86,12 @@ def add_soak_parser(names: Any) -> Any:
     soak.add_argument(
         "--warmup", type=positive_int, default=6, help="cycles left out of the slopes"
     )
+    soak.add_argument(
+        "--warm",
+        action="store_true",
+        help="warm restarts instead: one group for the whole run, a rank SIGTERMed each cycle, "
+        "the survivors and a spare re-formed in place (soak_warm.py; --kinds does not apply)",
+    )
     return soak
 
 
@@ -163,7 +169,7 @@ def _one_cycle(
         pids = ray.get(setups, timeout=180)
         for r in ranks:
             r.train.remote(10**9, 1 << 14, 0.01)
-        number = _wait_training(coordinator, len(ranks))
+        number = wait_training(coordinator, len(ranks))
         latest = latest_committed(config.checkpoint_dir)
         before = latest.step if latest else None
         t0 = time.time()
@@ -179,7 +185,7 @@ def _one_cycle(
             if kind == "coordinator-kill":
                 dead = int(coordinator.stats()["pid"])
                 os.kill(dead, signal.SIGKILL)
-                _wait_training(coordinator, len(ranks), not_pid=dead)
+                wait_training(coordinator, len(ranks), not_pid=dead)
             os.kill(pids[1], signal.SIGTERM)
         out_by = t0 + deadline_s + 5.0
         while any(process_alive(p) for p in pids) and time.time() < out_by:
@@ -195,7 +201,7 @@ def _one_cycle(
             "hangs": hangs,
             "result": result,
             "reason": None if outcome is None else outcome.reason,
-            "torn": _torn(coordinator, config.checkpoint_dir, number, outcome, before),
+            "torn": torn_commits(coordinator, config.checkpoint_dir, number, outcome, before),
             "crashes": recorded_crashes(set(pids) - killed),
         }
     finally:
@@ -207,7 +213,7 @@ def _one_cycle(
             cluster.remove_node(node)
 
 
-def _wait_training(coordinator: Any, n: int, not_pid: int | None = None) -> int:
+def wait_training(coordinator: Any, n: int, not_pid: int | None = None) -> int:
     """Wait until the coordinator has all ``n`` processes registered and each has told it a
     step boundary past the first two (``not_pid``: its restarted process, after a kill); the
     cycle an eviction now opens."""
@@ -223,7 +229,7 @@ def _wait_training(coordinator: Any, n: int, not_pid: int | None = None) -> int:
     raise RuntimeError(f"the coordinator never saw the {n} ranks training")
 
 
-def _torn(coordinator: Any, root: str, cycle: int, outcome: Any, before: int | None) -> int:
+def torn_commits(coordinator: Any, root: str, cycle: int, outcome: Any, before: int | None) -> int:
     """1 if this cycle left a torn checkpoint (must stay 0): its committed step does not
     verify on disk with both shards (a memory-tier commit: once its durable copy landed), or
     a cycle that did not commit changed what the job resumes from."""
@@ -257,7 +263,7 @@ def _resources(ray: Any, coordinator: Any) -> dict[str, Any]:
     }
 
 
-def _slope(values: list[float]) -> float:
+def slope(values: list[float]) -> float:
     """Least-squares change per cycle."""
     n = len(values)
     if n < 2:
@@ -304,7 +310,7 @@ def _report(cycles: list[dict[str, Any]], kinds: list[str], args: argparse.Names
             name,
             cycles[0][name] if cycles else float("nan"),
             cycles[-1][name] if cycles else float("nan"),
-            _slope([float(c[name]) for c in steady]),
+            slope([float(c[name]) for c in steady]),
         ]
         for name in RESOURCES
     ]

@@ -20,8 +20,8 @@ import logging
 
 from . import ray_adapter
 from .config import ConfigError, GracefulConfig
-from .worker.process_runtime import process_runtime
-from .worker.signals import current_listener, install_listener, set_claim_check
+from .worker.process_runtime import route_signals
+from .worker.signals import current_listener, install_listener
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,7 @@ def setup() -> None:
         logger.error("ray_graceful: setup hook installed nothing: %s", exc)
         return
     listener = install_listener(f"the job's setup hook {HOOK}")
-    runtime = process_runtime()
-    listener.on_signal = runtime.on_sigterm
-    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
-    set_claim_check(lambda: process_runtime().claims_signals())
+    route_signals(listener)
 
     def adopt(handler: object) -> bool:
         if current_listener() is not listener:

@@ -20,10 +20,19 @@ import torch.distributed as dist
 
 import ray_graceful
 from ray_graceful import GracefulConfig, GracefulWorkerMixin
+from tests.helpers import mark_collective
+
+
+def all_reduce_seen(tensor: torch.Tensor, group: object = None) -> None:
+    """``dist.all_reduce``, marked in and out where the test sees it (``wait_in_collective``)."""
+    mark_collective(os.getpid(), "in")
+    dist.all_reduce(tensor, group=group)
+    mark_collective(os.getpid(), "out")
 
 
 def init_gloo(rank: int, world: int, addr: str, port: int, timeout_s: float = 120.0) -> None:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    mark_collective(os.getpid(), "out")  # a file left by an earlier process of this pid
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -89,7 +98,7 @@ class Trainer:
     def train(self, steps: int, sleep_s: float = 0.0) -> int:
         for step in range(self.step, self.step + steps):
             grad = torch.ones(1024)
-            dist.all_reduce(grad)
+            all_reduce_seen(grad)
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(0.001)
@@ -108,7 +117,7 @@ class Trainer:
         self.extra_group = dist.new_group(backend="gloo")
 
     def all_reduce_on_extra_group(self) -> bool:
-        dist.all_reduce(torch.ones(8), group=self.extra_group)
+        all_reduce_seen(torch.ones(8), group=self.extra_group)
         return True
 
     def fork_sleeper(self) -> int:
@@ -219,7 +228,7 @@ class DistributedTorchRayActor(GracefulWorkerMixin):
 
     async def train_batch(self, steps: int) -> int:  # blocking torch calls inside async, as SkyRL
         for _ in range(steps):
-            dist.all_reduce(torch.ones(1024))
+            all_reduce_seen(torch.ones(1024))
             self.step += 1
             if self.should_stop(self.step):
                 break
@@ -264,7 +273,7 @@ class ActorModelRayActor(BaseDistributedActor):
 
     def fit(self, steps: int) -> int:
         for _ in range(steps):
-            dist.all_reduce(torch.ones(1024))
+            all_reduce_seen(torch.ones(1024))
             self.step += 1
             if self.should_stop(self.step):
                 break
@@ -294,7 +303,7 @@ class ActorRolloutRefWorker(Worker):
 
     def update_actor(self, steps: int) -> int:
         for _ in range(steps):
-            dist.all_reduce(torch.ones(1024))
+            all_reduce_seen(torch.ones(1024))
             self.step += 1
             if self.should_stop(self.step):
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,32 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(every)
+
+
+def in_collective_path(pid: int) -> str:
+    """Where the test ranks (``actors.all_reduce_seen``) say whether they are inside a
+    collective: a rank blocked in one cannot answer a Ray call, so it says so in a file."""
+    return os.path.join(tempfile.gettempdir(), f"ray_graceful-tests-in-collective-{pid}")
+
+
+def mark_collective(pid: int, where: str) -> None:
+    with open(in_collective_path(pid), "w") as f:
+        f.write(where)
+
+
+def in_collective(pid: int) -> bool:
+    try:
+        with open(in_collective_path(pid)) as f:
+            return f.read() == "in"
+    except OSError:
+        return False
+
+
+def wait_in_collective(pids: list[int], timeout: float = 30.0) -> None:
+    """Until every rank of ``pids`` is inside a collective (one that blocks: a peer is absent).
+    A rank marks itself right before the call, so it may still be a few instructions short of
+    it; a collective that cannot complete blocks it either way."""
+    wait_for(lambda: all(in_collective(pid) for pid in pids), timeout, f"{pids} to block")
 
 
 def worker_exit(pid: int) -> tuple[str | None, str] | None:

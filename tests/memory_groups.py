@@ -11,7 +11,7 @@ import ray
 
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_in_collective
 
 
 def place(actor_class, placement, exit_recorder):
@@ -46,8 +46,9 @@ def train_then_block(ranks, steps=3):
     """Train ``steps`` steps; return rank 0's weights; leave all but the last rank blocked."""
     assert ray.get([r.train.remote(steps) for r in ranks], timeout=60) == [steps] * len(ranks)
     weights = ray.get(ranks[0].weights_sum.remote(), timeout=30)
+    pids = ray.get([r.pid.remote() for r in ranks[:-1]], timeout=30)
     [r.train.remote(1000) for r in ranks[:-1]]  # blocked on the idle last rank
-    time.sleep(0.5)
+    wait_in_collective(pids)
     return weights
 
 

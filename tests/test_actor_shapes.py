@@ -19,7 +19,14 @@ import ray
 
 from ray_graceful import GracefulConfig
 from tests import actors
-from tests.helpers import free_port, kill_actors, report_for, wait_for, worker_exit
+from tests.helpers import (
+    free_port,
+    kill_actors,
+    report_for,
+    wait_for,
+    wait_in_collective,
+    worker_exit,
+)
 
 WORLD = 3
 
@@ -130,7 +137,7 @@ def test_sigterm_in_collective(shape, ray_cluster, exit_recorder, tmp_path):
         assert f"SIGTERM listener: installed ({shape.listener_from}" in statuses[0], statuses[0]
         pids = ray.get([a.pid.remote() for a in ranks], timeout=30)
         training = [shape.train(a) for a in ranks[:-1]]  # the last rank never joins
-        time.sleep(1.0)
+        wait_in_collective(pids[:-1])
         assert not ray.wait(training, timeout=0)[0], "the all-reduce should be blocked"
 
         sent = time.monotonic()

@@ -19,7 +19,7 @@ from ray_graceful.health.scripted import write_faults
 from ray_graceful.protocol import PollState, RankSpec, Register, SigtermSeen
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port, kill_actors, report_for, wait_for
+from tests.helpers import free_port, kill_actors, report_for, wait_for, wait_in_collective
 
 SHARDS = ["0", "1", "0", "1"]
 NODES = ["a", "a", "b", "b"]
@@ -78,8 +78,9 @@ def start_group(
 def block_in_collective(ranks, steps=3):
     """Train ``steps`` steps on every rank, then leave ranks 0-2 blocked on the absent rank 3."""
     assert ray.get([r.train.remote(steps) for r in ranks], timeout=60) == [steps] * len(ranks)
+    pids = ray.get([r.pid.remote() for r in ranks[:-1]], timeout=30)
     pending = [r.train.remote(1000) for r in ranks[:-1]]
-    time.sleep(0.5)
+    wait_in_collective(pids)
     assert not ray.wait(pending, timeout=0)[0]
     return pending
 

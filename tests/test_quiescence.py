@@ -13,6 +13,7 @@ import pytest
 
 import ray_graceful
 from ray_graceful.worker.process_runtime import process_runtime
+from tests.helpers import wait_for
 
 LOOP_SOURCE = """
 import ray_graceful
@@ -176,3 +177,26 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
     runtime._await_order(15, SilentControl(), signalled)
     assert started["deadline"] == signalled + 4.0
     assert started["at"] - signalled < 1.5, f"waited {started['at'] - signalled:.2f}s"
+
+
+def test_a_parked_step_ends_with_the_release_so_a_later_save_is_labelled_with_its_own_step():
+    """A warm restart's survivor parks at step k in one cycle and trains on: the next cycle's
+    save must be labelled with the step it parks at then, not k (once, every later save was
+    labelled k and a restart resumed from the first cycle's step with newer state)."""
+    import threading
+
+    from ray_graceful.worker.training_loop import TrainingLoop
+
+    released = threading.Event()
+    teardown = types.SimpleNamespace(training_released=released, remaining=lambda: 5.0)
+    loop = TrainingLoop()
+    loop.mark(41)
+    parked = threading.Thread(target=loop.park, args=(41, teardown))
+    parked.start()
+    wait_for(lambda: loop.parked_step == 41, 5, "the thread to park")
+    assert loop.step() == 41 and loop.state() == "parked", "held at its boundary for the save"
+    released.set()
+    parked.join(timeout=5)
+    assert loop.parked_step is None and loop.state() != "parked"
+    loop.mark(81)  # the next cycle, trained on after the rejoin
+    assert loop.step() == 81

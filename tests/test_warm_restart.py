@@ -254,7 +254,9 @@ def _process_resources(pid: int) -> dict[str, int]:
 
 @pytest.mark.timeout(900)
 def test_ten_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(ray_cluster, tmp_path):
-    """Rank 0 is evicted 10 times; each time a new spare takes its slot. Ranks 1 and 2 survive
+    """Rank 0 is evicted 10 times; each time a new spare takes its slot. Each restart resumes
+    from the step the ranks had reached, every replica the same state (a survivor's parked step
+    once outlived its cycle and labelled every later save with it). Ranks 1 and 2 survive
     every cycle in the same processes, as does the coordinator: their threads, open files,
     listening ports and memory stay flat, and every evicted process is gone. (Flat over the
     last 7 cycles: a thread, two descriptors or 2.3 MB kept per cycle fails it; the long soak
@@ -293,6 +295,11 @@ def test_ten_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(ray
                 "survivor of rank 1",
                 "survivor of rank 2",
             ], f"cycle {cycle}: {restart.members}"
+            assert restart.step >= step + 3, f"cycle {cycle}: resumed at {restart.step}, not past"
+            snaps = ray.get([w.snapshot.remote() for w in group.workers])
+            assert {s["step"] for s in snaps} == {restart.step}, f"cycle {cycle}: {snaps}"
+            for other in snaps[1:]:  # replicas of one shard: bitwise the same state
+                assert all(torch.equal(v, other["state"][k]) for k, v in snaps[0]["state"].items())
             assert ray.get([w.all_reduce_rank.remote() for w in group.workers]) == [6.0] * 3
             created[spare] = ray.get(spare.actor_id.remote())
             pid_of[spare] = ray.get(spare.pid.remote())

@@ -15,7 +15,14 @@ import ray
 
 from ray_graceful import GracefulConfig
 from tests import actors
-from tests.helpers import free_port, kill_actors, report_for, wait_for, worker_exit
+from tests.helpers import (
+    free_port,
+    kill_actors,
+    report_for,
+    wait_for,
+    wait_in_collective,
+    worker_exit,
+)
 
 WORLD = 3
 
@@ -49,7 +56,7 @@ def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, co
     ranks, pids, statuses = start_group(Actor, exit_recorder, config)
     assert "SIGTERM listener: installed" in statuses[0], statuses[0]
     training = [r.train.remote(1000) for r in ranks[:-1]]  # the last rank never joins
-    time.sleep(1.0)  # let ranks 0 and 1 enter the all-reduce
+    wait_in_collective(pids[:-1])  # ranks 0 and 1 are in the all-reduce
     ready, _ = ray.wait(training, timeout=0)
     assert not ready, "the all-reduce should be blocked on the absent rank"
 
@@ -97,7 +104,7 @@ def test_previous_handler_still_runs(ray_cluster, exit_recorder, config, tmp_pat
     )
     pid = ray.get(ranks[0].pid.remote())
     ranks[0].train.remote(1000)  # rank 1 never joins: rank 0 blocks in the all-reduce
-    time.sleep(0.5)
+    wait_in_collective([pid])
     os.kill(pid, signal.SIGTERM)
     assert exit_recorder.wait(pid, timeout=10) == 0
     assert marker.read_text() == f"user handler ran in {pid}\n"
@@ -186,7 +193,7 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     ray.get([r.make_extra_group.remote() for r in ranks], timeout=60)
     blocked = [r.all_reduce_on_extra_group.remote() for r in ranks[:-1]]  # the last never joins
-    time.sleep(1.0)
+    wait_in_collective(pids[:-1])
     assert not ray.wait(blocked, timeout=0)[0]
 
     sent = time.monotonic()

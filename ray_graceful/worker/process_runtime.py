@@ -29,6 +29,7 @@ from .leaving import leave_unless_rejoined
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError
 from .report import write_report_file
+from .signals import SignalListener, set_claim_check
 from .teardown import Teardown
 from .training_loop import TrainingLoop
 
@@ -403,3 +404,14 @@ def process_runtime() -> ProcessRuntime:
     if _runtime.pid != os.getpid():
         _runtime = ProcessRuntime()
     return _runtime
+
+
+def route_signals(listener: SignalListener) -> None:
+    """Hand every SIGTERM ``listener`` sees to this process's runtime, the one wiring the setup
+    hook, ``graceful_setup`` and ``install_signal_handling`` all take. The runtime claims a
+    signal only while this process holds a rank or a spare; otherwise the handler that was in
+    place before (Ray's) runs as if the listener were not there."""
+    runtime = process_runtime()
+    listener.on_signal = runtime.on_sigterm
+    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
+    set_claim_check(lambda: process_runtime().claims_signals())

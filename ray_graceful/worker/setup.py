@@ -20,9 +20,9 @@ from ..dcp import DcpSaver
 from .connect import connect
 from .emergency_save import Saver
 from .process_groups import SetupError, resolve_group
-from .process_runtime import Registration, process_runtime
+from .process_runtime import Registration, process_runtime, route_signals
 from .setup_status import GracefulSetupWarning, SetupStatus
-from .signals import current_listener, install_listener, set_claim_check
+from .signals import current_listener, install_listener
 from .teardown import Teardown
 
 
@@ -30,8 +30,6 @@ def listener_status(
     config: GracefulConfig, where: str = "graceful_setup on the main thread", warn: bool = True
 ) -> tuple[bool, str]:
     """Install the listener where possible; say what happened."""
-    runtime = process_runtime()
-    set_claim_check(lambda: process_runtime().claims_signals())
     on_main = threading.current_thread() is threading.main_thread()
     listener = current_listener()
     if on_main:
@@ -51,8 +49,7 @@ def listener_status(
             "ray_graceful: SIGTERM listener " + message, GracefulSetupWarning, stacklevel=4
         )
         return False, message
-    listener.on_signal = runtime.on_sigterm
-    listener.on_main_thread_signal = runtime.on_sigterm_main_thread
+    route_signals(listener)
     how = f"installed ({listener.installed_from})"
     if not listener.handler_in_place():
         how += (

@@ -98,7 +98,12 @@ class TrainingLoop:
         if teardown is None or teardown.training_released.is_set():
             return
         self.parked_step = step
-        teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
+        try:
+            teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
+        finally:
+            # Released: the thread trains on (a warm restart's survivor) or leaves. A parked
+            # step kept past here would label every later save with this step.
+            self.parked_step = None
 
 
 # Modules whose frames sit between a training loop and ``setup.should_stop``: the public

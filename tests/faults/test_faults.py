@@ -20,7 +20,7 @@ from ray_graceful.checkpoint import commit, save_state_dict, write_shard
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port, kill_actors, wait_for
+from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective
 
 SHARDS = ["0", "1", "0", "1"]
 DEADLINE_S = 12.0
@@ -96,7 +96,7 @@ def start(config, exit_recorder, **per_rank):
     pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
     pending = [r.train.remote(10**6) for r in ranks[:-1]]  # rank 3 absent: 0-2 block
-    time.sleep(0.3)
+    wait_in_collective(pids[:-1])
     assert not ray.wait(pending, timeout=0)[0]
     return ranks, pids
 

@@ -22,7 +22,7 @@ from ray_graceful import latest_committed
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port, kill_actors, wait_for
+from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective
 from tests.memory_groups import drain_b_and_conclude, place, start_group, train_then_block
 
 
@@ -77,7 +77,7 @@ def test_two_cycles_in_a_row_commit_in_memory_and_the_older_is_released(
         assert {x["step"] for x in loaded} == {3}
         ray.get([r.train.remote(2) for r in restarted], timeout=60)  # steps 4 and 5
         [r.train.remote(1000) for r in restarted[:-1]]
-        time.sleep(0.5)
+        wait_in_collective(pids[:-1])
         os.kill(pids[2], signal.SIGTERM)
         codes = {pid: exit_recorder.wait(pid, 20) for pid in pids}
         assert set(codes.values()) == {0}, codes

@@ -1,0 +1,281 @@
+"""``python -m benchmarks soak --warm``: warm restarts back to back, in the same processes.
+
+The cold soak (``soak.py``) starts its group again each cycle, so a leak in a rank's process
+never lives past one cycle. Here the group is started once: 4 gloo ranks (shards 0, 1, 0, 1)
+of real actor processes, one coordinator with ``warm_restart`` on, and one spare. Each cycle:
+
+- the group trains (all-reduces) under the plugin;
+- one rank's process gets SIGTERM (rank ``cycle % 4``, so every slot is evicted in turn);
+- ``WarmGroup.restart()`` re-forms the group in place: the three survivors keep their
+  processes and rebuild their communicators, the spare takes the evicted rank's slot and loads
+  its shard from the memory tier;
+- a new spare is started for the next cycle.
+
+So survivors live through many re-forms: the oldest process by the end has re-formed its group
+in every cycle. Nothing is simulated: real processes, signals, gloo groups, keepers and disk.
+
+Per cycle it records: the evicted process out by its deadline (else a hang), the checkpoint
+(torn: as the cold soak checks it), Ray-recorded crashes, whether every member joined and at
+which step, the time from the signal to the group training again, and the resources of the
+coordinator (RSS, threads, file descriptors), of the surviving rank processes (the largest
+RSS, threads and descriptors among them) and the live actors in the cluster. A cycle whose
+warm restart fails is recorded with the reason and the group is started cold again, so the
+soak goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+from ray_graceful.checkpoint import latest_committed
+from ray_graceful.tools.bench.kit import BenchRank, process_alive, recorded_crashes, resident_mb
+from ray_graceful.worker.mixin import GracefulWorkerMixin
+
+from .soak import SHARDS, slope, torn_commits
+
+RESOURCES = (
+    "coordinator_rss_mb",
+    "coordinator_threads",
+    "coordinator_fds",
+    "rank_rss_mb",
+    "rank_threads",
+    "rank_fds",
+    "live_actors",
+)
+
+
+class WarmSoakRank(GracefulWorkerMixin, BenchRank):
+    """A rank whose state is 256 KiB of its shard's weights; it rejoins in place."""
+
+    def __init__(self, config: Any) -> None:
+        import torch
+
+        self.config = config
+        self.weights = torch.zeros(1 << 16)
+
+    def join(self, rank: int, world: int, port: int) -> int:
+        self.weights.fill_(float(SHARDS[rank]))
+        pid = self.join_group(rank, world, port, timeout_s=60.0)
+        self.graceful_setup(
+            "soak",
+            shard=SHARDS[rank],
+            config=self.config,
+            state_dict=self._state,
+            load_state_dict=self._load,
+        )
+        return pid
+
+    def rejoin(self) -> Any:
+        joined = self.graceful_rejoin(
+            state_dict=self._state, load_state_dict=self._load, config=self.config
+        )
+        if joined.joined:
+            self.step = joined.step
+        return joined
+
+    def _state(self) -> dict[str, Any]:
+        return {"weights": self.weights, "step": self.step}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.weights.copy_(state["weights"])
+
+    def step_now(self) -> int:
+        return self.step
+
+    def usage(self) -> dict[str, float]:
+        """This process's resident memory, threads and file descriptors."""
+        pid = os.getpid()
+        return {
+            "pid": pid,
+            "rss_mb": resident_mb(pid),
+            "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        }
+
+
+def _wait_stepping(coordinator: Any, n: int, past: int) -> int:
+    """Until all ``n`` ranks told the coordinator a step boundary beyond ``past`` (they train
+    again, not only rejoined); the cycle an eviction now opens."""
+    give_up = time.time() + 60
+    while time.time() < give_up:
+        with contextlib.suppress(Exception):
+            ranks = coordinator.status(timeout=5).get("ranks") or []
+            steps = [r["last_step"] if r["last_step"] is not None else -1 for r in ranks]
+            if len(steps) >= n and min(steps) >= past:
+                return int(coordinator.stats(timeout=5)["cycle"])
+        time.sleep(0.05)
+    raise RuntimeError(f"the coordinator never saw the {n} ranks step past {past}")
+
+
+def bench_soak_warm(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from ray_graceful.config import GracefulConfig
+    from ray_graceful.coordinator import Coordinator
+    from ray_graceful.tools.bench.kit import local_cluster
+
+    work = tempfile.mkdtemp(prefix="soak-warm-")
+    config = GracefulConfig(
+        report_dir=os.path.join(work, "reports"),
+        checkpoint_dir=os.path.join(work, "ckpt"),
+        health_interval_s=0.5,
+        expected_save_s=1.0,
+        save_budget_s=args.deadline / 2,
+        teardown_timeout_s=args.deadline,
+        exit_grace_s=1.0,
+        health_probe="none",
+        memory_replicas=1,
+        warm_restart=True,
+        rejoin_timeout_s=60.0,
+    )
+    cycles: list[dict[str, Any]] = []
+    with local_cluster(head_cpus=4) as _cluster:
+        rank_actor = ray.remote(WarmSoakRank).options(num_cpus=0, resources={"bench_head": 1})
+        coordinator = Coordinator.start(config)
+        group = None
+        try:
+            for number in range(args.cycles):
+                if group is None:
+                    group = _start_group(ray, rank_actor, coordinator, config)
+                cycle, group = _one_cycle(ray, rank_actor, coordinator, config, group, number)
+                cycle.update(_resources(ray, coordinator, group), number=number)
+                cycles.append(cycle)
+                print(f"  warm cycle {number}: {_line(cycle)}", flush=True)
+        finally:
+            for actor in [*(group.workers if group else ()), *(group.spares if group else ())]:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            coordinator.shutdown()
+    return {"results": cycles, "table": _report(cycles, args)}
+
+
+def _start_group(ray: Any, rank_actor: Any, coordinator: Any, config: Any) -> Any:
+    """A cold start: four new ranks and one spare (also after a failed warm restart)."""
+    from ray_graceful.warm_group import WarmGroup
+    from ray_graceful.worker.process_groups import free_port
+
+    workers = [rank_actor.remote(config) for _ in SHARDS]
+    port = free_port()
+    ray.get([w.join.remote(i, len(SHARDS), port) for i, w in enumerate(workers)], timeout=180)
+    return WarmGroup(coordinator, workers, spares=[rank_actor.remote(config)], method="rejoin")
+
+
+def _one_cycle(
+    ray: Any, rank_actor: Any, coordinator: Any, config: Any, group: Any, number: int
+) -> tuple[dict[str, Any], Any]:
+    from ray_graceful.warm_group import WarmRestartFailed
+
+    victim_rank = number % len(SHARDS)
+    pids = [int(u["pid"]) for u in ray.get([w.usage.remote() for w in group.workers], timeout=60)]
+    steps = ray.get([w.step_now.remote() for w in group.workers], timeout=60)
+    running = [w.train.remote(10**9, 1 << 14, 0.01) for w in group.workers]
+    cycle_number = _wait_stepping(coordinator, len(SHARDS), past=max(steps) + 2)
+    latest = latest_committed(config.checkpoint_dir)
+    before = latest.step if latest else None
+    t0 = time.time()
+    os.kill(pids[victim_rank], signal.SIGTERM)
+    out_by = t0 + config.teardown_timeout_s + 5.0
+    while process_alive(pids[victim_rank]) and time.time() < out_by:
+        time.sleep(0.02)
+    out_s = time.time() - t0
+    hangs = int(process_alive(pids[victim_rank]))
+    ray.wait(running, num_returns=len(running), timeout=config.teardown_timeout_s + 30)
+    record: dict[str, Any] = {"kind": "warm-sigterm", "cycle": cycle_number, "out_s": out_s}
+    try:
+        restart = group.restart(timeout=120)
+        outcome = restart.outcome
+        record.update(
+            joined=len(restart.members),
+            step=restart.step,
+            training_again_s=time.time() - t0,
+            reason="",
+        )
+        group.add_spares([rank_actor.remote(config)])
+    except WarmRestartFailed as exc:
+        outcome = exc.outcome
+        record.update(joined=0, step=None, training_again_s=float("nan"), reason=exc.reason)
+        for actor in [*group.workers, *group.spares]:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        group = None
+    record.update(
+        hangs=hangs,
+        result="no outcome" if outcome is None else str(outcome.result),
+        torn=torn_commits(coordinator, config.checkpoint_dir, cycle_number, outcome, before),
+        crashes=recorded_crashes(set(pids)),
+    )
+    return record, group
+
+
+def _resources(ray: Any, coordinator: Any, group: Any) -> dict[str, Any]:
+    from ray_graceful.ray_adapter import live_actors
+
+    pid = int(coordinator.stats()["pid"])
+    ranks = ray.get([w.usage.remote() for w in group.workers], timeout=60) if group else []
+    return {
+        "coordinator_rss_mb": resident_mb(pid),
+        "coordinator_threads": len(os.listdir(f"/proc/{pid}/task")),
+        "coordinator_fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "rank_rss_mb": max((r["rss_mb"] for r in ranks), default=0.0),
+        "rank_threads": max((r["threads"] for r in ranks), default=0),
+        "rank_fds": max((r["fds"] for r in ranks), default=0),
+        "live_actors": live_actors(),
+        "oldest_rank_pid": min((r["pid"] for r in ranks), default=0),
+    }
+
+
+def _line(c: dict[str, Any]) -> str:
+    joined = f"{c['joined']}/4 joined at step {c['step']}" if c["joined"] else c["reason"][:80]
+    return (
+        f"{c['result']}, evicted out in {c['out_s']:.2f}s, {joined}, training again after "
+        f"{c['training_again_s']:.2f}s, hangs {c['hangs']}, torn {c['torn']}, crashes "
+        f"{c['crashes']}, coordinator {c['coordinator_rss_mb']:.0f} MB, ranks "
+        f"{c['rank_rss_mb']:.0f} MB / {c['rank_threads']} threads / {c['rank_fds']} fds, "
+        f"{c['live_actors']} actors"
+    )
+
+
+def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    from ray_graceful.tools.bench.kit import markdown_table, percentile
+
+    warm = [c for c in cycles if c["joined"]]
+    row = [
+        "warm-sigterm",
+        len(cycles),
+        sum(c["hangs"] for c in cycles),
+        sum(c["torn"] for c in cycles),
+        sum(c["crashes"] for c in cycles),
+        f"{len(warm)} re-formed in place, {len(cycles) - len(warm)} failed",
+        percentile([c["out_s"] for c in cycles], 0.5),
+        percentile([c["training_again_s"] for c in warm], 0.5),
+        max((c["training_again_s"] for c in warm), default=float("nan")),
+    ]
+    header = ["eviction", "cycles", "hangs", "torn", "Ray: crashes", "warm restarts"]
+    text = markdown_table([*header, "evicted out p50 s", "training again p50 s", "max s"], [row])
+    steady = cycles[args.warmup :] or cycles
+    resources = [
+        [
+            name,
+            cycles[0][name] if cycles else float("nan"),
+            cycles[-1][name] if cycles else float("nan"),
+            slope([float(c[name]) for c in steady]),
+        ]
+        for name in RESOURCES
+    ]
+    text += "\n\n" + markdown_table(
+        ["resource", "after cycle 1", "last", "slope per cycle"], resources
+    )
+    survivors = {c["oldest_rank_pid"] for c in cycles if c["oldest_rank_pid"]}
+    text += (
+        f"\n{len(cycles)} cycles, {len(SHARDS)} ranks and one spare, warm_restart on, "
+        f"memory_replicas=1, deadline {args.deadline:.0f}s; rank resources are the largest of "
+        f"the live ranks; {len(survivors)} distinct oldest rank process(es) over the run; "
+        f"slopes over cycles {args.warmup + 1}..{len(cycles)}"
+    )
+    return text
