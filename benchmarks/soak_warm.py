@@ -5,14 +5,15 @@ never lives past one cycle. Here the group is started once: 4 gloo ranks (shards
 of real actor processes, one coordinator with ``warm_restart`` on, and one spare. Each cycle:
 
 - the group trains (all-reduces) under the plugin;
-- one rank's process gets SIGTERM (rank ``cycle % 4``, so every slot is evicted in turn);
+- rank 0's process gets SIGTERM (the saver of shard 0 in one cycle, a backup in another);
 - ``WarmGroup.restart()`` re-forms the group in place: the three survivors keep their
   processes and rebuild their communicators, the spare takes the evicted rank's slot and loads
   its shard from the memory tier;
 - a new spare is started for the next cycle.
 
-So survivors live through many re-forms: the oldest process by the end has re-formed its group
-in every cycle. Nothing is simulated: real processes, signals, gloo groups, keepers and disk.
+So ranks 1 to 3 live through every re-form, in the processes they started in: a leak in a
+survivor (threads, descriptors, memory, a stale step) grows for the whole run. Nothing is
+simulated: real processes, signals, gloo groups, keepers and disk.
 
 Per cycle it records: the evicted process out by its deadline (else a hang), the checkpoint
 (torn: as the cold soak checks it), Ray-recorded crashes, whether every member joined and at
@@ -163,7 +164,36 @@ def _start_group(ray: Any, rank_actor: Any, coordinator: Any, config: Any) -> An
     workers = [rank_actor.remote(config) for _ in SHARDS]
     port = free_port()
     ray.get([w.join.remote(i, len(SHARDS), port) for i, w in enumerate(workers)], timeout=180)
-    return WarmGroup(coordinator, workers, spares=[rank_actor.remote(config)], method="rejoin")
+    spares = [_new_spare(ray, rank_actor, config)]
+    return WarmGroup(coordinator, workers, spares=spares, method="rejoin")
+
+
+SPARE_PIDS: dict[Any, int] = {}  # a waiting spare cannot answer a call: its pid, asked before
+
+
+def _new_spare(ray: Any, rank_actor: Any, config: Any) -> Any:
+    spare = rank_actor.remote(config)
+    SPARE_PIDS[spare] = int(ray.get(spare.usage.remote(), timeout=120)["pid"])
+    return spare
+
+
+def _end(ray: Any, group: Any) -> None:
+    """End the group and its waiting spares by SIGTERM, as an eviction would: a spare leaves
+    the coordinator's pool on it (``ray.kill`` would leave it listed, to be handed a slot)."""
+    pids = []
+    for worker in group.workers:  # a survivor told to leave is gone already
+        with contextlib.suppress(Exception):
+            pids.append(int(ray.get(worker.usage.remote(), timeout=10)["pid"]))
+    pids += [SPARE_PIDS.pop(spare) for spare in group.spares if spare in SPARE_PIDS]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    until = time.time() + 30
+    while any(process_alive(pid) for pid in pids) and time.time() < until:
+        time.sleep(0.05)
+    for actor in [*group.workers, *group.spares]:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
 
 
 def _one_cycle(
@@ -171,7 +201,7 @@ def _one_cycle(
 ) -> tuple[dict[str, Any], Any]:
     from ray_graceful.warm_group import WarmRestartFailed
 
-    victim_rank = number % len(SHARDS)
+    victim_rank = 0
     pids = [int(u["pid"]) for u in ray.get([w.usage.remote() for w in group.workers], timeout=60)]
     steps = ray.get([w.step_now.remote() for w in group.workers], timeout=60)
     running = [w.train.remote(10**9, 1 << 14, 0.01) for w in group.workers]
@@ -196,13 +226,11 @@ def _one_cycle(
             training_again_s=time.time() - t0,
             reason="",
         )
-        group.add_spares([rank_actor.remote(config)])
+        group.add_spares([_new_spare(ray, rank_actor, config)])
     except WarmRestartFailed as exc:
         outcome = exc.outcome
         record.update(joined=0, step=None, training_again_s=float("nan"), reason=exc.reason)
-        for actor in [*group.workers, *group.spares]:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        _end(ray, group)
         group = None
     record.update(
         hangs=hangs,
@@ -271,11 +299,12 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
     text += "\n\n" + markdown_table(
         ["resource", "after cycle 1", "last", "slope per cycle"], resources
     )
-    survivors = {c["oldest_rank_pid"] for c in cycles if c["oldest_rank_pid"]}
+    oldest = cycles[-1]["oldest_rank_pid"] if cycles else 0
+    lived = sum(1 for c in cycles if c["oldest_rank_pid"] == oldest and oldest)
     text += (
         f"\n{len(cycles)} cycles, {len(SHARDS)} ranks and one spare, warm_restart on, "
         f"memory_replicas=1, deadline {args.deadline:.0f}s; rank resources are the largest of "
-        f"the live ranks; {len(survivors)} distinct oldest rank process(es) over the run; "
+        f"the live ranks; the oldest rank process re-formed its group in {lived} of them; "
         f"slopes over cycles {args.warmup + 1}..{len(cycles)}"
     )
     return text
