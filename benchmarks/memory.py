@@ -373,7 +373,7 @@ def _evict(ray: Any, coordinator: Any, config: Any, node_id: str, ranks: int, mb
     outcome = coordinator.wait_outcome(timeout=120, cycle=0)
     if outcome is None or outcome.committed.get("tier") != "memory":
         saves = outcome and [
-            s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"
+            s["detail"] for r in outcome.reports for s in r["phases"] if s["name"] == "save"
         ]
         raise RuntimeError(f"no memory commit: {outcome and outcome.summary()}; saves: {saves}")
     durable = coordinator.wait_durable(0, timeout=300)

@@ -256,7 +256,7 @@ def _restart_once(
             "commit_tier": outcome.committed.get("tier"),
             "outcome_timings": dict(outcome.timings),
             "teardowns": [
-                {s["name"]: round(s.get("duration_s") or 0.0, 3) for s in report["steps"]}
+                {s["name"]: round(s.get("duration_s") or 0.0, 3) for s in report["phases"]}
                 for report in outcome.reports
             ],
             "notice_received_s": min(n["received_at"] for n in outcome.notices) - t0,

@@ -61,8 +61,17 @@ class WarmSoakRank(GracefulWorkerMixin, BenchRank):
         self.weights = torch.zeros(1 << 16)
 
     def join(self, rank: int, world: int, port: int) -> int:
-        self.weights.fill_(float(SHARDS[rank]))
+        """A cold start resumes as a user's would: from the committed step, if there is one
+        (after a warm restart that could not be made, the group starts again from it)."""
+        from ray_graceful import load_latest
+
         pid = self.join_group(rank, world, port, timeout_s=60.0)
+        loaded = load_latest("soak", SHARDS[rank], self.config)
+        if loaded is None:
+            self.weights.fill_(float(SHARDS[rank]))
+        else:
+            self._load(loaded.state)
+            self.step = loaded.step
         self.graceful_setup(
             "soak",
             shard=SHARDS[rank],

@@ -33,13 +33,13 @@ from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, HealthProbe, HealthRepor
 from .memory.handoff import LoadedShard, MemoryTierError
 from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
-from .plan import RankInfo, RankOrder, TerminationPlan, TopologyError, plan_termination
+from .plan import RankInfo, RankPlan, TerminationPlan, TopologyError, plan_termination
 from .protocol import Rejoined
 from .warm_group import WarmGroup, WarmRestart, WarmRestartFailed
 from .worker.mixin import GracefulWorkerMixin
 from .worker.process_groups import SetupError
 from .worker.rejoin import rejoin
-from .worker.report import StepRecord, TeardownReport, read_reports
+from .worker.report import PhaseRecord, TeardownReport, read_reports
 from .worker.restore import load_latest
 from .worker.setup import (
     GracefulSetupWarning,
@@ -91,15 +91,15 @@ __all__ = [
     "LoadedShard",
     "MemoryTierError",
     "NoticeError",
+    "PhaseRecord",
     "RankInfo",
-    "RankOrder",
+    "RankPlan",
     "Reason",
     "Rejoined",
     "SetupError",
     "SetupStatus",
     "ShardRecord",
     "SpareResult",
-    "StepRecord",
     "TeardownReport",
     "TerminationOutcome",
     "TerminationPlan",

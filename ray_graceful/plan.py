@@ -69,7 +69,7 @@ class RankInfo(NamedTuple):
         return (self.group, self.rank)
 
 
-class RankOrder(NamedTuple):
+class RankPlan(NamedTuple):
     """The plan for one rank."""
 
     group: str
@@ -85,14 +85,14 @@ class RankOrder(NamedTuple):
 
 
 class TerminationPlan(NamedTuple):
-    orders: tuple[RankOrder, ...]
+    orders: tuple[RankPlan, ...]
     savers: dict[tuple[str, str], Key]
     abandoned: str | None
     created_at: float
     backups: dict[tuple[str, str], Key]  # shard -> the replica that saves if its saver cannot
     incomplete: dict[str, str]  # group -> why it is not planned for (see incomplete_groups)
 
-    def order_for(self, key: Key) -> RankOrder:
+    def order_for(self, key: Key) -> RankPlan:
         for order in self.orders:
             if (order.group, order.rank) == key:
                 return order
@@ -318,9 +318,7 @@ def _plan(
         else:
             action, reason = Action.LEAVE, leave_reason[(group, shard)]
         append(
-            RankOrder(
-                group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by
-            )
+            RankPlan(group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by)
         )
     return TerminationPlan(tuple(orders), savers, abandoned, now, backups, incomplete)
 

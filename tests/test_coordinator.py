@@ -139,7 +139,7 @@ def test_a_saver_that_cannot_save_is_replaced_by_its_backup(
     assert [f["shard"] for f in outcome.fallbacks] == ["trainer/0"]
     assert "No space left on device" in outcome.fallbacks[0]["why"]
     by_rank = {r["ranks"][0]["rank"]: r for r in outcome.reports}
-    save_of_3 = next(s for s in by_rank[3]["steps"] if s["name"] == "save")
+    save_of_3 = next(s for s in by_rank[3]["phases"] if s["name"] == "save")
     assert "not saving (" in save_of_3["detail"], "rank 1 saved its shard: its backup did not"
     ckpt = latest_committed(config.checkpoint_dir, verify_checksums=True)
     assert ckpt.step == 3 and sorted(ckpt.shards) == ["trainer/0", "trainer/1"]

@@ -35,9 +35,9 @@ def test_every_step_the_timeline_draws_has_its_own_legend_entry():
         return {"name": name, "status": status}
 
     reports = [
-        {"steps": [step("stop"), step("quiesce"), step("save"), step("exit")]},
-        {"steps": [step("quiesce"), step("save", "skipped"), step("drain_device", "skipped")]},
-        {"steps": [step("save", "failed"), step("future_step")]},
+        {"phases": [step("stop"), step("quiesce"), step("save"), step("exit")]},
+        {"phases": [step("quiesce"), step("save", "skipped"), step("drain_device", "skipped")]},
+        {"phases": [step("save", "failed"), step("future_step")]},
     ]
     kinds = legend_kinds(reports)
     assert list(kinds) == [

@@ -24,13 +24,13 @@ from ray_graceful.coordinator.warm import WarmRestarts
 from ray_graceful.notices import EvictionNotice
 from ray_graceful.protocol import (
     Ack,
+    PhaseRecord,
+    PhaseStatus,
     PollState,
     RankSpec,
     Register,
     ReportedRank,
-    StepRecord,
-    StepStatus,
-    TeardownStep,
+    TeardownPhase,
 )
 from ray_graceful.worker.report import write_report_file
 from tests.helpers import fast_config
@@ -103,11 +103,11 @@ def test_a_report_whose_saved_shards_are_not_records_is_refused_and_saves_nothin
 def test_a_teardown_report_reads_back_from_its_json_equal_and_typed(tmp_path):
     record = write_shard(str(tmp_path), 3, "g/0", lambda p, s: save_state_dict({"s": s}, p))
     ranks = [ReportedRank("g", 0, 2)]
-    steps = [StepRecord(TeardownStep.SAVE, StepStatus.RAN, "1 shard", 0.1, 0.2)]
+    steps = [PhaseRecord(TeardownPhase.SAVE, PhaseStatus.RAN, "1 shard", 0.1, 0.2)]
     sent = TeardownReport(1, "h", "n", "job-a", ranks, "t", 0, 1.0, 2.0, steps, saved=[record])
     back = TeardownReport.from_dict(json.loads(sent.to_json()))
     assert back == sent and isinstance(back.saved[0], ShardRecord)
-    assert isinstance(back.ranks[0], ReportedRank) and back.steps[0].status is StepStatus.RAN
+    assert isinstance(back.ranks[0], ReportedRank) and back.phases[0].status is PhaseStatus.RAN
     assert back.summary().startswith("pid=1 ranks=g/0 trigger=t save=ran(200ms)"), back.summary()
 
 

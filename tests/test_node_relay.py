@@ -12,13 +12,13 @@ from ray_graceful.health import FAULTY, HEALTHY, HealthReport
 from ray_graceful.node.relay import NodeRelay, Unreachable
 from ray_graceful.protocol import (
     Ack,
-    Order,
     PollAnswer,
     PollKind,
     PollState,
     RankSpec,
     Register,
     Reply,
+    TeardownOrder,
 )
 
 pytestmark = pytest.mark.unit
@@ -28,8 +28,8 @@ def register(i: int) -> Register:
     return Register(f"p{i}", "node-a", 100 + i, "host", "job", (RankSpec("g", i, 8, str(i), True),))
 
 
-def order(i: int) -> Order:
-    return Order("job", 0, f"o{i}", deadline=0.0, trigger="test")
+def order(i: int) -> TeardownOrder:
+    return TeardownOrder("job", 0, f"o{i}", deadline=0.0, trigger="test")
 
 
 class FakeCoordinator:

@@ -49,7 +49,7 @@ def test_blocked_plain_rank_exits_with_configured_code(tmp_path):
         report = wait_for(lambda: report_for(str(tmp_path), ranks[0].pid), 5, "the report")
         assert report["exit_path"] == "hard"
         # Stuck in a collective: the peers are released first, the device drained after.
-        names = [s["name"] for s in report["steps"]]
+        names = [s["name"] for s in report["phases"]]
         assert names[:3] == ["stop", "quiesce", "release_peers"], names
         assert names.index("drain_device") > names.index("release_peers")
     finally:
@@ -104,7 +104,7 @@ def test_a_save_holds_the_state_of_the_step_it_is_labelled_with(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 7
         report = wait_for(lambda: report_for(str(tmp_path), proc.pid), 5, "the report")
-        save = next(s for s in report["steps"] if s["name"] == "save")
+        save = next(s for s in report["phases"] if s["name"] == "save")
         assert save["status"] == "ran", save
         (record,) = report["saved"]
         import torch

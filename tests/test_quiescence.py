@@ -100,7 +100,7 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
         config, [], "test", time.time() + 10, training=_Training(state), exit_process=False
     )
     teardown.run()
-    names = [s.name for s in teardown.report.steps]
+    names = [s.name for s in teardown.report.phases]
     assert names[:2] == ["stop", "quiesce"]
     assert names[2:4] == order, names
     assert teardown.training_released.is_set(), "a parked thread is let go after the save"

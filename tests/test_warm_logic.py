@@ -17,7 +17,7 @@ from ray_graceful.protocol import (
     Rendezvous,
     RendezvousAction,
     SpareAction,
-    SpareOrder,
+    SpareAnswer,
 )
 
 
@@ -181,12 +181,12 @@ def test_a_word_outside_its_set_is_refused_where_the_record_is_built_and_a_plain
     joined = Rejoined("joined", "p1", loaded_from="memory-peer")
     assert joined.action is RejoinResult.JOINED and joined.loaded_from is LoadedFrom.MEMORY_PEER
     assert joined.joined and Rendezvous("leave", "gone").action is RendezvousAction.LEAVE
-    assert SpareOrder("assigned", "slot", "g", 0).action is SpareAction.ASSIGNED
+    assert SpareAnswer("assigned", "slot", "g", 0).action is SpareAction.ASSIGNED
     for build in (
         lambda: Rejoined("rejoined", "p1"),
         lambda: Rejoined("joined", "p1", loaded_from="tape"),
         lambda: Rendezvous("jump"),
-        lambda: SpareOrder("stay"),
+        lambda: SpareAnswer("stay"),
     ):
         with pytest.raises(ValueError, match="is not a valid"):
             build()

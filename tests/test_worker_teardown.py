@@ -68,7 +68,7 @@ def test_blocked_rank_exits_zero_fast_with_report(ray_cluster, exit_recorder, co
     assert elapsed < 2.0, f"took {elapsed:.2f}s to exit"
 
     report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report JSON")
-    steps = {s["name"]: s for s in report["steps"]}
+    steps = {s["name"]: s for s in report["phases"]}
     assert list(steps) == [
         "stop",
         "quiesce",
@@ -137,7 +137,7 @@ def test_second_sigterm_exits_at_once(ray_cluster, exit_recorder, tmp_path):
     assert time.monotonic() - sent < 1.0
     report = wait_for(lambda: report_for(config.report_dir, pid), 5, "the report")
     assert report["exit_path"] == "second-signal"
-    assert report["steps"][-1]["name"] == "save" and report["steps"][-1]["status"] == "running"
+    assert report["phases"][-1]["name"] == "save" and report["phases"][-1]["status"] == "running"
     assert not list((tmp_path / "c").rglob("shard-*")), "an unfinished save must not land"
 
 
@@ -167,7 +167,7 @@ def test_hanging_save_cannot_pass_the_deadline(ray_cluster, exit_recorder, tmp_p
     assert code == 0
     assert elapsed < config.teardown_timeout_s, f"{elapsed:.2f}s"
     report = wait_for(lambda: report_for(config.report_dir, pid), 5, "the report")
-    save = next(s for s in report["steps"] if s["name"] == "save")
+    save = next(s for s in report["phases"] if s["name"] == "save")
     assert save["status"] == "failed" and "exceeded its budget" in save["detail"], save
     assert report["saved"] == []
     assert not list((tmp_path / "c").rglob("shard-*")), "an abandoned save must not land"
@@ -203,7 +203,7 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     assert code == 1, "Ray's forced exit (QuickExit) ends the process with status 1"
     assert elapsed < config.exit_grace_s / 2, f"waited {elapsed:.2f}s for a task that cannot return"
     report = wait_for(lambda: report_for(config.report_dir, pids[0]), 5, "the report")
-    exit_step = next(s for s in report["steps"] if s["name"] == "exit")
+    exit_step = next(s for s in report["phases"] if s["name"] == "exit")
     assert report["exit_path"] == "ray_kill", report
     assert "still alive" in exit_step["detail"] and "all_reduce" in exit_step["detail"], exit_step
     exit_type, detail = wait_for(lambda: worker_exit(pids[0]), 10, "the GCS worker record")

@@ -43,8 +43,8 @@ from ..protocol import (
     SaveTurn,
     SigtermSeen,
     SpareAction,
+    SpareAnswer,
     SpareAssigned,
-    SpareOrder,
     TeardownReport,
     TurnAnswer,
 )
@@ -366,9 +366,9 @@ class CoordinatorActor:
     async def register_spare(self, spare_id: str, role: str, node_id: str, pid: int) -> Reply:
         return self._take(ev.SpareArrived(spare_id, role, node_id, pid))
 
-    async def poll_spare(self, spare_id: str, wait_s: float) -> SpareOrder | None:
+    async def poll_spare(self, spare_id: str, wait_s: float) -> SpareAnswer | None:
         if spare_id not in self.spares.spares:
-            return SpareOrder(SpareAction.EXIT, "this spare is not registered")
+            return SpareAnswer(SpareAction.EXIT, "this spare is not registered")
         word = self.spares.take(spare_id)
         if word is None:
             await self.fanout.hold_spare(spare_id, wait_s)

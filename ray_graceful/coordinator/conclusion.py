@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
-from ..protocol import Result, StepStatus, TeardownReport, shard_key
+from ..protocol import PhaseStatus, Result, TeardownReport, shard_key
 from .cycle import Cycle
 from .registry import Process
 
@@ -191,8 +191,8 @@ def failed_saves(reports: list[TeardownReport]) -> list[str]:
     return [
         f"{r.hostname}:{r.pid}: {step.detail}"[:300]
         for r in reports
-        for step in r.steps
-        if step.name == "save" and step.status == StepStatus.FAILED
+        for step in r.phases
+        if step.name == "save" and step.status == PhaseStatus.FAILED
     ]
 
 

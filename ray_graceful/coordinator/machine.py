@@ -31,8 +31,8 @@ from ..protocol import (
     Result,
     ShardRecord,
     SpareAction,
+    SpareAnswer,
     SpareAssigned,
-    SpareOrder,
     TeardownReport,
     check_version,
 )
@@ -268,7 +268,7 @@ class CycleMachine:
             return
         spare = self.spares.add(spare_id, role, node_id, pid)
         if self.job_state != "running":
-            self.spares.tell(spare, SpareOrder(SpareAction.EXIT, f"job {self.job_state}"))
+            self.spares.tell(spare, SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         elif role == "spare" and self.state.config.memory_replicas > 0:
             out.append(ev.KeeperNeeded(node_id))  # the shard it will load can wait on its node
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
@@ -280,7 +280,7 @@ class CycleMachine:
             out.append(ev.Replied(SpareAssigned(None, group, rank, self.cycle.number, reason)))
             return
         spare.assigned = True
-        word = SpareOrder(
+        word = SpareAnswer(
             SpareAction.ASSIGNED, "given an evicted rank's slot", group, rank, self.cycle.number
         )
         self.spares.tell(spare, word)
@@ -293,7 +293,7 @@ class CycleMachine:
             self.state.job_state = "succeeded"
         elif permanent:
             self.state.job_state = "closed"
-        told = self.spares.tell_all(SpareOrder(SpareAction.EXIT, f"job {self.job_state}"))
+        told = self.spares.tell_all(SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         out.extend(ev.SpareTold(spare_id) for spare_id in told)
         out.append(ev.Replied(JobClosed(self.job_state, len(told), self.cycle.number)))
 

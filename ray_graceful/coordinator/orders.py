@@ -1,10 +1,10 @@
 """From the notices to every process's order (GATHERING -> TEARING_DOWN).
 
-``plan_and_order`` makes the plan (``plan.py``: who saves, who backs up, who leaves, by when),
-then one ``Order`` per process: its earliest deadline, what it saves and where - a checkpoint
-directory, or the keepers that hold the shard in memory (``memory/placement.py``: surviving,
-not FAULTY nodes, the node of the spare that will load it first) - and whether it rejoins in a
-warm restart. Every order goes out at once (``OrderOut``): the fan-out.
+``plan_and_order`` makes the plan (``plan.py``: who saves, who backs up, who leaves, by when), then
+one ``TeardownOrder`` per process: its earliest deadline, what it saves and where - a checkpoint
+directory, or the keepers that hold the shard in memory (``memory/placement.py``: surviving, not
+FAULTY nodes, the node of the spare that will load it first) - and whether it rejoins in a warm
+restart. Every order goes out at once (``OrderOut``): the fan-out.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Protocol
 
 from ..health import FAULTY
 from ..memory.placement import choose_holders
-from ..plan import RankInfo, RankOrder, TerminationPlan, plan_termination
-from ..protocol import Action, Order, PollAnswer, PollKind, SaveAssignment, shard_key
+from ..plan import RankInfo, RankPlan, TerminationPlan, plan_termination
+from ..protocol import Action, PollAnswer, PollKind, SaveAssignment, TeardownOrder, shard_key
 from . import events as ev
 from .cycle import Cycle, Phase
 from .spares import SpareRecord
@@ -62,7 +62,7 @@ def plan_and_order(
         destination=destination(state, cycle),
     )
     cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
-    by_process: dict[str, list[RankOrder]] = {}
+    by_process: dict[str, list[RankPlan]] = {}
     for rank_order in plan.orders:
         process = state.registry.process_of((rank_order.group, rank_order.rank))
         if process is not None:
@@ -77,7 +77,7 @@ def plan_and_order(
     trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
     for process_id, orders in by_process.items():
         process = state.registry.processes[process_id]
-        process.order = Order(
+        process.order = TeardownOrder(
             job_id=state.job_id,
             cycle=cycle.number,
             order_id=uuid.uuid4().hex,
@@ -117,7 +117,7 @@ def _surviving_keepers(plan: TerminationPlan, placement: KeeperPlacement | None)
 def _assignment(
     state: CoordinatorState,
     plan: TerminationPlan,
-    order: RankOrder,
+    order: RankPlan,
     placement: KeeperPlacement | None,
     keepers: list[str],
     spare_nodes: dict[str, list[str]],

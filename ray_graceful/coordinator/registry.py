@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..health import UNKNOWN, HealthReport
-from ..protocol import Order, RankKey, RankSpec, Register
+from ..protocol import RankKey, RankSpec, Register, TeardownOrder
 
 MAX_POLL_S = 60.0
 
@@ -31,7 +31,7 @@ class Process:
     last_seen: float = field(default_factory=time.time)
     last_step: int | None = None
     health: HealthReport | None = None
-    order: Order | None = None  # this cycle's order, re-sent until acknowledged
+    order: TeardownOrder | None = None  # this cycle's order, re-sent until acknowledged
     acked: bool = False
     report: object | None = None  # its TeardownReport, once sent
     lost: bool = False  # found dead without a notice: no report will come

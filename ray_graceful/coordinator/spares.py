@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..protocol import SpareOrder
+from ..protocol import SpareAnswer
 
 ROLES = ("spare", "standby")
 
@@ -26,7 +26,7 @@ class SpareRecord:
     role: str  # "spare" | "standby"
     node_id: str
     pid: int
-    word: SpareOrder | None = None  # its word, until its poll takes it
+    word: SpareAnswer | None = None  # its word, until its poll takes it
     assigned: bool = False  # handed a slot: never handed another
 
 
@@ -41,11 +41,11 @@ class SparePool:
         self.spares[spare_id] = spare
         return spare
 
-    def tell(self, spare: SpareRecord, word: SpareOrder) -> None:
+    def tell(self, spare: SpareRecord, word: SpareAnswer) -> None:
         """Give ``spare`` its word; its poll takes it (the caller wakes the poll)."""
         spare.word = word
 
-    def take(self, spare_id: str) -> SpareOrder | None:
+    def take(self, spare_id: str) -> SpareAnswer | None:
         """The spare's word, if it has one: it leaves the pool with it."""
         spare = self.spares.get(spare_id)
         if spare is None or spare.word is None:
@@ -63,7 +63,7 @@ class SparePool:
                 return spare
         return None
 
-    def tell_all(self, word: SpareOrder) -> list[str]:
+    def tell_all(self, word: SpareAnswer) -> list[str]:
         """Every spare and standby gets ``word`` (the job is over): their ids."""
         for spare in self.spares.values():
             spare.word = word

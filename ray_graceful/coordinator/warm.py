@@ -38,7 +38,7 @@ from ..protocol import (
     Rendezvous,
     RendezvousAction,
     SpareAction,
-    SpareOrder,
+    SpareAnswer,
     shard_key,
 )
 from .cycle import Cycle
@@ -321,7 +321,7 @@ class WarmRestarts:
         committed: bool,
         registry: Registry,
         spares: list[SpareRecord],
-    ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareOrder]]]:
+    ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareAnswer]]]:
         """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
         slot with its word (marked ``assigned``; the caller tells it)."""
         if not self.survivors:
@@ -353,7 +353,7 @@ class WarmRestarts:
                 told.append(
                     (
                         spare,
-                        SpareOrder(
+                        SpareAnswer(
                             SpareAction.ASSIGNED, why, answer.group, answer.rank, answer.cycle
                         ),
                     )

@@ -3,10 +3,10 @@
 One way: notice -> plan -> order -> acknowledgement -> report -> outcome.
 
 - ``messages``: a rank's process and the coordinator - ``Register``, ``PollState``,
-  ``PollAnswer`` with its ``Order``, ``Ack``, ``SigtermSeen``, ``SaveResult``, a backup's
+  ``PollAnswer`` with its ``TeardownOrder``, ``Ack``, ``SigtermSeen``, ``SaveResult``, a backup's
   ``SaveTurn`` / ``TurnAnswer``, and the plain ``Reply``;
 - ``report``: the ``TeardownReport`` a process sends when its teardown ended;
-- ``spares``: a spare's ``SpareOrder``; the driver's ``SpareAssigned`` and ``JobClosed``;
+- ``spares``: a spare's ``SpareAnswer``; the driver's ``SpareAssigned`` and ``JobClosed``;
 - ``warm``: a warm restart's ``Rendezvous`` and ``Rejoined``;
 - ``words``: the closed sets of words (enums that are also their strings);
 - ``checks``: the version and field bounds every message is checked against where it arrives.
@@ -20,7 +20,6 @@ from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, ch
 from .messages import (
     DEFAULT_NAME,
     Ack,
-    Order,
     PollAnswer,
     PollState,
     RankKey,
@@ -31,22 +30,23 @@ from .messages import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    TeardownOrder,
     TurnAnswer,
     coordinator_name,
 )
-from .report import ExitPath, ReportedRank, StepRecord, TeardownReport
-from .spares import JobClosed, SpareAssigned, SpareOrder
+from .report import ExitPath, PhaseRecord, ReportedRank, TeardownReport
+from .spares import JobClosed, SpareAnswer, SpareAssigned
 from .warm import Rejoined, Rendezvous
 from .words import (
     Action,
     LoadedFrom,
+    PhaseStatus,
     PollKind,
     RejoinResult,
     RendezvousAction,
     Result,
     SpareAction,
-    StepStatus,
-    TeardownStep,
+    TeardownPhase,
     Word,
 )
 
@@ -58,7 +58,8 @@ __all__ = [
     "ExitPath",
     "JobClosed",
     "LoadedFrom",
-    "Order",
+    "PhaseRecord",
+    "PhaseStatus",
     "PollAnswer",
     "PollKind",
     "PollState",
@@ -79,12 +80,11 @@ __all__ = [
     "ShardRecord",
     "SigtermSeen",
     "SpareAction",
+    "SpareAnswer",
     "SpareAssigned",
-    "SpareOrder",
-    "StepRecord",
-    "StepStatus",
+    "TeardownOrder",
+    "TeardownPhase",
     "TeardownReport",
-    "TeardownStep",
     "TurnAnswer",
     "Word",
     "check_count",

@@ -1,11 +1,11 @@
 """The messages between a rank's worker process and the coordinator (or its node's agent).
 
 One way: a process ``Register``s its ranks, long-polls with its ``PollState`` and is answered a
-``PollAnswer`` that may carry an ``Order``; it sends ``Ack`` (has the order), ``SigtermSeen``,
-``SaveResult`` and, as a backup, ``SaveTurn`` (answered ``TurnAnswer``). Anything else is
-answered a ``Reply``. A *rank* is a (group, rank) pair (``RankKey``); a *shard label* is what a
-rank holds in its group ("0", "model"); a *shard key* is ``"<group>/<label>"``, a shard's name
-in a checkpoint.
+``PollAnswer`` that may carry a ``TeardownOrder``; it sends ``Ack`` (has the order),
+``SigtermSeen``, ``SaveResult`` and, as a backup, ``SaveTurn`` (answered ``TurnAnswer``). Anything
+else is answered a ``Reply``. A *rank* is a (group, rank) pair (``RankKey``); a *shard label* is
+what a rank holds in its group ("0", "model"); a *shard key* is ``"<group>/<label>"``, a shard's
+name in a checkpoint.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class SaveAssignment:
 
 
 @dataclass(frozen=True)
-class Order:
+class TeardownOrder:
     """The coordinator's order to one worker process: tear down by ``deadline``.
 
     Delivered at least once: the coordinator answers every poll with it until the process
@@ -151,7 +151,7 @@ class PollAnswer:
     """The answer to a long poll: an order, nothing yet, or why the poll is refused."""
 
     kind: PollKind
-    order: Order | None = None
+    order: TeardownOrder | None = None
     reason: str = ""
 
 

@@ -1,6 +1,6 @@
 """What one process's teardown did, as it reports it: the ``TeardownReport`` (JSON in
 ``report_dir``, one log line, and the coordinator's copy that goes into the outcome), with its
-``StepRecord`` per teardown step, the ranks it held and the shards it saved."""
+``PhaseRecord`` per teardown phase, the ranks it held and the shards it saved."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..checkpoint.records import ShardRecord
-from .words import StepStatus, TeardownStep
+from .words import PhaseStatus, TeardownPhase
 
 # How a process left: Ray's intended exit (status 0); Ray's kill of the actor, for a task that
 # could not return (still recorded INTENDED_SYSTEM_EXIT, status 1); os._exit (outside Ray, or
@@ -18,11 +18,11 @@ ExitPath = Literal["ray_intended", "ray_kill", "hard", "watchdog", "second-signa
 
 
 @dataclass
-class StepRecord:
+class PhaseRecord:
     """One teardown step: what happened and when (seconds from the teardown's start)."""
 
-    name: TeardownStep
-    status: StepStatus
+    name: TeardownPhase
+    status: PhaseStatus
     detail: str = ""
     started_s: float = 0.0
     duration_s: float = 0.0
@@ -50,7 +50,7 @@ class TeardownReport:
     cycle: int
     started_at: float
     deadline: float
-    steps: list[StepRecord] = field(default_factory=list)
+    phases: list[PhaseRecord] = field(default_factory=list)
     saved: list[ShardRecord] = field(default_factory=list)  # the shards it saved (or reused)
     last_step: int | None = None  # the last step boundary the training loop reported
     exit_path: ExitPath | None = None
@@ -59,7 +59,7 @@ class TeardownReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["steps"] = [asdict(s) for s in list(self.steps)]
+        data["phases"] = [asdict(s) for s in list(self.phases)]
         data["saved"] = [record.to_dict() for record in list(self.saved)]
         data["ranks"] = [asdict(rank) for rank in list(self.ranks)]
         return data
@@ -70,28 +70,31 @@ class TeardownReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TeardownReport:
         values = dict(data)
-        values["steps"] = [
-            StepRecord(**{**s, "name": TeardownStep(s["name"]), "status": StepStatus(s["status"])})
-            for s in data.get("steps", [])
+        values["phases"] = [
+            PhaseRecord(
+                **{**s, "name": TeardownPhase(s["name"]), "status": PhaseStatus(s["status"])}
+            )
+            for s in data.get("phases", [])
         ]
         values["saved"] = [ShardRecord.from_dict(record) for record in data.get("saved", [])]
         values["ranks"] = [ReportedRank(**rank) for rank in data.get("ranks", [])]
         return cls(**values)
 
-    def step(self, name: str) -> StepRecord:
-        for record in self.steps:
+    def phase(self, name: str) -> PhaseRecord:
+        for record in self.phases:
             if record.name == name:
                 return record
-        raise KeyError(f"no step {name!r} in this report; steps: {[s.name for s in self.steps]}")
+        names = [s.name for s in self.phases]
+        raise KeyError(f"no phase {name!r} in this report; phases: {names}")
 
     def save_failure(self) -> str:
         """Why the save step saved nothing (or only part): its detail, else the exit path."""
-        for record in self.steps:
+        for record in self.phases:
             if record.name == "save":
                 return f"save {record.status}: {record.detail}"[:300]
-        return f"no save step ran (exit: {self.exit_path})"
+        return f"no save phase ran (exit: {self.exit_path})"
 
     def summary(self) -> str:
         ranks = ",".join(f"{r.group}/{r.rank}" for r in self.ranks) or "-"
-        steps = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.steps)
-        return f"pid={self.pid} ranks={ranks} trigger={self.trigger} {steps} exit={self.exit_path}"
+        phases = " ".join(f"{s.name}={s.status}({s.duration_s * 1000:.0f}ms)" for s in self.phases)
+        return f"pid={self.pid} ranks={ranks} trigger={self.trigger} {phases} exit={self.exit_path}"

@@ -9,7 +9,7 @@ from .words import SpareAction
 
 
 @dataclass(frozen=True)
-class SpareOrder:
+class SpareAnswer:
     """What ends a spare's or standby's wait: exit, or a slot to take (spares only)."""
 
     action: SpareAction

@@ -17,7 +17,7 @@ class Word(str, enum.Enum):
 
 
 class Action(Word):
-    """What the plan has one rank do (``plan.RankOrder.action``)."""
+    """What the plan has one rank do (``plan.RankPlan.action``)."""
 
     SAVE = "save"  # save its shard, then leave
     BACKUP = "backup"  # save its shard only if the shard's saver cannot
@@ -27,14 +27,14 @@ class Action(Word):
 class PollKind(Word):
     """What a long poll's answer is."""
 
-    ORDER = "order"  # an Order: tear down
+    ORDER = "order"  # a TeardownOrder: tear down
     IDLE = "idle"  # nothing within the poll's wait: poll again
     UNKNOWN = "unknown"  # this process is not registered
     STALE = "stale"  # the poll named a cycle that is not the current one
     AWAY = "away"  # (from a node agent) the coordinator is restarting or gone: register again
 
 
-class StepStatus(Word):
+class PhaseStatus(Word):
     """How one teardown step went."""
 
     RUNNING = "running"
@@ -55,7 +55,7 @@ class Result(Word):
 
 
 class SpareAction(Word):
-    """What ends a spare's or standby's wait (``SpareOrder.action``, ``SpareResult.action``)."""
+    """What ends a spare's or standby's wait (``SpareAnswer.action``, ``SpareResult.action``)."""
 
     EXIT = "exit"  # the job is over, or this spare is leaving: exit
     ASSIGNED = "assigned"  # take the slot named in the order
@@ -86,8 +86,8 @@ class LoadedFrom(Word):
     DISK = "disk"  # the committed checkpoint on disk
 
 
-class TeardownStep(Word):
-    """A step of one process's teardown, in the order it runs (``StepRecord.name``)."""
+class TeardownPhase(Word):
+    """A step of one process's teardown, in the order it runs (``PhaseRecord.name``)."""
 
     STOP = "stop"  # should_stop() turns true
     QUIESCE = "quiesce"  # the training thread parks at a step boundary, or is released

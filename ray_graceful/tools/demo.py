@@ -352,7 +352,7 @@ def _show_teardown(outcome: Any, clock: _Clock) -> None:
         steps = ", ".join(
             f"{s['name']} {s['status']}"
             + (f" {s['duration_s'] * 1000:.0f}ms" if s["duration_s"] > 0.001 else "")
-            for s in report["steps"]
+            for s in report["phases"]
             if s["name"] != "exit"
         )
         saved = f" SAVED {report['saved'][0]['shard']}" if report["saved"] else ""

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..protocol import TeardownStep
+from ..protocol import TeardownPhase
 
-STEP_ORDER = tuple(step.value for step in TeardownStep)
+STEP_ORDER = tuple(step.value for step in TeardownPhase)
 
 
 def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
@@ -24,7 +24,7 @@ def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
     """
     found: dict[str, tuple[str, str]] = {}
     for report in reports:
-        for step in report["steps"]:
+        for step in report["phases"]:
             name, status = step["name"], step["status"]
             found.setdefault(name if status == "ran" else f"{name} {status}", (name, status))
 
@@ -77,7 +77,7 @@ def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | Non
     drawn = legend_kinds(reports)
     for row, report in enumerate(reports):
         base = report["started_at"] - t0
-        for step in report["steps"]:
+        for step in report["phases"]:
             name, status = step["name"], step["status"]
             # A step that did not run its work (a parked backup's save, a skipped drain) is
             # drawn hatched and pale, a failed one with a black edge: only a real save is green.

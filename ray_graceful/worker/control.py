@@ -7,8 +7,8 @@ declared the actor changes (no concurrency group, no async method). Each poll al
 rank's last step and a fresh health verdict (NVML), which is how FAULTY hardware becomes a
 notice.
 
-This module knows nothing of what an order means: it acknowledges the ``Order`` (so it is not
-sent again - delivery is at least once) and hands it to ``on_order``; the worker runtime turns
+This module knows nothing of what an order means: it acknowledges the ``TeardownOrder`` (so it is
+not sent again - delivery is at least once) and hands it to ``on_order``; the worker runtime turns
 it into a teardown. A coordinator that Ray is restarting (its process died; the poll fails with
 ``ActorUnavailableError``) is registered with again, with the same keys, for up to
 ``coordinator_reconnect_s``; one that is gone for good (``ActorDiedError``) ends the channel.
@@ -31,7 +31,6 @@ from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
 from ..protocol import (
     Ack,
-    Order,
     PollKind,
     PollState,
     RankSpec,
@@ -41,6 +40,7 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    TeardownOrder,
     TeardownReport,
     TurnAnswer,
     coordinator_name,
@@ -90,7 +90,7 @@ class ControlChannel:
         config: GracefulConfig,
         ranks: Callable[[], tuple[RankSpec, ...]],
         last_step: Callable[[], int | None],
-        on_order: Callable[[Order], None],
+        on_order: Callable[[TeardownOrder], None],
         done: Callable[[], bool],
         on_disconnect: Callable[[], None] = lambda: None,
         relay: Any | None = None,
@@ -301,7 +301,7 @@ class ControlChannel:
             self.on_order(order)
             return
 
-    def _ack(self, order: Order) -> None:
+    def _ack(self, order: TeardownOrder) -> None:
         import ray
 
         try:

@@ -26,7 +26,7 @@ Saver = Callable[[str, int], "tuple[int, int] | None"]
 
 
 @dataclasses.dataclass
-class SaveOrder:
+class ShardSave:
     """Save shard ``shard`` under ``root`` with ``saver``, within ``budget_s``.
 
     No step: the step is the one the training thread parked at (or last reported), read once
@@ -51,12 +51,12 @@ class SaveOrder:
 
 
 class EmergencySave:
-    """Runs a rank's ``SaveOrder``s once its training thread is quiescent; keeps what it saved."""
+    """Runs a rank's ``ShardSave``s once its training thread is quiescent; keeps what it saved."""
 
     def __init__(
         self,
         config: GracefulConfig,
-        orders: list[SaveOrder],
+        orders: list[ShardSave],
         until: float,
         cycle: int = 0,
         on_saved: Callable[[list[str], list[str], str], None] | None = None,
@@ -101,7 +101,7 @@ class EmergencySave:
             raise Skip("; ".join(done))
         return "; ".join(done)
 
-    def _budget(self, order: SaveOrder, done: list[str]) -> float:
+    def _budget(self, order: ShardSave, done: list[str]) -> float:
         budget = min(order.budget_s, self.remaining() - self.config.destroy_timeout_s)
         if budget <= 0:
             raise RuntimeError(
@@ -110,7 +110,7 @@ class EmergencySave:
             )
         return budget
 
-    def _hand_off(self, order: SaveOrder, step: int, done: list[str]) -> bool:
+    def _hand_off(self, order: ShardSave, step: int, done: list[str]) -> bool:
         """Memory tier: True once every keeper named holds the shard; False: save to disk."""
         from ..memory.handoff import hand_off
 
@@ -153,7 +153,7 @@ class EmergencySave:
         )
         return True
 
-    def _save_one(self, order: SaveOrder, step: int, done: list[str]) -> None:
+    def _save_one(self, order: ShardSave, step: int, done: list[str]) -> None:
         if order.keepers and order.state is not None and self._hand_off(order, step, done):
             return
         if order.keepers and order.state is None:

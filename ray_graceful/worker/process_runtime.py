@@ -20,9 +20,9 @@ from typing import Any
 
 from ..checkpoint import shard_key
 from ..config import GracefulConfig
-from ..protocol import Order, RankSpec, Rendezvous
+from ..protocol import RankSpec, Rendezvous, TeardownOrder
 from .control import ControlChannel, gpu_indices
-from .emergency_save import SaveOrder, Saver
+from .emergency_save import Saver, ShardSave
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
@@ -55,14 +55,14 @@ class Registration:
         start_by: float = 0.0,
         keepers: tuple[str, ...] = (),
         namespace: str = "",
-    ) -> SaveOrder:
+    ) -> ShardSave:
         """Save ``shard`` under ``root`` with this rank's saver (which must exist).
 
         ``turn`` makes it a backup save: done only if the coordinator says so; ``keepers`` a
-        memory-tier save (see SaveOrder).
+        memory-tier save (see ShardSave).
         """
         assert self.saver is not None
-        return SaveOrder(
+        return ShardSave(
             root,
             shard,
             budget_s,
@@ -92,7 +92,7 @@ class ProcessRuntime:
     control: ControlChannel | None = None
     node_agent: Any = None  # this node's agent (relay, cloud notices), held while we run
     sigterm_seen: bool = False
-    order: Order | None = None  # the coordinator's order, once one arrived
+    order: TeardownOrder | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
     rejoining: threading.Event = field(default_factory=threading.Event)  # warm restart begun
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
@@ -171,7 +171,7 @@ class ProcessRuntime:
             )
             self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
 
-    def carry_out(self, order: Order) -> None:
+    def carry_out(self, order: TeardownOrder) -> None:
         """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
         with self.lock:
             if self.order is not None:
@@ -242,7 +242,7 @@ class ProcessRuntime:
 
         return ask
 
-    def _stop_at_loop_boundary(self, order: Order) -> None:
+    def _stop_at_loop_boundary(self, order: TeardownOrder) -> None:
         """An order for ranks whose training function saves (Ray Train): stop, then guard.
 
         ``should_stop()`` turns true and the training function saves at its step boundary
@@ -329,7 +329,7 @@ class ProcessRuntime:
         trigger: str,
         deadline: float | None = None,
         cycle: int = 0,
-        save_orders: list[SaveOrder] | None = None,
+        save_orders: list[ShardSave] | None = None,
         skip_save_reason: str | None = None,
         exit_process: bool = True,
     ) -> Teardown:
@@ -365,7 +365,7 @@ class ProcessRuntime:
 
     def _own_save_decision(
         self, config: GracefulConfig, deadline: float
-    ) -> tuple[list[SaveOrder], str]:
+    ) -> tuple[list[ShardSave], str]:
         """Without a coordinator's order: save own shards if a directory is configured."""
         if config.checkpoint_dir is None:
             return [], "no coordinator order and no checkpoint_dir configured"

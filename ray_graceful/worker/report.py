@@ -14,11 +14,11 @@ import logging
 import os
 
 from ..checkpoint import CheckpointError
-from ..protocol import ExitPath, StepRecord, TeardownReport
+from ..protocol import ExitPath, PhaseRecord, TeardownReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExitPath", "Skip", "StepRecord", "TeardownReport", "read_reports", "write_report_file"]
+__all__ = ["ExitPath", "PhaseRecord", "Skip", "TeardownReport", "read_reports", "write_report_file"]
 
 LOG_PREFIX = "ray_graceful teardown "
 

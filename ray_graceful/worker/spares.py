@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..config import GracefulConfig
-from ..protocol import SpareAction, SpareOrder
+from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
 from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
 from .process_groups import SetupError
@@ -91,23 +91,23 @@ def wait_as_spare(
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayActorError as exc:
-                order = SpareOrder(SpareAction.EXIT, f"the coordinator is gone ({exc})")
+                order = SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({exc})")
             except Exception as exc:  # anything else: retry a few times, then leave
                 failures += 1
                 if failures < MAX_POLL_FAILURES:
                     time.sleep(min(0.2 * 2**failures, config.health_interval_s))
                     continue
-                order = SpareOrder(
+                order = SpareAnswer(
                     SpareAction.EXIT,
                     f"the coordinator could not be polled {failures} times ({exc!r})",
                 )
             if order is None:
                 continue
-            if not isinstance(order, SpareOrder) or order.action not in (
+            if not isinstance(order, SpareAnswer) or order.action not in (
                 SpareAction.EXIT,
                 SpareAction.ASSIGNED,
             ):
-                order = SpareOrder(SpareAction.EXIT, f"the coordinator answered {order!r}")
+                order = SpareAnswer(SpareAction.EXIT, f"the coordinator answered {order!r}")
             box["result"] = SpareResult(
                 order.action, order.reason, order.group, order.rank, order.cycle
             )

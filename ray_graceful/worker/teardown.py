@@ -1,6 +1,6 @@
-"""The ordered, guarded, timed steps that end a rank, and the report they leave.
+"""The ordered, guarded, timed phases that end a rank, and the report they leave.
 
-Order, each step wrapped so that a half-broken rank still does the half that
+Order, each phase wrapped so that a half-broken rank still does the half that
 works, and each recorded in the ``TeardownReport`` as ran / skipped (with the reason) / failed
 (with the error), with its start and duration:
 
@@ -46,15 +46,15 @@ from typing import Protocol
 
 from .. import ray_adapter
 from ..config import GracefulConfig
-from ..protocol import ReportedRank, StepStatus, TeardownStep
-from .emergency_save import EmergencySave, SaveOrder
+from ..protocol import PhaseStatus, ReportedRank, TeardownPhase
+from .emergency_save import EmergencySave, ShardSave
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
 from .report import (
     LOG_PREFIX,
+    PhaseRecord,
     Skip,
-    StepRecord,
     TeardownReport,
     ray_identity,
     write_report_file,
@@ -90,7 +90,7 @@ class Teardown:
         trigger: str,
         deadline: float,
         cycle: int = 0,
-        save_orders: list[SaveOrder] | None = None,
+        save_orders: list[ShardSave] | None = None,
         skip_save_reason: str = "",
         on_stop: Callable[[], None] | None = None,
         on_report: Callable[[TeardownReport], None] | None = None,
@@ -154,34 +154,34 @@ class Teardown:
         return thread
 
     def run(self) -> TeardownReport:
-        self._step(TeardownStep.STOP, self._stop)
-        self._step(TeardownStep.QUIESCE, self._quiesce)
+        self._phase(TeardownPhase.STOP, self._stop)
+        self._phase(TeardownPhase.QUIESCE, self._quiesce)
         if self.quiescent:  # at a step boundary: let the device finish, then abort
-            self._step(TeardownStep.DRAIN_DEVICE, self._drain_device)
-            self._step(TeardownStep.RELEASE_PEERS, self._release_peers)
+            self._phase(TeardownPhase.DRAIN_DEVICE, self._drain_device)
+            self._phase(TeardownPhase.RELEASE_PEERS, self._release_peers)
         else:  # inside a collective: a sync would never return, so abort first
-            self._step(TeardownStep.RELEASE_PEERS, self._release_peers)
-            self._step(TeardownStep.DRAIN_DEVICE, self._drain_device)
+            self._phase(TeardownPhase.RELEASE_PEERS, self._release_peers)
+            self._phase(TeardownPhase.DRAIN_DEVICE, self._drain_device)
         try:
-            self._step(TeardownStep.SAVE, self._save)
+            self._phase(TeardownPhase.SAVE, self._save)
         finally:
             self.report.saved = list(self.saving.saved)
             self.training_released.set()
             self.saving.tell_saved(self._how_the_save_went())
-        self._step(TeardownStep.DESTROY_PROCESS_GROUP, self._destroy)
+        self._phase(TeardownPhase.DESTROY_PROCESS_GROUP, self._destroy)
         self._finish()
         return self.report
 
-    def _step(self, name: TeardownStep, fn: Callable[[], str]) -> None:
-        record = StepRecord(name, StepStatus.RUNNING, started_s=time.monotonic() - self.t0)
-        self.report.steps.append(record)
+    def _phase(self, name: TeardownPhase, fn: Callable[[], str]) -> None:
+        record = PhaseRecord(name, PhaseStatus.RUNNING, started_s=time.monotonic() - self.t0)
+        self.report.phases.append(record)
         try:
             record.detail = fn() or ""
-            record.status = StepStatus.RAN
+            record.status = PhaseStatus.RAN
         except Skip as skip:
-            record.status, record.detail = StepStatus.SKIPPED, str(skip)
+            record.status, record.detail = PhaseStatus.SKIPPED, str(skip)
         except BaseException as exc:
-            record.status, record.detail = StepStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            record.status, record.detail = PhaseStatus.FAILED, f"{type(exc).__name__}: {exc}"
         record.duration_s = time.monotonic() - self.t0 - record.started_s
 
     def _stop(self) -> str:
@@ -284,9 +284,9 @@ class Teardown:
 
     def _how_the_save_went(self) -> str:
         try:
-            record = self.report.step(TeardownStep.SAVE)
+            record = self.report.phase(TeardownPhase.SAVE)
         except KeyError:
-            return "no save step ran"
+            return "no save phase ran"
         return f"save {record.status}: {record.detail}"[:300]
 
     def _destroy(self) -> str:
@@ -315,12 +315,12 @@ class Teardown:
                 write_stderr(f"ray_graceful: could not deliver the report: {exc!r}\n")
 
     def _finish(self) -> None:
-        record = StepRecord(
-            TeardownStep.EXIT, StepStatus.RUNNING, started_s=time.monotonic() - self.t0
+        record = PhaseRecord(
+            TeardownPhase.EXIT, PhaseStatus.RUNNING, started_s=time.monotonic() - self.t0
         )
-        self.report.steps.append(record)
+        self.report.phases.append(record)
         if not self.exit_process:
-            record.status, record.detail = StepStatus.SKIPPED, "exit_process=False"
+            record.status, record.detail = PhaseStatus.SKIPPED, "exit_process=False"
             self._publish()
             self.done.set()
             return
@@ -328,7 +328,7 @@ class Teardown:
         in_ray = exit_via_ray is not None
         self.report.exit_path = "ray_intended" if in_ray else "hard"
         self.report.exit_code = 0 if in_ray else self.config.exit_code
-        record.status = StepStatus.RAN
+        record.status = PhaseStatus.RAN
         record.detail = (
             "Ray's intended exit requested" if in_ray else f"os._exit({self.config.exit_code})"
         )
@@ -381,8 +381,8 @@ class Teardown:
         """
         started = time.monotonic()
         limit = max(min(self.config.exit_grace_s, self.remaining()), 0.0)
-        ran = StepStatus.RAN
-        released = any(r.name == "release_peers" and r.status is ran for r in self.report.steps)
+        ran = PhaseStatus.RAN
+        released = any(r.name == "release_peers" and r.status is ran for r in self.report.phases)
         stuck_since: float | None = None
         while (waited := time.monotonic() - started) < limit:
             if released and thread_in_collective():
@@ -401,9 +401,9 @@ class Teardown:
         if self.done.is_set():
             # The report is out and an exit is under way; the watchdog stays the last word.
             time.sleep(max(self.remaining(), 0.0))
-        for record in self.report.steps:
-            if record.status == StepStatus.RUNNING:
-                record.status = StepStatus.INTERRUPTED
+        for record in self.report.phases:
+            if record.status == PhaseStatus.RUNNING:
+                record.status = PhaseStatus.INTERRUPTED
                 record.detail = "the watchdog fired at the deadline"
                 record.duration_s = time.monotonic() - self.t0 - record.started_s
         self.report.exit_path, self.report.exit_code = "watchdog", self.config.exit_code

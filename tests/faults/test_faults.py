@@ -273,7 +273,7 @@ def test_a_save_that_raises(rep, fault_log, config, coordinator, exit_recorder):
     )
     assert outcome.result == "abandoned"
     saver = next(r for r in outcome.reports if r["ranks"][0]["rank"] == 0)
-    save = next(s for s in saver["steps"] if s["name"] == "save")
+    save = next(s for s in saver["phases"] if s["name"] == "save")
     assert save["status"] == "failed" and "No space left on device" in save["detail"]
 
 

@@ -40,7 +40,7 @@ def test_a_shard_over_the_keepers_budget_goes_to_disk_and_the_outcome_says_so(
         train_then_block(ranks)
         outcome = drain_b_and_conclude(nodes, coordinator, exit_recorder, pids)
         assert len(outcome.committed["holders"]) == 1 and len(outcome.committed["on_disk"]) == 1
-        details = [s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"]
+        details = [s["detail"] for r in outcome.reports for s in r["phases"] if s["name"] == "save"]
         assert any("over its budget" in d and "saving to disk" in d for d in details), details
         durable = coordinator.wait_durable(0, timeout=30)
         assert durable is not None and "path" in durable, durable
@@ -235,10 +235,10 @@ def test_a_state_that_never_returns_is_covered_by_its_backup_in_memory(
         outcome = coordinator.wait_outcome(timeout=30, cycle=0)
         assert outcome.result == "committed", outcome.summary()
         assert outcome.committed["tier"] == "memory"
-        details = [s["detail"] for r in outcome.reports for s in r["steps"] if s["name"] == "save"]
+        details = [s["detail"] for r in outcome.reports for s in r["phases"] if s["name"] == "save"]
         assert any("not tried again on disk" in d for d in details), details
         (hung,) = [r for r in outcome.reports if r["ranks"][0]["rank"] == 0]
-        (save,) = [s for s in hung["steps"] if s["name"] == "save"]
+        (save,) = [s for s in hung["phases"] if s["name"] == "save"]
         assert save["duration_s"] < config.save_budget_s + 1.0, save  # failed at its budget
         assert any("backup of shard 'trainer/0': saving" in d for d in details), details
         fault_log.record(

@@ -120,13 +120,13 @@ def test_teardown_on_a_gpu_aborts_nccl_and_drains_cuda():
     proc.start()
     report = queue.get(timeout=90)
     proc.join(30)
-    steps = {s["name"]: s for s in report["steps"]}
+    steps = {s["name"]: s for s in report["phases"]}
     assert steps["release_peers"]["status"] == "ran"
     assert "abort" in steps["release_peers"]["detail"], steps["release_peers"]
     assert steps["drain_device"]["status"] == "ran", steps["drain_device"]
     assert steps["destroy_process_group"]["status"] in ("ran", "failed")
     # Not stuck (no loop inside a collective): the device is drained before the abort.
-    names = [s["name"] for s in report["steps"]]
+    names = [s["name"] for s in report["phases"]]
     assert names.index("drain_device") < names.index("release_peers"), names
 
 
