@@ -42,6 +42,21 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
         time.sleep(every)
 
 
+async def until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``wait_for`` on an event loop: poll ``condition`` between the loop's other work (the
+    coordinator's own tasks run meanwhile); fail the test naming ``what`` after ``timeout``."""
+    import asyncio
+
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
 def in_collective_path(pid: int) -> str:
     """Where the test ranks (``actors.all_reduce_seen``) say whether they are inside a
     collective: a rank blocked in one cannot answer a Ray call, so it says so in a file."""

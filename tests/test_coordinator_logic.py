@@ -26,7 +26,7 @@ from ray_graceful.protocol import (
     SaveTurn,
     SigtermSeen,
 )
-from tests.helpers import fast_config
+from tests.helpers import fast_config, until
 
 RANK = RankSpec("g", 0, 1, "0", True)
 # A group of two replicas of shard "0" (world size 2): rank 0 on n0, rank 1 on n1.
@@ -83,6 +83,12 @@ def saved_report(root: str, cycle: int, step: int) -> TeardownReport:
 
 
 IDLE = PollState()
+
+
+def ordered(coord, *pids: str):
+    """Every one of ``pids`` has its order (the plan is made and the orders are out)."""
+    processes = coord.machine.registry.processes
+    return lambda: all(processes[p].order is not None for p in pids)
 
 
 def run(coro):
@@ -146,14 +152,16 @@ def test_the_drain_watcher_survives_bad_answers_and_errors(config):
     async def scenario():
         coord, drains, _ = make(config)
         await register(coord)
+        rejected = coord.machine.cycle.rejected
         drains.state = {"n0": "soon"}  # nonsense from the source
-        await asyncio.sleep(0.2)
+        await until(lambda: any("not milliseconds" in r["reason"] for r in rejected), 5, "nonsense")
         drains.state, drains.error = {}, KeyError("moved")  # an unexpected error type
-        await asyncio.sleep(0.2)
+        await until(lambda: any("KeyError" in r["reason"] for r in rejected), 5, "the error")
         drains.error = None
         calls = drains.calls
         drains.state = {"n0": int((time.time() + 2) * 1000)}
-        await asyncio.sleep(0.3)
+        sources = lambda: [n.source for n in coord.machine.cycle.notices]  # noqa: E731
+        await until(lambda: "drain" in sources(), 5, "the good drain as a notice")
         return coord, drains, calls
 
     coord, drains, calls = run(scenario())
@@ -254,7 +262,7 @@ def test_an_order_is_delivered_until_it_is_acknowledged(config):
         coord, *_ = make(config)
         await register(coord)
         await coord.notify({"node_id": "n0", "reason": "test"})
-        await asyncio.sleep(0.05)  # planned; nobody was polling
+        await until(ordered(coord, "p0"), 5, "the plan (nobody was polling)")
         first = await coord.poll("p0", 0, IDLE, 1)
         again = await coord.poll("p0", 0, IDLE, 1)  # the first answer never arrived
         assert (await coord.ack(Ack("p0", 0, again.order.order_id))).accepted
@@ -274,7 +282,7 @@ def test_a_message_of_another_protocol_version_is_refused_with_a_reason(config):
         refused = await coord.register(message)
         await register(coord)
         await coord.notify({"node_id": "n0", "reason": "test"})
-        await asyncio.sleep(0.05)
+        await until(ordered(coord, "p0"), 5, "the order")
         order = coord.machine.registry.processes["p0"].order
         old_ack = await coord.ack(Ack("p0", 0, order.order_id, version=99))
         return refused, old_ack, coord.machine.registry.processes["p0"].acked
@@ -293,7 +301,7 @@ async def evict_groups(coord, cycles: int, ranks: int) -> None:
             spec = RankSpec("g", i, ranks, str(i), True)
             await coord.register(Register(f"p{cycle}-{i}", "n0", i, "h", "job-a", (spec,)))
         await coord.notify({"node_id": "n0", "reason": "test"})
-        await asyncio.sleep(0.05)
+        await until(ordered(coord, *(f"p{cycle}-{i}" for i in range(ranks))), 5, "the orders")
         for i in range(ranks):
             await coord.report_teardown(f"p{cycle}-{i}", report(cycle))
         await coord.wait_outcome(cycle, 10)
@@ -350,7 +358,7 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
         turn = asyncio.create_task(
             coord.save_turn(SaveTurn("p1", 0, "g/0"), 0.5 if saver_fate == "silent" else 10)
         )
-        await asyncio.sleep(0.05)
+        await until(lambda: (0, "g/0") in coord.backups.events, 5, "the backup's turn held")
         assert not turn.done(), "the backup waits for the saver's word"
         if saver_fate == "failed":
             why = "save failed: not quiescent"
@@ -390,7 +398,7 @@ def test_only_a_named_backup_may_ask_for_a_turn(config):
         await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p1", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
-        await asyncio.sleep(0.05)  # the plan is made and the orders are out
+        await until(ordered(coord, "p0", "p1"), 5, "the orders")
         return (
             await coord.save_turn(SaveTurn("p0", 0, "g/0"), 1),  # the saver itself
             await coord.save_turn(SaveTurn("p1", 3, "g/0"), 1),  # another cycle
@@ -416,10 +424,10 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
         await register(coord, pid="p2", node="n1", ranks=three[2:])
         started = time.monotonic()
         await coord.report_sigterm(SigtermSeen("p0", 0, time.time()))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a window in which nothing may happen: still gathering
         after_one = coord.machine.cycle.phase
         await coord.report_sigterm(SigtermSeen("p1", 0, time.time()))
-        await asyncio.sleep(0.05)
+        await until(lambda: coord.machine.cycle.phase.value == "tearing down", 5, "the plan")
         return (
             after_one,
             coord.machine.cycle.phase,
@@ -437,7 +445,8 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
         await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
-        await asyncio.sleep(0.05)
+        await until(lambda: coord.machine.cycle.notices, 5, "the drain as a notice")
+        await asyncio.sleep(0.05)  # a window in which nothing may happen: still gathering
         return coord.machine.cycle.phase
 
     assert run(drained()).value == "gathering", "a drain keeps the window open"

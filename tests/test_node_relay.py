@@ -20,6 +20,7 @@ from ray_graceful.protocol import (
     Reply,
     TeardownOrder,
 )
+from tests.helpers import until as wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -76,10 +77,7 @@ class FixedProbe:
 
 
 async def until(condition, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+    await wait_until(condition, timeout, "the relay's state")
 
 
 def test_a_node_registers_polls_and_is_ordered_in_one_message_each():
@@ -121,7 +119,7 @@ def test_an_order_that_comes_between_two_polls_waits_for_the_next():
         assert (await first).kind is PollKind.IDLE
         await until(lambda: coordinator.fanout.pending() == 1)
         coordinator.fanout.answer("p0", PollAnswer(PollKind.ORDER, order(0)))
-        await asyncio.sleep(0.05)  # the order reached the relay while p0 held no poll
+        await until(lambda: relay.members["p0"].answer is not None)  # kept: p0 held no poll
         answer = await asyncio.wait_for(relay.poll("p0", 0, PollState(), 30.0), 1)
         assert answer.kind is PollKind.ORDER, "kept for it, handed to its next poll at once"
 

