@@ -46,6 +46,7 @@ class Poller:
     def __init__(
         self, handle: Any, ranks: dict[int, str], n: int, wait_s: float, per_node: int
     ) -> None:
+        self.pid = os.getpid()
         self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
         self.relays: dict[str, Any] = {}
         if per_node:
@@ -55,6 +56,9 @@ class Poller:
             upstream = RayUpstream(handle)
             for node in sorted(set(ranks.values())):
                 self.relays[node] = NodeRelay(f"{node}-bench", upstream, wait_s)
+
+    def process(self) -> int:
+        return self.pid
 
     async def register(self, job_id: str) -> float:
         """Register every rank (per rank, or per node through its relay); seconds it took."""
@@ -121,7 +125,7 @@ def _wait_pending(coordinator: Any, n: int, timeout: float) -> float:
 def _fanout_once(
     ray: Any, coordinator: Any, pollers: list[Any], n: int, cycle: int, idle_window_s: float
 ) -> dict:
-    from ray_graceful.tools.bench.kit import resident_mb
+    from ray_graceful.tools.bench.kit import cpu_seconds, resident_mb
 
     job_id = ray.get_runtime_context().get_job_id()
     registration_s = max(ray.get([p.register.remote(job_id) for p in pollers], timeout=900))
@@ -133,6 +137,8 @@ def _fanout_once(
     time.sleep(idle_window_s)  # idle: how often does the job renew its polls?
     idle = coordinator.stats(timeout=120)
     idle_rate = (idle["poll_calls"] - calls_before) / (time.monotonic() - idle_start)
+    poller_pids = ray.get([p.process.remote() for p in pollers], timeout=60)
+    cpu_before = [cpu_seconds(pid) for pid in (stats["pid"], *poller_pids)]  # every thread
     t0 = time.time()
     for node in range(NOTICED_NODES):
         reply = coordinator.notify(
@@ -142,6 +148,8 @@ def _fanout_once(
             raise RuntimeError(f"notice refused: {reply.reason}")
     arrivals = [t for times in ray.get(held, timeout=600) for t in times]
     latest = max(arrivals) - t0
+    pids = (stats["pid"], *poller_pids)
+    cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
     reported = sum(ray.get([p.report.remote(cycle) for p in pollers], timeout=600))
     outcome = coordinator.wait_outcome(timeout=300, cycle=cycle)
     return {
@@ -151,6 +159,10 @@ def _fanout_once(
         "median_rank_s": sorted(a - t0 for a in arrivals)[len(arrivals) // 2],
         "rss_mb": rss_mb,
         "idle_calls_per_s": idle_rate,
+        # CPU seconds spent while the orders went out (all threads; the pollers measured when
+        # every rank had its order, the coordinator at the same moment)
+        "coordinator_cpu_s": cpu[0],
+        "pollers_cpu_s": sum(cpu[1:]),
         "reported": reported,
         "result": outcome.result if outcome else None,
     }
@@ -222,6 +234,8 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
                         max(rss),
                         (rss[-1] - rss[0]) / max(len(rss) - 1, 1),
                         percentile([r["idle_calls_per_s"] for r in runs], 0.5),
+                        percentile([r["coordinator_cpu_s"] for r in runs], 0.5),
+                        percentile([r["pollers_cpu_s"] for r in runs], 0.5),
                     ]
                 )
     table = markdown_table(
@@ -236,6 +250,8 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
             "coordinator RSS MB",
             "RSS MB/cycle",
             "idle calls/s",
+            "coordinator CPU s",
+            "simulated nodes' CPU s",
         ],
         rows,
     )

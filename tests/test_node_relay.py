@@ -19,6 +19,7 @@ from ray_graceful.protocol import (
     Register,
     Reply,
     TeardownOrder,
+    wire,
 )
 from tests.helpers import until as wait_until
 
@@ -208,3 +209,62 @@ def test_the_fanout_routes_each_answer_to_the_poll_its_process_holds():
         assert fanout.calls == 2
 
     asyncio.run(scenario())
+
+
+class InProcessCoordinator:
+    """The real coordinator actor's node methods, called in-process (packed replies unpacked
+    as ``node/agent.py``'s ``RayUpstream`` does)."""
+
+    def __init__(self, coord) -> None:
+        self.coord = coord
+
+    async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
+        return wire.unpack(await self.coord.register_node(node_key, messages), list, "register")
+
+    async def poll(self, node_key: str, states: dict, wait_s: float) -> dict[str, PollAnswer]:
+        return wire.unpack(await self.coord.poll_node(node_key, states, wait_s), dict, "poll")
+
+    async def ack(self, acks: list[Ack]) -> list[Reply]:
+        return wire.unpack(await self.coord.ack_many(acks), list, "ack")
+
+
+def test_an_order_the_relay_holds_is_not_sent_back_to_it_until_acknowledged(tmp_path):
+    """The relay polled again as soon as its orders came, and the coordinator answered that
+    poll at once with the same orders (not yet acknowledged), again and again - at thousands
+    of nodes every agent spun between its orders and the acknowledgement. Now a relay whose
+    processes all hold their orders sends no poll up until they acknowledged (or one more
+    registers), hands an order again to a process that polls without acknowledging it, and a
+    poll that does go up says which order it holds, so it is not sent back."""
+    from ray_graceful.coordinator import CoordinatorActor
+    from ray_graceful.coordinator import events as ev
+    from tests.helpers import fast_config
+
+    async def scenario():
+        config = fast_config(tmp_path, teardown_timeout_s=20.0, save_budget_s=5.0)
+        coord = CoordinatorActor(
+            config, "job", drain_source=lambda: {}, lost_source=lambda watched: set()
+        )
+        relay = NodeRelay("node-a-1", InProcessCoordinator(coord), wait_s=30.0)
+        messages = [
+            Register(f"p{i}", "node-a", 100 + i, "h", "job", (RankSpec("g", i, 2, str(i), True),))
+            for i in range(2)
+        ]
+        assert all(r.accepted for r in await asyncio.gather(*map(relay.register, messages)))
+        polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in (0, 1)]
+        await until(lambda: coord.fanout.pending() == 2)
+        assert (await coord.notify({"node_id": "node-a", "reason": "test"})).accepted
+        first = [await p for p in polls]
+        assert {a.kind for a in first} == {PollKind.ORDER}
+        await until(lambda: relay.parked)
+        assert relay.upstream_polls <= 2, f"the relay's poll spun: {relay.upstream_polls} polls"
+        held = PollState(holding=first[0].order.order_id)
+        assert coord.machine.step(ev.Polled("p0", 0, held)) == [ev.HoldPoll("p0")], "not again"
+        again = await asyncio.wait_for(relay.poll("p0", 0, PollState(), 30.0), 1)
+        assert again.order.order_id == first[0].order.order_id, "handed again, not lost"
+        replies = await asyncio.gather(
+            *(relay.ack(Ack(f"p{i}", 0, first[i].order.order_id)) for i in (0, 1))
+        )
+        assert all(r.accepted for r in replies)
+        return [p.acked for p in coord.machine.registry.processes.values()]
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [True, True]

@@ -47,6 +47,7 @@ from ..protocol import (
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
+    wire,
 )
 from ..rendezvous import host_store
 from . import events as ev
@@ -215,40 +216,41 @@ class CoordinatorActor:
         """A process has its order: it is not sent again."""
         return self._take(ev.Acked(message))
 
-    # --- the same, for every process of a node at once, from its node agent (node/relay.py) ---
+    # --- the same for a node's processes at once, from its agent; replies packed (wire.py) ---
 
-    async def register_node(self, node_key: str, messages: list[Register]) -> list[Reply]:
+    async def register_node(self, node_key: str, messages: list[Register]) -> bytes:
         """A node agent registers the processes of its node together: one reply each."""
         self._wake()
         if not isinstance(messages, list) or len(messages) > MAX_PER_NODE:
             why = f"a node registers a list of at most {MAX_PER_NODE} Register messages"
-            return [self._take(ev.Malformed({"node": short(node_key)}, why))]
+            return wire.pack([self._take(ev.Malformed({"node": short(node_key)}, why))])
         replies = [self._take(ev.Registration(message)) for message in messages]
         for message, reply in zip(messages, replies, strict=True):
             if reply.accepted:
                 self.fanout.through_node(message.process_id, str(node_key))
-        return replies
+        return wire.pack(replies)
 
     async def poll_node(
         self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
-    ) -> dict[str, PollAnswer]:
+    ) -> bytes:
         """A node agent's one long poll: every process's state in, every answer out at once."""
         self._wake()
         if not isinstance(states, dict) or len(states) > MAX_PER_NODE:
             why = f"a node polls with a mapping of at most {MAX_PER_NODE} process states"
             self._take(ev.Malformed({"node": short(node_key)}, why))
-            return {}
+            return wire.pack({})
         now = {}
         for process_id, told in states.items():
             cycle, state = told if isinstance(told, tuple) and len(told) == 2 else (None, None)
             answer = self._take(ev.Polled(process_id, cycle, state))
             if answer is not None:
                 now[process_id] = answer
-        return await self.fanout.hold_node(str(node_key), now, wait_s)
+        return wire.pack(await self.fanout.hold_node(str(node_key), now, wait_s))
 
-    async def ack_many(self, acks: list[Ack]) -> list[Reply]:
+    async def ack_many(self, acks: list[Ack]) -> bytes:
         """A node agent's acknowledgements, gathered (malformed ones are refused one by one)."""
-        return [self._take(ev.Acked(m)) for m in (acks if isinstance(acks, list) else [acks])]
+        listed = acks if isinstance(acks, list) else [acks]
+        return wire.pack([self._take(ev.Acked(m)) for m in listed])
 
     # --- notices ----------------------------------------------------------------------------
 
@@ -422,9 +424,8 @@ class CoordinatorActor:
         """The outcome of ``cycle``; without one, of the cycle the caller waits for
         (``OutcomeBoard.awaited``)."""
         if cycle is None:
-            cycle = self.outcomes.awaited(
-                self.machine.cycle.number, self.machine.cycle.tearing_down
-            )
+            now = self.machine.cycle
+            cycle = self.outcomes.awaited(now.number, now.tearing_down)
         return await self.outcomes.wait(cycle, timeout)
 
     async def stats(self) -> dict[str, Any]:

@@ -79,7 +79,8 @@ def poll(
             process.last_step = told.last_step
         if isinstance(told.health, HealthReport):
             _update_health(state, process, told.health, out)
-    if process.order is not None and not process.acked:
+    holding = told.holding if isinstance(told, PollState) else ""
+    if process.order is not None and not process.acked and holding != process.order.order_id:
         out.append(ev.Replied(PollAnswer(PollKind.ORDER, process.order)))  # again, until acked
     else:
         out.append(ev.HoldPoll(process_id))

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
-from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply
+from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply, wire
 from .cloud_poller import CloudWatch
 from .relay import NodeRelay, Unreachable
 
@@ -72,16 +72,17 @@ class RayUpstream:
 
     async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
         ref = self.coordinator.register_node.remote(node_key, messages)
-        return await self._call(ref, UPSTREAM_GRACE_S)
+        return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "register_node")
 
     async def poll(
         self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
     ) -> dict[str, PollAnswer]:
         ref = self.coordinator.poll_node.remote(node_key, states, wait_s)
-        return await self._call(ref, wait_s + UPSTREAM_GRACE_S)
+        return wire.unpack(await self._call(ref, wait_s + UPSTREAM_GRACE_S), dict, "poll_node")
 
     async def ack(self, acks: list[Ack]) -> list[Reply]:
-        return await self._call(self.coordinator.ack_many.remote(acks), UPSTREAM_GRACE_S)
+        ref = self.coordinator.ack_many.remote(acks)
+        return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "ack_many")
 
 
 class NodeAgent:

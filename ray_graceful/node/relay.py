@@ -27,6 +27,7 @@ fan-out benchmark runs thousands of them, one per simulated node, in a few proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -74,12 +75,18 @@ class Member:
     wait_s: float = 5.0
     waiting: asyncio.Future | None = None  # its held poll
     answer: PollAnswer | None = None  # arrived while it held none
+    holding: PollAnswer | None = None  # its order, handed again until it acknowledges it
 
     def hand(self, answer: PollAnswer) -> None:
+        if answer.kind is PollKind.ORDER and answer.order is not None:
+            self.holding = answer
         if self.waiting is not None and not self.waiting.done():
             self.waiting.set_result(answer)
         else:
             self.answer = answer
+
+    def holding_id(self) -> str:
+        return self.holding.order.order_id if self.holding and self.holding.order else ""
 
 
 class Batch:
@@ -132,6 +139,8 @@ class NodeRelay:
         self.registrations = Batch(self._send_registrations, batch_s)
         self.acks = Batch(self.upstream.ack, batch_s)
         self._polling: asyncio.Task | None = None
+        self._members_changed = asyncio.Event()  # a process registered or acknowledged
+        self.parked = False  # every process holds its order: no poll goes up meanwhile
         self._gpus: dict[str, tuple[int, ...]] = {}  # process id -> its GPUs, while registering
         self.upstream_polls = 0
 
@@ -157,8 +166,9 @@ class NodeRelay:
             return PollAnswer(PollKind.UNKNOWN, reason=why)
         member.cycle, member.state, member.seen = cycle, state, time.monotonic()
         member.wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
-        if member.answer is not None:
-            answer, member.answer = member.answer, None
+        if member.answer is not None or member.holding is not None:
+            # its order again if it polls without having acknowledged it (a reply lost)
+            answer, member.answer = member.answer or member.holding, None
             return self._handed(process_id, answer)
         member.waiting = asyncio.get_running_loop().create_future()
         try:
@@ -172,6 +182,7 @@ class NodeRelay:
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it stops polling, and the coordinator is told."""
         self.members.pop(message.process_id, None)
+        self._members_changed.set()
         try:
             return await self.acks.add(message)
         except Unreachable as exc:
@@ -183,6 +194,7 @@ class NodeRelay:
             "processes": len(self.members),
             "gpu_sets_probed": len(self.probes),
             "upstream_polls": self.upstream_polls,
+            "parked": self.parked,
         }
 
     # --- what goes up --------------------------------------------------------------------------
@@ -193,6 +205,7 @@ class NodeRelay:
             if reply.accepted and reply.cycle is not None:
                 gpus = self._gpus.get(message.process_id, ())
                 self.members[message.process_id] = Member(gpus, reply.cycle, wait_s=self.wait_s)
+        self._members_changed.set()
         if self.members and (self._polling is None or self._polling.done()):
             self._polling = asyncio.get_running_loop().create_task(self._poll_upstream())
         return replies
@@ -201,9 +214,24 @@ class NodeRelay:
         """The node's one long poll, renewed every ``wait_s`` while any process is relayed."""
         while self.members:
             self._forget_silent()
+            if all(m.holding is not None for m in self.members.values()):
+                # Every process has its order: nothing more comes for them this cycle, so no
+                # poll goes up (at thousands of nodes, one call fewer per node in the fan-out)
+                # until one registers or all acknowledged; the relay hands the orders again.
+                self._members_changed.clear()
+                self.parked = True
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._members_changed.wait(), timeout=self.wait_s)
+                self.parked = False
+                continue
             health = await self._health()
             states = {
-                pid: (m.cycle, PollState(m.state.last_step, health.get(m.gpus, m.state.health)))
+                pid: (
+                    m.cycle,
+                    PollState(
+                        m.state.last_step, health.get(m.gpus, m.state.health), m.holding_id()
+                    ),
+                )
                 for pid, m in self.members.items()
             }
             self.upstream_polls += 1

@@ -9,7 +9,8 @@ One way: notice -> plan -> order -> acknowledgement -> report -> outcome.
 - ``spares``: a spare's ``SpareAnswer``; the driver's ``SpareAssigned`` and ``JobClosed``;
 - ``warm``: a warm restart's ``Rendezvous`` and ``Rejoined``;
 - ``words``: the closed sets of words (enums that are also their strings);
-- ``checks``: the version and field bounds every message is checked against where it arrives.
+- ``checks``: the version and field bounds every message is checked against where it arrives;
+- ``wire``: the coordinator's replies to node agents, packed into one pickle each.
 
 A message is built once, checked where it arrives (``check()``) and read by field; each carries
 ``PROTOCOL_VERSION``, and another version is refused with a reason.

@@ -97,6 +97,11 @@ class PollState:
 
     last_step: int | None = None
     health: HealthReport | None = None
+    # A node agent's poll: the id of this process's order that the agent already holds, to hand
+    # it again until the process acknowledges it. The coordinator holds the poll instead of
+    # sending the same order back at once (which, at thousands of nodes, kept every agent's poll
+    # spinning between its order and the acknowledgement).
+    holding: str = ""
 
 
 @dataclass(frozen=True)

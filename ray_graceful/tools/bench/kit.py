@@ -189,6 +189,16 @@ def resident_mb(pid: int) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, every thread) process ``pid`` used so far; 0 when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def recorded_crashes(pids: set[int], wait_s: float = 5.0) -> int:
     """How many of ``pids`` (ended worker processes) Ray recorded as a worker crash
     (SYSTEM_ERROR), waiting up to ``wait_s`` for the GCS to record every end."""
