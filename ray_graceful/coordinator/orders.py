@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from ..health import FAULTY
-from ..memory.placement import choose_holders
+from ..memory.placement import KeeperPool
 from ..plan import RankInfo, RankPlan, TerminationPlan, plan_termination
 from ..protocol import Action, PollAnswer, PollKind, SaveAssignment, TeardownOrder, shard_key
 from . import events as ev
@@ -71,7 +71,7 @@ def plan_and_order(
         if notice.node_id is not None:
             deadline = notice.effective_deadline(config.teardown_timeout_s)
             out.append(ev.NodeLeaving(notice.node_id, deadline))
-    keepers = _surviving_keepers(plan, placement)
+    keepers = KeeperPool(_surviving_keepers(plan, placement))
     rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
     spare_nodes = warm.spare_nodes(plan, spares)
     trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
@@ -122,7 +122,7 @@ def _assignment(
     plan: TerminationPlan,
     order: RankPlan,
     placement: KeeperPlacement | None,
-    keepers: list[str],
+    keepers: KeeperPool,
     spare_nodes: dict[str, list[str]],
 ) -> SaveAssignment:
     backup_for = None
@@ -133,7 +133,7 @@ def _assignment(
     if placement is not None:
         replicas = state.config.memory_replicas
         preferred = spare_nodes.get(key, ())
-        holders = placement.names(choose_holders(key, order.node_id, keepers, replicas, preferred))
+        holders = placement.names(keepers.choose(key, order.node_id, replicas, preferred))
     return SaveAssignment(
         order.group,
         order.rank,

