@@ -13,6 +13,8 @@ install: ``python -m benchmarks NAME [options]`` (``--help`` lists them).
   ``--tier memory`` a hand-built group's restart from the memory tier (``memory.py``);
 - ``restart``: warm restart against cold (``restart.py``);
 - ``fanout``: a real coordinator and thousands of simulated ranks and nodes (``fanout.py``);
+  ``replies``: what one reply to a node agent costs in Ray, as objects or packed
+  (``replies.py``);
 - ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``).
 
 Every one shares ``ray_graceful.tools.bench.kit``: the local cluster, the rank-actor base,

@@ -28,6 +28,7 @@ from ray_graceful.tools.bench import (
 from ray_graceful.tools.bench.kit import run_and_write
 
 from .fanout import add_fanout_parser
+from .replies import add_replies_parser
 from .restart import add_restart_parser
 from .soak import add_soak_parser
 
@@ -143,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     fanout = add_fanout_parser(names)
+    replies = add_replies_parser(names)
     restart = add_restart_parser(names)
     soak = add_soak_parser(names)
-    for p in (release, save, plan, overhead, recovery, fanout, restart, soak):
+    for p in (release, save, plan, overhead, recovery, fanout, replies, restart, soak):
         add_json_argument(p)
     return parser
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
 from .notices import EvictionNotice, short
-from .protocol import Action, RankKey, RankSpec
+from .protocol import Action, RankKey, RankSpec, ShardId
 
 Key = RankKey  # one rank-key type, the protocol's
 _PREFERENCE = {HEALTHY: 0, UNKNOWN: 1, DEGRADED: 2}
@@ -86,10 +86,10 @@ class RankPlan(NamedTuple):
 
 class TerminationPlan(NamedTuple):
     orders: tuple[RankPlan, ...]
-    savers: dict[tuple[str, str], Key]
+    savers: dict[ShardId, Key]
     abandoned: str | None
     created_at: float
-    backups: dict[tuple[str, str], Key]  # shard -> the replica that saves if its saver cannot
+    backups: dict[ShardId, Key]  # shard -> the replica that saves if its saver cannot
     incomplete: dict[str, str]  # group -> why it is not planned for (see incomplete_groups)
 
     def order_for(self, key: Key) -> RankPlan:
@@ -171,7 +171,7 @@ def plan_termination(
     health: Mapping[Key, str],
     config: GracefulConfig,
     now: float | None = None,
-    expected_save_s: Mapping[tuple[str, str], float] | None = None,
+    expected_save_s: Mapping[ShardId, float] | None = None,
     health_notes: Mapping[Key, str] | None = None,
     destination: str | None = "",
 ) -> TerminationPlan:
@@ -199,7 +199,7 @@ def _plan(
     health: Mapping[Key, str],
     config: GracefulConfig,
     now: float | None,
-    expected_save_s: Mapping[tuple[str, str], float] | None,
+    expected_save_s: Mapping[ShardId, float] | None,
     health_notes: Mapping[Key, str] | None,
     destination: str | None,
 ) -> TerminationPlan:
@@ -222,9 +222,9 @@ def _plan(
 
     # One pass over ranks: deadline, health, eviction, and the best candidate of each shard.
     ranks: list[tuple[RankInfo, Key, str, float, bool]] = []
-    best: dict[tuple[str, str], Candidate] = {}
-    second: dict[tuple[str, str], Candidate] = {}
-    shards: set[tuple[str, str]] = set()
+    best: dict[ShardId, Candidate] = {}
+    second: dict[ShardId, Candidate] = {}
+    shards: set[ShardId] = set()
     margin = config.watchdog_margin_s + config.plan_margin_s
     default_save = config.expected_save_s
     health_get, node_get, rank_get, expected_get = (
@@ -253,23 +253,23 @@ def _plan(
         ranks.append((info, key, verdict, deadline, evicted))
         if incomplete and group in incomplete:
             continue  # never planned for: its shards cannot make a loadable checkpoint
-        shard_key = (group, shard)
-        shards.add(shard_key)
+        shard_id = ShardId(group, shard)
+        shards.add(shard_id)
         if can_save and verdict != FAULTY:
-            if now + expected_get(shard_key, default_save) + margin <= deadline:
+            if now + expected_get(shard_id, default_save) + margin <= deadline:
                 candidate = ((evicted, _PREFERENCE[verdict], -deadline, rank), key)
-                current = best.get(shard_key)
+                current = best.get(shard_id)
                 if current is None or candidate < current:
-                    best[shard_key] = candidate
+                    best[shard_id] = candidate
                     if current is not None:
-                        second[shard_key] = current
-                elif shard_key not in second or candidate < second[shard_key]:
-                    second[shard_key] = candidate
+                        second[shard_id] = current
+                elif shard_id not in second or candidate < second[shard_id]:
+                    second[shard_id] = candidate
         elif verdict not in _SEVERITY_OK:
             raise TopologyError(f"health for {group}/{rank} is {verdict!r}")
 
-    savers: dict[tuple[str, str], Key] = {s: k for s, (_p, k) in best.items()}
-    missing = [f"{g}/{s}" for g, s in shards if (g, s) not in savers]
+    savers: dict[ShardId, Key] = {s: k for s, (_p, k) in best.items()}
+    missing = [s.key for s in shards if s not in savers]
     abandoned = None
     if destination is None:
         abandoned = "nowhere to save: no checkpoint_dir is configured"
@@ -283,7 +283,7 @@ def _plan(
             f"shard(s) {shown} have no replica that is not FAULTY, can save, and has "
             f"{config.expected_save_s:.0f}s+{margin:.0f}s before its deadline"
         )
-    backups: dict[tuple[str, str], Key] = {s: k for s, (_p, k) in second.items()}
+    backups: dict[ShardId, Key] = {s: k for s, (_p, k) in second.items()}
     if abandoned:
         savers, backups = {}, {}
 

@@ -12,7 +12,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..dcp import dcp_directory
 
@@ -113,6 +113,22 @@ class CommittedCheckpoint:
 def shard_key(group: str, label: str) -> str:
     """How shard ``label`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
     return f"{group}/{label}"
+
+
+class ShardId(NamedTuple):
+    """A shard's identity: its group and its label in that group (``ShardId("policy", "0")``).
+
+    The one identity of a shard everywhere: the plan's savers and backups are keyed by it, and
+    ``key`` is how a checkpoint, an order and the memory tier name it (``"policy/0"``). It is a
+    tuple, so ``("policy", "0")`` is the same shard.
+    """
+
+    group: str
+    label: str
+
+    @property
+    def key(self) -> str:
+        return shard_key(self.group, self.label)
 
 
 def step_dir(root: str, step: int) -> str:

@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
-from ..protocol import PhaseStatus, Result, TeardownReport, shard_key
+from ..protocol import PhaseStatus, Result, TeardownReport
 from .cycle import Cycle
 from .registry import Process
 
@@ -65,7 +65,7 @@ def commit_request(
     assert plan is not None
     reports = [p.report for p in involved if p.report is not None]
     records = tuple(record for r in reports for record in r.saved)
-    expected = tuple(shard_key(g, s) for g, s in plan.savers)
+    expected = tuple(shard.key for shard in plan.savers)
     root = config.checkpoint_dir
 
     def nothing(result: Result, reason: str) -> CommitRequest:

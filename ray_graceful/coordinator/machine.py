@@ -29,6 +29,7 @@ from ..protocol import (
     Rejoined,
     Reply,
     Result,
+    ShardId,
     ShardRecord,
     SpareAction,
     SpareAnswer,
@@ -216,7 +217,7 @@ class CycleMachine:
         request = commit_request(self.cycle, self._involved(), self.state.config, self.state.job_id)
         for record in request.records:  # each shard's save time: the next plan expects as much
             group, _, label = record.shard.partition("/")
-            self.state.save_times[(group, label)] = record.seconds
+            self.state.save_times[ShardId(group, label)] = record.seconds
         return request
 
     def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:

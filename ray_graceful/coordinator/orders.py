@@ -17,7 +17,15 @@ from typing import Protocol
 from ..health import FAULTY
 from ..memory.placement import KeeperPool
 from ..plan import RankInfo, RankPlan, TerminationPlan, plan_termination
-from ..protocol import Action, PollAnswer, PollKind, SaveAssignment, TeardownOrder, shard_key
+from ..protocol import (
+    Action,
+    PollAnswer,
+    PollKind,
+    SaveAssignment,
+    ShardId,
+    TeardownOrder,
+    shard_key,
+)
 from . import events as ev
 from .cycle import Cycle, Phase
 from .spares import SpareRecord
@@ -127,7 +135,7 @@ def _assignment(
 ) -> SaveAssignment:
     backup_for = None
     if order.action is Action.BACKUP:
-        backup_for = plan.savers[(order.group, order.shard)][1]
+        backup_for = plan.savers[ShardId(order.group, order.shard)][1]
     key = shard_key(order.group, order.shard)
     holders: tuple[str, ...] = ()
     if placement is not None:

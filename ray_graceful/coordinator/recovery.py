@@ -56,7 +56,7 @@ from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome, publish_record
 from ..plan import RankInfo, incomplete_groups
-from ..protocol import Result, shard_key
+from ..protocol import Result
 from .cycle import Cycle
 from .memory import KEEPER_PING_S, KeeperClient
 
@@ -111,7 +111,7 @@ def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
         deadline=max((o.deadline for o in plan.orders), default=opened),
         tier=tier,
         root=config.checkpoint_dir,
-        expected=tuple(shard_key(g, s) for g, s in plan.savers),
+        expected=tuple(shard.key for shard in plan.savers),
         reason=plan.abandoned or "",
     )
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..notices import short
-from ..protocol import Reply
+from ..protocol import Reply, ShardId
 from . import events as ev
 from .cycle import Cycle, Phase
 from .registry import Process, Registry
@@ -30,7 +30,7 @@ class CoordinatorState:
     registry: Registry = field(default_factory=Registry)
     cycle: Cycle = field(default_factory=lambda: Cycle(0))
     job_state: str = "running"  # "running" | "succeeded" | "closed"
-    save_times: dict[tuple[str, str], float] = field(default_factory=dict)  # expected next time
+    save_times: dict[ShardId, float] = field(default_factory=dict)  # expected next time
     drains_seen: dict[str, int] = field(default_factory=dict)  # node -> the cycle it was seen in
     home_node: str = ""  # the coordinator's node, pinned next to the driver: the job ends with it
     polls_served: int = 0

@@ -16,7 +16,7 @@ A message is built once, checked where it arrives (``check()``) and read by fiel
 ``PROTOCOL_VERSION``, and another version is refused with a reason.
 """
 
-from ..checkpoint.records import ShardRecord, shard_key
+from ..checkpoint.records import ShardId, ShardRecord, shard_key
 from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, check_version
 from .messages import (
     DEFAULT_NAME,
@@ -78,6 +78,7 @@ __all__ = [
     "SaveAssignment",
     "SaveResult",
     "SaveTurn",
+    "ShardId",
     "ShardRecord",
     "SigtermSeen",
     "SpareAction",

@@ -5,7 +5,7 @@ One way: a process ``Register``s its ranks, long-polls with its ``PollState`` an
 ``SigtermSeen``, ``SaveResult`` and, as a backup, ``SaveTurn`` (answered ``TurnAnswer``). Anything
 else is answered a ``Reply``. A *rank* is a (group, rank) pair (``RankKey``); a *shard label* is
 what a rank holds in its group ("0", "model"); a *shard key* is ``"<group>/<label>"``, a shard's
-name in a checkpoint.
+name in a checkpoint. A shard's one identity is ``ShardId(group, label)``, whose ``key`` that is.
 """
 
 from __future__ import annotations
