@@ -8,6 +8,7 @@ blocked in the first one, which is how the tests hold a training thread inside a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import ray_graceful
 from ray_graceful import GracefulConfig, GracefulWorkerMixin
-from tests.helpers import mark_collective
+from tests.helpers import mark_collective, saving_path
 
 
 def all_reduce_seen(tensor: torch.Tensor, group: object = None) -> None:
@@ -170,6 +171,8 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
         self._ballast = torch.zeros(ballast_mb << 18)  # float32: ballast_mb MiB more to save
         self._hang_save = hang_save
         self._save_seconds = save_seconds
+        with contextlib.suppress(FileNotFoundError):  # left by an earlier process of this pid
+            os.remove(saving_path(os.getpid()))
         self._fail_save = fail_save
         status = self.graceful_setup("trainer", shard=shard, config=config, state_dict=self._state)
         return str(status)
@@ -179,6 +182,9 @@ class GracefulTrainer(GracefulWorkerMixin, Trainer):
             with open(self._hang_save, "w"):
                 pass  # tell the test the save has started ...
             threading.Event().wait()  # ... and never return
+        if getattr(self, "_save_seconds", 0.0):
+            with open(saving_path(os.getpid()), "w"):
+                pass  # tell the test the save has begun
         time.sleep(getattr(self, "_save_seconds", 0.0))  # a save of a realistic size
         if getattr(self, "_fail_save", False):
             raise OSError(28, "No space left on device (injected)")

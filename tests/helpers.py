@@ -83,6 +83,17 @@ def wait_in_collective(pids: list[int], timeout: float = 30.0) -> None:
     wait_for(lambda: all(in_collective(pid) for pid in pids), timeout, f"{pids} to block")
 
 
+def saving_path(pid: int) -> str:
+    """Where a test rank with a slow save (``actors.GracefulRank``, ``save_seconds``) says that
+    its save has begun: a rank inside its save answers no Ray call either."""
+    return os.path.join(tempfile.gettempdir(), f"ray_graceful-tests-saving-{pid}")
+
+
+def wait_saving(pids: list[int], timeout: float = 30.0) -> None:
+    """Until every rank of ``pids`` is inside its save."""
+    wait_for(lambda: all(os.path.exists(saving_path(p)) for p in pids), timeout, f"{pids} saving")
+
+
 def worker_exit(pid: int) -> tuple[str | None, str] | None:
     """(exit type, exit detail) that the GCS recorded for the dead worker ``pid``."""
     from ray_graceful.ray_adapter import worker_exit_details

@@ -20,7 +20,7 @@ from ray_graceful.checkpoint import commit, save_state_dict, write_shard
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective
+from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective, wait_saving
 
 SHARDS = ["0", "1", "0", "1"]
 DEADLINE_S = 12.0
@@ -143,7 +143,7 @@ def test_sigterm_during_a_save(rep, fault_log, config, coordinator, exit_recorde
     ranks, pids = start(config, exit_recorder, save_seconds={0: 1.5, 1: 1.5, 2: 1.5, 3: 1.5})
     os.kill(pids[3], signal.SIGTERM)
     wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
-    time.sleep(0.5)  # the savers (ranks 0 and 1, survivors) are inside their 1.5 s saves
+    wait_saving([pids[0], pids[1]], 10)  # the savers (ranks 0 and 1, survivors) are saving
     os.kill(pids[0], signal.SIGTERM)
     outcome = run_and_record(
         "SIGTERM during a save", fault_log, config, coordinator, exit_recorder, pids, ranks
@@ -282,7 +282,7 @@ def test_a_save_killed_halfway(rep, fault_log, config, coordinator, exit_recorde
     ranks, pids = start(config, exit_recorder, save_seconds={0: 3.0, 1: 3.0, 2: 3.0})
     os.kill(pids[3], signal.SIGTERM)
     wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
-    time.sleep(1.0)  # rank 0 (saving shard 0) is half way through its save
+    wait_saving([pids[0]], 10)  # rank 0 is inside its 3 s save of shard 0
     os.kill(pids[0], signal.SIGKILL)
     outcome = run_and_record(
         "a save killed halfway",

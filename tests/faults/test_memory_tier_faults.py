@@ -22,7 +22,7 @@ from ray_graceful import latest_committed
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.ray_adapter import drain_node
 from tests import actors
-from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective
+from tests.helpers import free_port, kill_actors, wait_for, wait_in_collective, wait_saving
 from tests.memory_groups import drain_b_and_conclude, place, start_group, train_then_block
 
 
@@ -164,7 +164,7 @@ def test_a_saver_killed_during_its_save_is_replaced_by_its_backup_in_memory(
         train_then_block(ranks)
         drain_node(nodes["b"], time.time() + 20)
         wait_for(lambda: coordinator.status()["plan_table"], 10, "the plan")
-        time.sleep(1.5)  # rank 0 is inside its 4 s save of shard 0
+        wait_saving([pids[0]], 10)  # rank 0 is inside its 4 s save of shard 0
         os.kill(pids[0], signal.SIGKILL)
         codes = {pid: exit_recorder.wait(pid, 30) for pid in pids[1:]}
         assert set(codes.values()) == {0}, codes
