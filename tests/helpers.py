@@ -30,16 +30,20 @@ def fast_config(root: Any, **overrides: Any) -> GracefulConfig:
     return GracefulConfig(**{**values, **overrides})
 
 
+def _checked(condition: Callable[[], Any], end: float, timeout: float, what: str) -> Any:
+    """``condition()``; an AssertionError naming ``what`` once it is still false after ``end``."""
+    value = condition()
+    if not value and time.monotonic() > end:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return value
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
     """Poll ``condition`` until truthy; fail the test naming ``what`` after ``timeout``."""
     end = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    while not (value := _checked(condition, end, timeout, what)):
         time.sleep(every)
+    return value
 
 
 async def until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -48,13 +52,9 @@ async def until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     import asyncio
 
     end = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    while not (value := _checked(condition, end, timeout, what)):
         await asyncio.sleep(0.005)
+    return value
 
 
 def in_collective_path(pid: int) -> str:
