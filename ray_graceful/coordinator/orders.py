@@ -24,7 +24,6 @@ from ..protocol import (
     SaveAssignment,
     ShardId,
     TeardownOrder,
-    shard_key,
 )
 from . import events as ev
 from .cycle import Cycle, Phase
@@ -133,10 +132,9 @@ def _assignment(
     keepers: KeeperPool,
     spare_nodes: dict[str, list[str]],
 ) -> SaveAssignment:
-    backup_for = None
-    if order.action is Action.BACKUP:
-        backup_for = plan.savers[ShardId(order.group, order.shard)][1]
-    key = shard_key(order.group, order.shard)
+    shard = ShardId(order.group, order.shard)
+    backup_for = plan.savers[shard][1] if order.action is Action.BACKUP else None
+    key = shard.key
     holders: tuple[str, ...] = ()
     if placement is not None:
         replicas = state.config.memory_replicas
