@@ -171,6 +171,14 @@ class GracefulConfig:
         "NVML probe per GPU per node): 'on', 'off' (every process polls the coordinator), or "
         "'auto' (on for groups of 32 ranks or more).",
     )
+    node_group_size: int = _setting(
+        64,
+        allowed.count(0, 4096, "a number of nodes"),
+        "How many node agents the coordinator answers itself. Past that many nodes, further "
+        "node agents poll through group agents of this many nodes each, started on the "
+        "coordinator's node: one reply per group instead of one per node when an order goes "
+        "out. 0: every node agent polls the coordinator itself.",
+    )
     notice_gather_s: float = _setting(
         0.2,
         allowed.between(0.0, 10.0, low_open=False),

@@ -28,6 +28,7 @@ from typing import Any
 from .. import ray_adapter
 from ..config import GracefulConfig
 from ..memory.keeper import find_keepers, keepers_for
+from ..node.group import start_group_agent
 from ..notices import EvictionNotice, NoticeError, short
 from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
@@ -55,6 +56,7 @@ from . import recovery
 from .backups import BackupTurns
 from .conclusion import carry_out
 from .fanout import MAX_PER_NODE, Fanout
+from .groups import GroupAgents, GroupStarter
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
 from .outcomes import OutcomeBoard
@@ -84,6 +86,7 @@ class CoordinatorActor:
         lost_source: LostSource | None = None,
         store_factory: StoreFactory | None = None,
         keeper_factory: KeeperFactory | None = None,
+        group_starter: GroupStarter | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
@@ -121,6 +124,11 @@ class CoordinatorActor:
         )
         self.backups = BackupTurns()
         self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
+        self.groups = GroupAgents(
+            config.node_group_size,
+            group_starter or functools.partial(start_group_agent, config.health_interval_s, home),
+            lambda: {p.node_id for p in self.machine.active()},
+        )
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
         self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
@@ -217,6 +225,10 @@ class CoordinatorActor:
         return self._take(ev.Acked(message))
 
     # --- the same for a node's processes at once, from its agent; replies packed (wire.py) ---
+
+    async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
+        """A node agent asks which way to poll: a group agent (key, handle), or None: here."""
+        return self.groups.join(str(node_id), str(gone))
 
     async def register_node(self, node_key: str, messages: list[Register]) -> bytes:
         """A node agent registers the processes of its node together: one reply each."""
@@ -335,19 +347,7 @@ class CoordinatorActor:
     async def save_turn(self, message: SaveTurn, wait_s: float) -> TurnAnswer:
         """A backup asks whether it must save; answered once the saver's fate is known."""
         decisions = self._step(ev.TurnAsked(message))
-        wait = next((d for d in decisions if isinstance(d, ev.AwaitSaver)), None)
-        if wait is None:
-            refused = ev.reply_of(decisions)
-            reason = refused.reason if isinstance(refused, Reply) else "no turn"
-            return TurnAnswer(False, reason, self.machine.cycle.number, accepted=False)
-        fate = await self.backups.wait(wait.cycle, wait.shard_key, wait_s)
-        if fate is None:
-            why = f"the saver had not reported by the backup's last start ({wait_s:.1f}s)"
-            return TurnAnswer(False, why, wait.cycle)
-        saved, why = fate
-        if not saved:
-            self._take(ev.BackupSaves(wait.cycle, wait.shard_key, why))
-        return TurnAnswer(not saved, why, wait.cycle)
+        return await self.backups.answer(decisions, self.machine.cycle.number, wait_s, self._take)
 
     # --- warm restart (coordinator/warm.py) --------------------------------------------------
 
@@ -371,11 +371,9 @@ class CoordinatorActor:
     async def poll_spare(self, spare_id: str, wait_s: float) -> SpareAnswer | None:
         if spare_id not in self.spares.spares:
             return SpareAnswer(SpareAction.EXIT, "this spare is not registered")
-        word = self.spares.take(spare_id)
-        if word is None:
+        if not self.spares.has_word(spare_id):
             await self.fanout.hold_spare(spare_id, wait_s)
-            word = self.spares.take(spare_id)
-        return word
+        return self.spares.take(spare_id)
 
     async def leave_spare(self, spare_id: str, reason: str) -> Reply:
         """A spare or standby is going away (SIGTERM): never hand it a slot."""
@@ -416,6 +414,7 @@ class CoordinatorActor:
             **self.machine.describe(),
             "restarted": self.restarted,
             "node_agents": self.fanout.describe(),
+            "group_agents": self.groups.describe(),
             "failures": list(self.watcher.failures),
             "last_outcome": last.to_dict() if last else None,
         }

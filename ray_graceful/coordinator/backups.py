@@ -15,8 +15,11 @@ owned by the actor, holds the backups' waits until that word arrives.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
-from .events import SaveResolved
+from ..protocol import Reply, TurnAnswer
+from . import events as ev
 
 Fate = tuple[bool, str]  # (saved, why)
 
@@ -28,7 +31,27 @@ class BackupTurns:
         self.fates: dict[tuple[int, str], Fate] = {}
         self.events: dict[tuple[int, str], asyncio.Event] = {}
 
-    def resolved(self, decision: SaveResolved) -> None:
+    async def answer(
+        self, decisions: list[ev.Decision], cycle: int, wait_s: float, take: Callable[..., Any]
+    ) -> TurnAnswer:
+        """A backup's ``SaveTurn``, once the machine stepped on it (``decisions``): refused,
+        or answered when its saver's fate is known; a saver that could not save is taken back
+        to the machine (``take``: ``BackupSaves``) before the backup is told to save."""
+        wait = next((d for d in decisions if isinstance(d, ev.AwaitSaver)), None)
+        if wait is None:
+            refused = ev.reply_of(decisions)
+            reason = refused.reason if isinstance(refused, Reply) else "no turn"
+            return TurnAnswer(False, reason, cycle, accepted=False)
+        fate = await self.wait(wait.cycle, wait.shard_key, wait_s)
+        if fate is None:
+            why = f"the saver had not reported by the backup's last start ({wait_s:.1f}s)"
+            return TurnAnswer(False, why, wait.cycle)
+        saved, why = fate
+        if not saved:
+            take(ev.BackupSaves(wait.cycle, wait.shard_key, why))
+        return TurnAnswer(not saved, why, wait.cycle)
+
+    def resolved(self, decision: ev.SaveResolved) -> None:
         key = (decision.cycle, decision.shard_key)
         self.fates[key] = (decision.saved, decision.why)
         self.events.setdefault(key, asyncio.Event()).set()

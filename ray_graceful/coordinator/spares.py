@@ -45,6 +45,10 @@ class SparePool:
         """Give ``spare`` its word; its poll takes it (the caller wakes the poll)."""
         spare.word = word
 
+    def has_word(self, spare_id: str) -> bool:
+        spare = self.spares.get(spare_id)
+        return spare is not None and spare.word is not None
+
     def take(self, spare_id: str) -> SpareAnswer | None:
         """The spare's word, if it has one: it leaves the pool with it."""
         spare = self.spares.get(spare_id)

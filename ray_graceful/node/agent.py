@@ -70,6 +70,11 @@ class RayUpstream:
         except ray.exceptions.ActorDiedError as exc:
             raise Unreachable(f"{type(exc).__name__}: {exc}"[:300], restarting=False) from None
 
+    async def join_group(self, node_id: str, gone: str) -> tuple[str, Any] | None:
+        """The group agent to go through (its key and handle), or None: the coordinator."""
+        ref = self.coordinator.join_group.remote(node_id, gone)
+        return await self._call(ref, UPSTREAM_GRACE_S)
+
     async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
         ref = self.coordinator.register_node.remote(node_key, messages)
         return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "register_node")
@@ -85,6 +90,67 @@ class RayUpstream:
         return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "ack_many")
 
 
+class TieredUpstream:
+    """A node agent's way up: the group agent the coordinator names for this node, or the
+    coordinator itself (``node/group.py``).
+
+    Asked once, at the node's first registration. A group agent that died (its calls raise
+    ``Unreachable``, not restarting) is given up: the coordinator is asked again - naming the
+    dead group, which it replaces - and the error goes on as ``restarting``, so each process
+    registers again, along the new way."""
+
+    def __init__(self, coordinator: Any, node_id: str) -> None:
+        self.node_id = node_id
+        self.coordinator = RayUpstream(coordinator)
+        self.group: RayUpstream | None = None
+        self.group_key = ""
+        self.gone = ""  # the key of a group agent that died, for the coordinator to replace
+        self._asked = False
+        self._lock = asyncio.Lock()
+
+    async def _route(self) -> RayUpstream:
+        async with self._lock:
+            if not self._asked:
+                self._asked = True
+                try:
+                    joined = await self.coordinator.join_group(self.node_id, self.gone)
+                except Exception as exc:  # an older coordinator, or none now: directly
+                    logger.info("ray_graceful node agent: no group agent (%r)", exc)
+                    joined = None
+                if joined is not None:
+                    self.group_key, group = joined
+                    self.group = RayUpstream(group)
+        return self.group or self.coordinator
+
+    async def _through(self, call: Any) -> Any:
+        route = await self._route()
+        try:
+            return await call(route)
+        except Unreachable as exc:
+            if route is not self.group or exc.restarting:
+                raise
+            logger.warning(
+                "ray_graceful node agent: group agent %s is gone (%s); asking the coordinator "
+                "for another",
+                self.group_key,
+                exc,
+            )
+            self.gone, self.group, self._asked = self.group_key, None, False
+            why = f"the node's group agent {self.group_key} is gone: registering again"
+            raise Unreachable(why, restarting=True) from None
+
+    async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
+        return await self._through(lambda up: up.register(node_key, messages))
+
+    async def poll(
+        self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
+    ) -> dict[str, PollAnswer]:
+        return await self._through(lambda up: up.poll(node_key, states, wait_s))
+
+    async def ack(self, acks: list[Ack]) -> list[Reply]:
+        return await self._through(lambda up: up.ack(acks))
+
+
 class NodeAgent:
     """The actor (async): the relay's calls, and the cloud poller's thread."""
 
@@ -92,7 +158,10 @@ class NodeAgent:
         self.config, self.node_id, self.job_id = config, node_id, job_id
         node_key = f"{node_id[:16]}-{uuid.uuid4().hex[:8]}"  # a new agent: a new key
         self.relay = NodeRelay(
-            node_key, RayUpstream(coordinator), config.health_interval_s, self._probe_for
+            node_key,
+            TieredUpstream(coordinator, node_id),
+            config.health_interval_s,
+            self._probe_for,
         )
         self.cloud = None
         if config.cloud_notices != "off":

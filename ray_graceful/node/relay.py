@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_S = 0.01  # how long a registration or acknowledgement waits for others to go up with it
 MAX_POLL_S = 60.0
+ENDS = (PollKind.UNKNOWN, PollKind.STALE, PollKind.AWAY)  # answers that end a membership
 FORGET_AFTER_S = 30.0  # a process that has not polled for this long (plus its wait) is gone
 
 
@@ -66,24 +67,22 @@ class Upstream(Protocol):
 
 @dataclass
 class Member:
-    """One rank process the relay speaks for."""
+    """One rank process a relay speaks for."""
 
-    gpus: tuple[int, ...]
-    cycle: int
+    gpus: tuple[int, ...] = ()
+    cycle: int = 0
+    node_key: str = ""  # in a group relay: the node agent it polls through
     state: PollState = field(default_factory=PollState)
     seen: float = field(default_factory=time.monotonic)
     wait_s: float = 5.0
-    waiting: asyncio.Future | None = None  # its held poll
-    answer: PollAnswer | None = None  # arrived while it held none
-    holding: PollAnswer | None = None  # its order, handed again until it acknowledges it
+    waiting: asyncio.Future | None = None  # its held poll (a node relay's process)
+    answer: PollAnswer | None = None  # arrived while no poll of it was held
+    holding: PollAnswer | None = None  # its order, handed again until it is acknowledged
 
-    def hand(self, answer: PollAnswer) -> None:
+    def take(self, answer: PollAnswer) -> None:
+        """An answer from upstream; an order is held until the process acknowledges it."""
         if answer.kind is PollKind.ORDER and answer.order is not None:
             self.holding = answer
-        if self.waiting is not None and not self.waiting.done():
-            self.waiting.set_result(answer)
-        else:
-            self.answer = answer
 
     def holding_id(self) -> str:
         return self.holding.order.order_id if self.holding and self.holding.order else ""
@@ -121,18 +120,24 @@ class Batch:
                 future.set_result(answer)
 
 
-class NodeRelay:
-    """Speaks for the rank processes of one node (of one job) to the coordinator."""
+class Relay:
+    """The half of a relay that faces the coordinator: the members it speaks for, their
+    registrations and acknowledgements gathered into one call each, and the one long poll.
+
+    What faces downstream is the subclass's: ``NodeRelay`` serves a node's rank processes, one
+    held poll each; ``GroupRelay`` (``group.py``) serves node agents, one held poll per node -
+    the coordinator's own node-facing calls, one level down. ``_deliver`` hands an answer from
+    upstream to whoever waits for it."""
 
     def __init__(
         self,
-        node_key: str,
+        key: str,
         upstream: Upstream,
         wait_s: float,
         probe_for: Callable[[tuple[int, ...]], HealthProbe] | None = None,
         batch_s: float = BATCH_S,
     ) -> None:
-        self.node_key, self.upstream, self.wait_s = node_key, upstream, wait_s
+        self.node_key, self.upstream, self.wait_s = key, upstream, wait_s
         self.probe_for = probe_for  # None: each process's own health travels as it came
         self.members: dict[str, Member] = {}
         self.probes: dict[tuple[int, ...], HealthProbe] = {}
@@ -141,52 +146,8 @@ class NodeRelay:
         self._polling: asyncio.Task | None = None
         self._members_changed = asyncio.Event()  # a process registered or acknowledged
         self.parked = False  # every process holds its order: no poll goes up meanwhile
-        self._gpus: dict[str, tuple[int, ...]] = {}  # process id -> its GPUs, while registering
+        self._joining: dict[str, Member] = {}  # process id -> its record, while registering
         self.upstream_polls = 0
-
-    # --- what the node's processes call --------------------------------------------------------
-
-    async def register(self, message: Register, gpus: tuple[int, ...] = ()) -> Reply:
-        """Register a process's ranks, together with whoever else registers now."""
-        self._gpus[message.process_id] = tuple(gpus)
-        try:
-            return await self.registrations.add(message)
-        except Unreachable as exc:
-            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
-        finally:
-            self._gpus.pop(message.process_id, None)
-
-    async def poll(
-        self, process_id: str, cycle: int, state: PollState, wait_s: float
-    ) -> PollAnswer:
-        """A process's long poll: its order (or the coordinator's word) when one comes."""
-        member = self.members.get(process_id)
-        if member is None:
-            why = "this process is not registered with its node's agent"
-            return PollAnswer(PollKind.UNKNOWN, reason=why)
-        member.cycle, member.state, member.seen = cycle, state, time.monotonic()
-        member.wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
-        if member.answer is not None or member.holding is not None:
-            # its order again if it polls without having acknowledged it (a reply lost)
-            answer, member.answer = member.answer or member.holding, None
-            return self._handed(process_id, answer)
-        member.waiting = asyncio.get_running_loop().create_future()
-        try:
-            answer = await asyncio.wait_for(member.waiting, timeout=member.wait_s)
-        except asyncio.TimeoutError:
-            return PollAnswer(PollKind.IDLE)
-        finally:
-            member.waiting = None
-        return self._handed(process_id, answer)
-
-    async def ack(self, message: Ack) -> Reply:
-        """A process has its order: it stops polling, and the coordinator is told."""
-        self.members.pop(message.process_id, None)
-        self._members_changed.set()
-        try:
-            return await self.acks.add(message)
-        except Unreachable as exc:
-            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -197,21 +158,30 @@ class NodeRelay:
             "parked": self.parked,
         }
 
+    def _deliver(self, process_id: str, member: Member, answer: PollAnswer) -> None:
+        raise NotImplementedError
+
+    def _acknowledged(self, process_id: str) -> None:
+        """A process has its order: it is no longer polled for."""
+        self.members.pop(process_id, None)
+        self._members_changed.set()
+
     # --- what goes up --------------------------------------------------------------------------
 
     async def _send_registrations(self, messages: list[Register]) -> list[Reply]:
         replies = await self.upstream.register(self.node_key, messages)
         for message, reply in zip(messages, replies, strict=False):
             if reply.accepted and reply.cycle is not None:
-                gpus = self._gpus.get(message.process_id, ())
-                self.members[message.process_id] = Member(gpus, reply.cycle, wait_s=self.wait_s)
+                member = self._joining.get(message.process_id) or Member(wait_s=self.wait_s)
+                member.cycle = reply.cycle
+                self.members[message.process_id] = member
         self._members_changed.set()
         if self.members and (self._polling is None or self._polling.done()):
             self._polling = asyncio.get_running_loop().create_task(self._poll_upstream())
         return replies
 
     async def _poll_upstream(self) -> None:
-        """The node's one long poll, renewed every ``wait_s`` while any process is relayed."""
+        """The one long poll, renewed every ``wait_s`` while any process is relayed."""
         while self.members:
             self._forget_silent()
             if all(m.holding is not None for m in self.members.values()):
@@ -243,25 +213,24 @@ class NodeRelay:
                 self._away(str(exc))
                 return
             except Exception as exc:  # a bug of ours or a broken answer: said, and polled again
-                logger.warning("ray_graceful node agent: the node's poll failed: %r", exc)
+                logger.warning("ray_graceful relay %s: its poll failed: %r", self.node_key, exc)
                 await asyncio.sleep(min(self.wait_s, 1.0))
                 continue
             for process_id, answer in answers.items():
                 member = self.members.get(process_id)
-                if member is not None:
-                    member.hand(answer)
-
-    def _handed(self, process_id: str, answer: PollAnswer) -> PollAnswer:
-        if answer.kind in (PollKind.UNKNOWN, PollKind.STALE, PollKind.AWAY):
-            self.members.pop(process_id, None)  # it registers again, or leaves
-        return answer
+                if member is None:
+                    continue
+                if answer.kind in ENDS:  # it registers again, or leaves: not polled for now
+                    del self.members[process_id]
+                member.take(answer)
+                self._deliver(process_id, member, answer)
 
     def _away(self, reason: str) -> None:
-        """The coordinator is unreachable: every process is told, and registers again."""
-        logger.warning("ray_graceful node agent: the coordinator is unreachable (%s)", reason)
+        """Upstream is unreachable: every process is told, and registers again."""
+        logger.warning("ray_graceful relay %s: upstream unreachable (%s)", self.node_key, reason)
         members, self.members = self.members, {}
-        for member in members.values():
-            member.hand(PollAnswer(PollKind.AWAY, reason=reason))
+        for process_id, member in members.items():
+            self._deliver(process_id, member, PollAnswer(PollKind.AWAY, reason=reason))
 
     def _forget_silent(self) -> None:
         now = time.monotonic()
@@ -280,3 +249,59 @@ class NodeRelay:
                 probe = self.probes[gpus] = self.probe_for(gpus)
             out[gpus] = await asyncio.to_thread(probe.check)
         return out
+
+
+class NodeRelay(Relay):
+    """Speaks for the rank processes of one node (of one job): one held poll each, here."""
+
+    async def register(self, message: Register, gpus: tuple[int, ...] = ()) -> Reply:
+        """Register a process's ranks, together with whoever else registers now."""
+        self._joining[message.process_id] = Member(tuple(gpus), wait_s=self.wait_s)
+        try:
+            return await self.registrations.add(message)
+        except Unreachable as exc:
+            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+        finally:
+            self._joining.pop(message.process_id, None)
+
+    async def poll(
+        self, process_id: str, cycle: int, state: PollState, wait_s: float
+    ) -> PollAnswer:
+        """A process's long poll: its order (or the coordinator's word) when one comes."""
+        member = self.members.get(process_id)
+        if member is None:
+            why = "this process is not registered with its node's agent"
+            return PollAnswer(PollKind.UNKNOWN, reason=why)
+        member.cycle, member.state, member.seen = cycle, state, time.monotonic()
+        member.wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
+        if member.answer is not None or member.holding is not None:
+            # its order again if it polls without having acknowledged it (a reply lost)
+            answer, member.answer = member.answer or member.holding, None
+            return self._handed(process_id, answer)
+        member.waiting = asyncio.get_running_loop().create_future()
+        try:
+            answer = await asyncio.wait_for(member.waiting, timeout=member.wait_s)
+        except asyncio.TimeoutError:
+            return PollAnswer(PollKind.IDLE)
+        finally:
+            member.waiting = None
+        return self._handed(process_id, answer)
+
+    async def ack(self, message: Ack) -> Reply:
+        """A process has its order: it stops polling, and the coordinator is told."""
+        self._acknowledged(message.process_id)
+        try:
+            return await self.acks.add(message)
+        except Unreachable as exc:
+            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+
+    def _deliver(self, process_id: str, member: Member, answer: PollAnswer) -> None:
+        if member.waiting is not None and not member.waiting.done():
+            member.waiting.set_result(answer)
+        else:
+            member.answer = answer
+
+    def _handed(self, process_id: str, answer: PollAnswer) -> PollAnswer:
+        if answer.kind in ENDS:
+            self.members.pop(process_id, None)  # it registers again, or leaves
+        return answer
