@@ -1,8 +1,14 @@
 """One node agent per node, on two raylets: each relays its own node's ranks, and one notice
-for one node orders every rank of the group through both agents."""
+for one node orders every rank of the group through both agents.
+
+With ``node_group_size=1`` the coordinator answers the first node's agent itself and the
+second's through a group agent (``node/group.py``): both levels of the tree carry the orders,
+and a group agent killed is replaced when its node agent asks again."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import ray
@@ -20,10 +26,27 @@ def relaying(agent, processes: int) -> dict | None:
     return described if described["processes"] == processes else None
 
 
+def group_agents(coordinator) -> dict[str, int]:
+    """The coordinator's group agents: key -> nodes placed in it."""
+    return coordinator.status()["group_agents"]["groups"]
+
+
+def polling(coordinator, key: str, processes: int) -> bool:
+    """Whether ``key`` (a node agent or group agent) polls the coordinator for ``processes``."""
+    relayed = coordinator.status()["node_agents"].get(key)
+    return relayed is not None and relayed["processes"] == processes
+
+
 def test_each_node_has_its_agent_and_an_order_reaches_every_rank_through_them(
     nodes, tmp_path, exit_recorder
 ):
-    config = fast_config(tmp_path, node_agent="on", teardown_timeout_s=15.0, save_budget_s=8.0)
+    config = fast_config(
+        tmp_path,
+        node_agent="on",
+        node_group_size=1,
+        teardown_timeout_s=15.0,
+        save_budget_s=8.0,
+    )
     coordinator = Coordinator.start(config)
     actor = ray.remote(actors.GracefulTrainer)
     where = ["a", "a", "b", "b"]
@@ -52,8 +75,25 @@ def test_each_node_has_its_agent_and_an_order_reaches_every_rank_through_them(
         for n, agent in agents.items():
             described = wait_for(lambda a=agent: relaying(a, 2), 20, f"node {n}'s agent")
             assert described["node_id"] == nodes[n], "pinned to its own node"
+
+        # one node agent polls the coordinator itself, the other through the group agent
+        groups = wait_for(lambda: group_agents(coordinator), 20, "a group agent")
+        assert list(groups.values()) == [1], groups
+        first_group = next(iter(groups))
         relayed = wait_for(lambda: coordinator.status()["node_agents"], 10, "the agents' polls")
-        assert sorted(a["processes"] for a in relayed.values()) == [2, 2]
+        assert sorted(relayed) == sorted([first_group, *set(relayed) - {first_group}])
+        wait_for(lambda: polling(coordinator, first_group, 2), 10, "the group agent's poll")
+
+        # the group agent dies: its node agent asks again, and a new one takes its place
+        places = ray.get([coordinator.handle.join_group.remote(nodes[n]) for n in "ab"], timeout=10)
+        (key, group), *_ = [place for place in places if place is not None]
+        assert key == first_group and places.count(None) == 1, "each node keeps its place"
+        os.kill(ray.get(group.describe.remote(), timeout=10)["pid"], signal.SIGKILL)
+        replaced = wait_for(
+            lambda: [k for k in group_agents(coordinator) if k != first_group], 30, "a new group"
+        )
+        wait_for(lambda: polling(coordinator, replaced[0], 2), 30, "the node's processes back")
+        assert len(coordinator.status()["ranks"]) == 4, "every rank registered, once"
 
         assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
         training = [r.train.remote(10**6, 0.01) for r in ranks]
