@@ -8,10 +8,12 @@ Two ways for the ranks to reach the coordinator, measured in the same run:
 - ``--ranks-per-node K``: through node agents. N/K simulated nodes, each one ``NodeRelay`` - the
   node agent's own code (``node/relay.py``) - holding its node's one long poll, registering its
   K processes in one message and acknowledging together, over real Ray calls to the real
-  coordinator. **Simulated:** the nodes are relay objects inside a few poller actors, not one
-  actor per machine; each rank process is a coroutine calling its relay in-process, not a
-  control thread one same-node Ray call away (about 1 ms more per order, not counted here).
-  **Real:** the coordinator actor, its cycle machine and fan-out, every coordinator call.
+  coordinator, or past ``--group-size`` nodes to the real group agents the coordinator starts
+  (``node/group.py``), exactly as a node agent asks for its way up (``TieredUpstream``).
+  **Simulated:** the nodes are relay objects inside a few poller actors, not one actor per
+  machine; each rank process is a coroutine calling its relay in-process, not a control thread
+  one same-node Ray call away (about 1 ms more per order, not counted here). **Real:** the
+  coordinator actor, its cycle machine and fan-out, the group agent actors, every call to them.
 
 Then one notice for each of the first 8 nodes: the time from the notice to the moment every
 rank holds its order is what a real eviction costs before any rank can act. Also measured: the
@@ -50,11 +52,11 @@ class Poller:
         self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
         self.relays: dict[str, Any] = {}
         if per_node:
-            from ray_graceful.node.agent import RayUpstream
+            from ray_graceful.node.agent import TieredUpstream
             from ray_graceful.node.relay import NodeRelay
 
-            upstream = RayUpstream(handle)
-            for node in sorted(set(ranks.values())):
+            for node in sorted(set(ranks.values())):  # each asks the coordinator its way up
+                upstream = TieredUpstream(handle, node)
                 self.relays[node] = NodeRelay(f"{node}-bench", upstream, wait_s)
 
     def process(self) -> int:
@@ -122,8 +124,22 @@ def _wait_pending(coordinator: Any, n: int, timeout: float) -> float:
     raise TimeoutError(f"only some of {n} polls were pending after {timeout}s")
 
 
+def _group_agent_pids(ray: Any, coordinator: Any, names: set[str]) -> list[int]:
+    """The processes of the group agents the coordinator started (each node's place, asked
+    again: it keeps it)."""
+    places = ray.get([coordinator.handle.join_group.remote(name) for name in names], timeout=120)
+    groups = {key: handle for key, handle in filter(None, places)}
+    return [d["pid"] for d in ray.get([h.describe.remote() for h in groups.values()], timeout=60)]
+
+
 def _fanout_once(
-    ray: Any, coordinator: Any, pollers: list[Any], n: int, cycle: int, idle_window_s: float
+    ray: Any,
+    coordinator: Any,
+    pollers: list[Any],
+    nodes: set[str],
+    n: int,
+    cycle: int,
+    idle_window_s: float,
 ) -> dict:
     from ray_graceful.tools.bench.kit import cpu_seconds, resident_mb
 
@@ -138,7 +154,8 @@ def _fanout_once(
     idle = coordinator.stats(timeout=120)
     idle_rate = (idle["poll_calls"] - calls_before) / (time.monotonic() - idle_start)
     poller_pids = ray.get([p.process.remote() for p in pollers], timeout=60)
-    cpu_before = [cpu_seconds(pid) for pid in (stats["pid"], *poller_pids)]  # every thread
+    group_pids = _group_agent_pids(ray, coordinator, nodes)
+    cpu_before = [cpu_seconds(pid) for pid in (stats["pid"], *poller_pids, *group_pids)]
     t0 = time.time()
     for node in range(NOTICED_NODES):
         reply = coordinator.notify(
@@ -148,8 +165,9 @@ def _fanout_once(
             raise RuntimeError(f"notice refused: {reply.reason}")
     arrivals = [t for times in ray.get(held, timeout=600) for t in times]
     latest = max(arrivals) - t0
-    pids = (stats["pid"], *poller_pids)
+    pids = (stats["pid"], *poller_pids, *group_pids)
     cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
+    polled = len(poller_pids)
     reported = sum(ray.get([p.report.remote(cycle) for p in pollers], timeout=600))
     outcome = coordinator.wait_outcome(timeout=300, cycle=cycle)
     return {
@@ -162,17 +180,22 @@ def _fanout_once(
         # CPU seconds spent while the orders went out (all threads; the pollers measured when
         # every rank had its order, the coordinator at the same moment)
         "coordinator_cpu_s": cpu[0],
-        "pollers_cpu_s": sum(cpu[1:]),
+        "pollers_cpu_s": sum(cpu[1 : 1 + polled]),
+        "group_agents": len(group_pids),
+        "group_agents_cpu_s": sum(cpu[1 + polled :]),
         "reported": reported,
         "result": outcome.result if outcome else None,
     }
 
 
-def _one_size(ray: Any, args: argparse.Namespace, n: int, per_node: int) -> list[dict]:
+def _one_size(
+    ray: Any, args: argparse.Namespace, n: int, per_node: int, group_size: int
+) -> list[dict]:
     from ray_graceful.coordinator import Coordinator
 
     config = GracefulConfig(
-        coordinator_name=f"fanout-{n}-{per_node}-{os.getpid()}",
+        coordinator_name=f"fanout-{n}-{per_node}-{group_size}-{os.getpid()}",
+        node_group_size=group_size,
         report_dir=os.path.join(os.path.abspath("bench-output"), "fanout-reports"),
         health_interval_s=args.health_interval,
         notice_gather_s=0.0,
@@ -201,8 +224,9 @@ def _one_size(ray: Any, args: argparse.Namespace, n: int, per_node: int) -> list
         for rep in range(args.reps):
             # a window of one renewal interval and a second: every poll renews once in it
             window = args.health_interval + 1.0
-            runs.append(_fanout_once(ray, coordinator, pollers, n, rep, window))
-            print(f"  n={n} ranks/node={per_node or '-'} rep {rep}: {runs[-1]}", flush=True)
+            runs.append(_fanout_once(ray, coordinator, pollers, set(nodes), n, rep, window))
+            how = f"ranks/node={per_node or '-'} group={group_size}"
+            print(f"  n={n} {how} rep {rep}: {runs[-1]}", flush=True)
     finally:
         for p in pollers:
             ray.kill(p)
@@ -217,14 +241,18 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
     with local_cluster(head_cpus=4) as _cluster:
         import ray
 
-        for per_node in args.ranks_per_node:
+        ways = [(0, 0)] if 0 in args.ranks_per_node else []
+        ways += [(k, g) for k in args.ranks_per_node if k for g in args.group_size]
+        for per_node, group_size in ways:
             for n in args.sizes:
-                runs = _one_size(ray, args, n, per_node)
-                results.append({"n": n, "ranks_per_node": per_node, "runs": runs})
+                runs = _one_size(ray, args, n, per_node, group_size)
+                results.append(
+                    {"n": n, "ranks_per_node": per_node, "group_size": group_size, "runs": runs}
+                )
                 rss = [r["rss_mb"] for r in runs]
                 rows.append(
                     [
-                        "per rank" if per_node == 0 else f"agents, {per_node}/node",
+                        _way(per_node, group_size),
                         n,
                         percentile([r["registration_s"] for r in runs], 0.5),
                         percentile([r["first_rank_s"] for r in runs], 0.5),
@@ -236,6 +264,8 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
                         percentile([r["idle_calls_per_s"] for r in runs], 0.5),
                         percentile([r["coordinator_cpu_s"] for r in runs], 0.5),
                         percentile([r["pollers_cpu_s"] for r in runs], 0.5),
+                        runs[-1]["group_agents"],
+                        percentile([r["group_agents_cpu_s"] for r in runs], 0.5),
                     ]
                 )
     table = markdown_table(
@@ -252,10 +282,19 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
             "idle calls/s",
             "coordinator CPU s",
             "simulated nodes' CPU s",
+            "group agents",
+            "group agents' CPU s",
         ],
         rows,
     )
     return {"results": results, "table": table}
+
+
+def _way(per_node: int, group_size: int) -> str:
+    if per_node == 0:
+        return "per rank"
+    groups = f", groups of {group_size} past {group_size} nodes" if group_size else ", no groups"
+    return f"agents, {per_node}/node{groups}"
 
 
 def add_fanout_parser(names: Any) -> Any:
@@ -276,6 +315,13 @@ def add_fanout_parser(names: Any) -> Any:
         default="0,8",
         help="ranks per simulated node agent, comma-separated; 0: every rank polls the "
         "coordinator itself (default 0,8: both, in the same run)",
+    )
+    fanout.add_argument(
+        "--group-size",
+        type=_counts,
+        default="64",
+        help="node_group_size, comma-separated: nodes the coordinator answers itself, and per "
+        "group agent past that; 0: no group agents (default 64, the config's default)",
     )
     fanout.add_argument(
         "--health-interval",

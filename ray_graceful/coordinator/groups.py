@@ -23,6 +23,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+MAX_GROUPS = 256  # past 64 + 256 x 64 = 16,448 nodes (the default), node agents poll directly
 JOIN_GRACE_S = 120.0  # a node's place is kept this long after it joined, ranks or not
 
 GroupStarter = Callable[[int], tuple[str, Any]]  # group index -> (its key, its handle)
@@ -60,6 +61,8 @@ class GroupAgents:
             return None
         counts = Counter(index for index, _ in self.placed.values())
         index = next((i for i in range(len(self.groups)) if counts[i] < self.size), None)
+        if index is None and len(self.groups) >= MAX_GROUPS:
+            return None  # more nodes than the tree was sized for: they poll us, as before
         if index is None:
             index = len(self.groups)
             self.groups.append(self.start(index))
