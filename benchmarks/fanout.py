@@ -69,12 +69,16 @@ class Poller:
         async def one(i: int, node: str) -> None:
             message = _register_message(i, self.n, node, job_id)
             relay = self.relays.get(node)
-            if relay is not None:
-                reply = await relay.register(message)
-            else:
-                reply = await self.handle.register.remote(message)
-            if not reply.accepted:
-                raise RuntimeError(f"registration refused: {reply.reason}")
+            while True:  # as a control thread does: again while the refusal says to retry
+                if relay is not None:
+                    reply = await relay.register(message)
+                else:
+                    reply = await self.handle.register.remote(message)
+                if reply.accepted:
+                    return
+                if not reply.retry:
+                    raise RuntimeError(f"registration refused: {reply.reason}")
+                await asyncio.sleep(0.5)
 
         await asyncio.gather(*(one(i, node) for i, node in self.ranks.items()))
         return time.monotonic() - start

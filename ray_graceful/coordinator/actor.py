@@ -227,8 +227,9 @@ class CoordinatorActor:
     # --- the same for a node's processes at once, from its agent; replies packed (wire.py) ---
 
     async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
-        """A node agent asks which way to poll: a group agent (key, handle), or None: here."""
-        return self.groups.join(str(node_id), str(gone))
+        """A node agent asks which way to poll: a group agent (key, handle) once it answers,
+        or None: here (also when its group agent did not start in time)."""
+        return await self.groups.ready(self.groups.join(str(node_id), str(gone)))
 
     async def register_node(self, node_key: str, messages: list[Register]) -> bytes:
         """A node agent registers the processes of its node together: one reply each."""

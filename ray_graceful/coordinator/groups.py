@@ -15,11 +15,14 @@ to the new one).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+from ..node.agent import GROUP_READY_S
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class GroupAgents:
         self.direct: dict[str, float] = {}  # node id -> when it joined: it polls us itself
         self.placed: dict[str, tuple[int, float]] = {}  # node id -> (its group, when it joined)
         self.groups: list[tuple[str, Any]] = []  # by index: (key, handle)
+        self.answered: set[str] = set()  # group agents known to be up
 
     def join(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
         """The group agent ``node_id``'s agent polls through (key, handle); None: us."""
@@ -69,6 +73,22 @@ class GroupAgents:
             logger.info("ray_graceful coordinator: group agent %s started", self.groups[-1][0])
         self.placed[node_id] = (index, time.monotonic())
         return self.groups[index]
+
+    async def ready(self, group: tuple[str, Any] | None) -> tuple[str, Any] | None:
+        """``group`` once its agent answers: a node agent's first call must not wait out a
+        process start (about 2 s, and Ray starts as many at once as the node has CPUs); None
+        (the node polls us) if it does not answer within ``GROUP_READY_S``."""
+        if group is None:
+            return None
+        key, handle = group
+        if key not in self.answered:
+            try:
+                await asyncio.wait_for(handle.describe.remote(), GROUP_READY_S)
+            except Exception as exc:
+                logger.warning("ray_graceful coordinator: group agent %s not ready: %r", key, exc)
+                return None
+            self.answered.add(key)
+        return group
 
     def describe(self) -> dict[str, Any]:
         counts = Counter(index for index, _ in self.placed.values())

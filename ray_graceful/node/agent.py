@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 AUTO_MIN_WORLD_SIZE = 32  # node_agent='auto': relay through the agent from this group size on
 MAX_CONCURRENCY = 10_000  # held polls and calls one agent serves at once
 UPSTREAM_GRACE_S = 30.0  # beyond a poll's wait, how long a call to the coordinator may take
+GROUP_READY_S = 60.0  # how long the coordinator waits for a new group agent to answer
 
 
 def uses_agent(config: GracefulConfig, ranks: tuple[RankSpec, ...]) -> bool:
@@ -73,7 +74,7 @@ class RayUpstream:
     async def join_group(self, node_id: str, gone: str) -> tuple[str, Any] | None:
         """The group agent to go through (its key and handle), or None: the coordinator."""
         ref = self.coordinator.join_group.remote(node_id, gone)
-        return await self._call(ref, UPSTREAM_GRACE_S)
+        return await self._call(ref, GROUP_READY_S + UPSTREAM_GRACE_S)
 
     async def register(self, node_key: str, messages: list[Register]) -> list[Reply]:
         ref = self.coordinator.register_node.remote(node_key, messages)

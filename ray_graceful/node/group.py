@@ -53,6 +53,10 @@ class GroupRelay(Relay):
         except Unreachable as exc:
             why = f"the coordinator is unreachable: {exc}"
             return [Reply.refused(why, retry=exc.restarting) for _ in messages]
+        except TimeoutError:
+            return [Reply.refused("the coordinator did not answer in time", retry=True)] * len(
+                messages
+            )
         finally:
             for message in messages:
                 self._joining.pop(message.process_id, None)
@@ -152,6 +156,7 @@ class GroupAgent:
         return wire.pack(await self.relay.ack(good))
 
     async def describe(self) -> dict[str, Any]:
+        """Its relay's account (the coordinator asks once, to know it is up)."""
         return {**self.relay.describe(), "key": self.key, "pid": os.getpid()}
 
 

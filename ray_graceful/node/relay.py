@@ -173,7 +173,7 @@ class Relay:
         for message, reply in zip(messages, replies, strict=False):
             if reply.accepted and reply.cycle is not None:
                 member = self._joining.get(message.process_id) or Member(wait_s=self.wait_s)
-                member.cycle = reply.cycle
+                member.cycle, member.seen = reply.cycle, time.monotonic()  # seen: from now
                 self.members[message.process_id] = member
         self._members_changed.set()
         if self.members and (self._polling is None or self._polling.done()):
@@ -261,6 +261,8 @@ class NodeRelay(Relay):
             return await self.registrations.add(message)
         except Unreachable as exc:
             return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+        except TimeoutError:
+            return Reply.refused("the coordinator did not answer in time", retry=True)
         finally:
             self._joining.pop(message.process_id, None)
 
