@@ -46,17 +46,35 @@ class Poller:
     """Holds the long polls of many simulated ranks: their own, or their nodes' relays."""
 
     def __init__(
-        self, handle: Any, ranks: dict[int, str], n: int, wait_s: float, per_node: int
+        self,
+        handle: Any,
+        ranks: dict[int, str],
+        n: int,
+        wait_s: float,
+        per_node: int,
+        group_size: int = 0,
     ) -> None:
+        """``group_size``: group relays in this process (0: as the coordinator says)."""
         self.pid = os.getpid()
         self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
         self.relays: dict[str, Any] = {}
         if per_node:
-            from ray_graceful.node.agent import TieredUpstream
+            from ray_graceful.node.agent import RayUpstream, TieredUpstream
+            from ray_graceful.node.group import GroupRelay
             from ray_graceful.node.relay import NodeRelay
 
-            for node in sorted(set(ranks.values())):  # each asks the coordinator its way up
-                upstream = TieredUpstream(handle, node)
+            groups: dict[int, GroupRelay] = {}
+            for node in sorted(set(ranks.values())):
+                k = int(node.split("-")[1])
+                if group_size and k >= group_size:  # in-process groups, placed as the
+                    g = (k - group_size) // group_size  # coordinator places them
+                    if g not in groups:
+                        groups[g] = GroupRelay(f"group-{g}-bench", RayUpstream(handle), wait_s)
+                    upstream: Any = groups[g]
+                elif group_size:
+                    upstream = RayUpstream(handle)
+                else:  # each asks the coordinator its way up, as a node agent does
+                    upstream = TieredUpstream(handle, node)
                 self.relays[node] = NodeRelay(f"{node}-bench", upstream, wait_s)
 
     def process(self) -> int:
@@ -197,9 +215,10 @@ def _one_size(
 ) -> list[dict]:
     from ray_graceful.coordinator import Coordinator
 
+    in_process = group_size if args.groups == "in-process" else 0
     config = GracefulConfig(
         coordinator_name=f"fanout-{n}-{per_node}-{group_size}-{os.getpid()}",
-        node_group_size=group_size,
+        node_group_size=0 if in_process else group_size,
         report_dir=os.path.join(os.path.abspath("bench-output"), "fanout-reports"),
         health_interval_s=args.health_interval,
         notice_gather_s=0.0,
@@ -211,7 +230,9 @@ def _one_size(
         i: f"node-{i // per_node}" if per_node else f"node-{i % NOTICED_NODES}" for i in range(n)
     }
     nodes = sorted(set(node_of.values()), key=lambda name: int(name.split("-")[1]))
-    poller_of = {node: k % POLLERS for k, node in enumerate(nodes)}
+    # a group's nodes live in one poller (in-process groups), else nodes round-robin
+    block = in_process or 1
+    poller_of = {node: (max(k - in_process, -1) // block) % POLLERS for k, node in enumerate(nodes)}
     poller = ray.remote(Poller).options(num_cpus=0, max_concurrency=1000)
     pollers = [
         poller.remote(
@@ -220,6 +241,7 @@ def _one_size(
             n,
             args.health_interval,
             per_node,
+            in_process,
         )
         for k in range(POLLERS)
     ]
@@ -256,7 +278,7 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
                 rss = [r["rss_mb"] for r in runs]
                 rows.append(
                     [
-                        _way(per_node, group_size),
+                        _way(per_node, group_size, args.groups),
                         n,
                         percentile([r["registration_s"] for r in runs], 0.5),
                         percentile([r["first_rank_s"] for r in runs], 0.5),
@@ -294,11 +316,12 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": results, "table": table}
 
 
-def _way(per_node: int, group_size: int) -> str:
+def _way(per_node: int, group_size: int, where: str) -> str:
     if per_node == 0:
         return "per rank"
-    groups = f", groups of {group_size} past {group_size} nodes" if group_size else ", no groups"
-    return f"agents, {per_node}/node{groups}"
+    if not group_size:
+        return f"agents, {per_node}/node, no groups"
+    return f"agents, {per_node}/node, groups of {group_size} ({where})"
 
 
 def add_fanout_parser(names: Any) -> Any:
@@ -326,6 +349,15 @@ def add_fanout_parser(names: Any) -> Any:
         default="64",
         help="node_group_size, comma-separated: nodes the coordinator answers itself, and per "
         "group agent past that; 0: no group agents (default 64, the config's default)",
+    )
+    fanout.add_argument(
+        "--groups",
+        choices=("actors", "in-process"),
+        default="actors",
+        help="the group agents: real actors the coordinator starts (default), or group relays "
+        "inside the poller actors, like the simulated nodes (the node-to-group hop is then "
+        "in-process: what the coordinator's side of a tree costs, without 2 cores shared by "
+        "every group's process)",
     )
     fanout.add_argument(
         "--health-interval",
