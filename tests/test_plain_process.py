@@ -40,7 +40,7 @@ def test_blocked_plain_rank_exits_with_configured_code(tmp_path):
     try:
         for proc in ranks:
             _read_json_line(proc, "ready")
-        _read_json_line(ranks[0], "entering")  # rank 0 is in the all-reduce; rank 1 never joins
+        _read_json_line(ranks[0], "blocked")  # rank 0 is in the all-reduce; rank 1 never joins
         sent = time.monotonic()
         ranks[0].send_signal(signal.SIGTERM)
         code = ranks[0].wait(timeout=10)

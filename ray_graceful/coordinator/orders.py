@@ -136,8 +136,8 @@ def _assignment(
     backup_for = plan.savers[shard][1] if order.action is Action.BACKUP else None
     key = shard.key
     holders: tuple[str, ...] = ()
-    if placement is not None:
-        replicas = state.config.memory_replicas
+    replicas = state.config.memory_replicas
+    if placement is not None and replicas > 0:
         preferred = spare_nodes.get(key, ())
         holders = placement.names(keepers.choose(key, order.node_id, replicas, preferred))
     return SaveAssignment(

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -60,6 +61,18 @@ if mode in ("park", "gil-save", "report-fifo"):
         os.mkfifo(
             os.path.join(directory, f"teardown-{socket.gethostname()}-{os.getpid()}.json.tmp")
         )
+
+
+def _say_when_blocked() -> None:
+    """Tell the test once the training thread is inside the all-reduce (what it waits on):
+    printed before the call instead, a SIGTERM could land just before it."""
+    from ray_graceful.worker.threads import thread_in_collective
+
+    while not thread_in_collective():
+        time.sleep(0.005)
+    print(json.dumps({"blocked": "all_reduce"}), flush=True)
+
+
 if mode != "block" or rank == 0:  # in "block", nothing may release rank 0 but its teardown
     status = ray_graceful.after_init_process_group(
         "plain",
@@ -81,7 +94,7 @@ if mode in ("park", "gil-save", "report-fifo"):
 
 if mode in ("block", "leave-together"):
     if rank == 0:
-        print(json.dumps({"entering": "all_reduce"}), flush=True)  # the test waits on it
+        threading.Thread(target=_say_when_blocked, name="test-watch", daemon=True).start()
         try:
             dist.all_reduce(torch.ones(8))
         except RuntimeError as exc:
