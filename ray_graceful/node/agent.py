@@ -5,7 +5,9 @@ the job and the node, ``get_if_exists``, so the node's other processes find it i
 starting another; pinned to the node; no CPU). It does per node what each process did alone:
 
 - relays the node's processes to the coordinator (``relay.py``): one registration, one long
-  poll, one NVML probe per set of GPUs - when ``node_agent`` is on (``uses_agent``);
+  poll, one NVML probe per set of GPUs - when ``node_agent`` is on (``uses_agent``); past
+  ``node_group_size`` nodes, through the group agent the coordinator names (``group.py``,
+  ``TieredUpstream``);
 - polls the cloud's metadata service (``cloud_poller.py``), when ``cloud_notices`` is not off.
 
 Its processes still hold their long polls here, on their own node, from their control threads:

@@ -20,8 +20,10 @@ unknown answers); when the coordinator cannot be reached (Ray restarting it, or 
 held poll is answered ``AWAY`` and each process registers again, which the relay passes on.
 
 Pure asyncio, no Ray: the coordinator is an injected ``Upstream`` and the health probes come
-from an injected factory. The node agent (``agent.py``) is this object in a Ray actor; the
-fan-out benchmark runs thousands of them, one per simulated node, in a few processes.
+from an injected factory. The node agent (``agent.py``) is a ``NodeRelay`` in a Ray actor; the
+fan-out benchmark runs thousands of them, one per simulated node, in a few processes. The
+half that faces the coordinator (``Relay``) is shared with the group agent (``group.py``), the
+same relay one level up, whose members are the processes of up to 64 nodes.
 """
 
 from __future__ import annotations
