@@ -117,10 +117,13 @@ class TieredUpstream:
                 self._asked = True
                 try:
                     joined = await self.coordinator.join_group(self.node_id, self.gone)
-                except Exception as exc:  # an older coordinator, or none now: directly
-                    logger.info("ray_graceful node agent: no group agent (%r)", exc)
+                except Unreachable as exc:  # Ray restarts it, or it is gone: asked again later
+                    self._asked = not exc.restarting
+                    return self.coordinator
+                except Exception as exc:  # a broken answer: this node polls it directly
+                    logger.warning("ray_graceful node agent: no group agent (%r)", exc)
                     joined = None
-                if joined is not None:
+                if isinstance(joined, tuple) and len(joined) == 2:
                     self.group_key, group = joined
                     self.group = RayUpstream(group)
         return self.group or self.coordinator
