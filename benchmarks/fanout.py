@@ -59,9 +59,9 @@ class Poller:
         self.handle, self.ranks, self.n, self.wait_s = handle, ranks, n, wait_s
         self.relays: dict[str, Any] = {}
         if per_node:
-            from ray_graceful.node.agent import RayUpstream, TieredUpstream
             from ray_graceful.node.group import GroupRelay
             from ray_graceful.node.relay import NodeRelay
+            from ray_graceful.node.upstream import RayUpstream, TieredUpstream
 
             groups: dict[int, GroupRelay] = {}
             for node in sorted(set(ranks.values())):

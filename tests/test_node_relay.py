@@ -213,7 +213,7 @@ def test_the_fanout_routes_each_answer_to_the_poll_its_process_holds():
 
 class InProcessCoordinator:
     """The real coordinator actor's node methods, called in-process (packed replies unpacked
-    as ``node/agent.py``'s ``RayUpstream`` does)."""
+    as ``node/upstream.py``'s ``RayUpstream`` does)."""
 
     def __init__(self, coord) -> None:
         self.coord = coord

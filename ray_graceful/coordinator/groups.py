@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ..node.agent import GROUP_READY_S
+from ..node.upstream import GROUP_READY_S
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ driver's node, whose loss ends the job anyway, so a group agent is not lost to t
 must carry the orders of. A group agent that dies anyway (its process killed; it dies with the
 coordinator, its owner) is noticed by its node agents at their next call: each asks the
 coordinator for a group again, and meanwhile tells its processes to register again
-(``node/agent.py``, ``TieredUpstream``).
+(``node/upstream.py``, ``TieredUpstream``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import uuid
 from typing import Any
 
 from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, wire
-from .agent import RayUpstream
 from .relay import ENDS, MAX_POLL_S, Member, Relay, Unreachable, Upstream
+from .upstream import RayUpstream
 
 MAX_CONCURRENCY = 10_000  # held polls and calls one group agent serves at once
 
