@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, wire
-from .relay import ENDS, MAX_POLL_S, Member, Relay, Unreachable, Upstream
+from .relay import ENDS, MAX_POLL_S, Member, Relay, Unreachable, Upstream, refusal
 from .upstream import RayUpstream
 
 MAX_CONCURRENCY = 10_000  # held polls and calls one group agent serves at once
@@ -50,13 +50,8 @@ class GroupRelay(Relay):
             self._joining[message.process_id] = Member(node_key=node_key, wait_s=self.wait_s)
         try:
             return list(await asyncio.gather(*(self.registrations.add(m) for m in messages)))
-        except Unreachable as exc:
-            why = f"the coordinator is unreachable: {exc}"
-            return [Reply.refused(why, retry=exc.restarting) for _ in messages]
-        except TimeoutError:
-            return [Reply.refused("the coordinator did not answer in time", retry=True)] * len(
-                messages
-            )
+        except (Unreachable, TimeoutError) as exc:
+            return [refusal(exc)] * len(messages)
         finally:
             for message in messages:
                 self._joining.pop(message.process_id, None)
@@ -91,9 +86,8 @@ class GroupRelay(Relay):
             self._acknowledged(message.process_id)
         try:
             return list(await asyncio.gather(*(self.acks.add(m) for m in acks)))
-        except Unreachable as exc:
-            why = f"the coordinator is unreachable: {exc}"
-            return [Reply.refused(why, retry=exc.restarting) for _ in acks]
+        except (Unreachable, TimeoutError) as exc:
+            return [refusal(exc)] * len(acks)
 
     def describe(self) -> dict[str, Any]:
         nodes = {m.node_key for m in self.members.values()}

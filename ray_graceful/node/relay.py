@@ -55,6 +55,14 @@ class Unreachable(Exception):
         self.restarting = restarting
 
 
+def refusal(exc: Unreachable | TimeoutError) -> Reply:
+    """A call up that failed, as the refusal a process acts on: it registers again (or acks
+    again) unless the coordinator is gone for good."""
+    if isinstance(exc, Unreachable):
+        return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+    return Reply.refused("the coordinator did not answer in time", retry=True)
+
+
 class Upstream(Protocol):
     """The coordinator, as a relay calls it; raises ``Unreachable``, or TimeoutError."""
 
@@ -261,10 +269,8 @@ class NodeRelay(Relay):
         self._joining[message.process_id] = Member(tuple(gpus), wait_s=self.wait_s)
         try:
             return await self.registrations.add(message)
-        except Unreachable as exc:
-            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
-        except TimeoutError:
-            return Reply.refused("the coordinator did not answer in time", retry=True)
+        except (Unreachable, TimeoutError) as exc:
+            return refusal(exc)
         finally:
             self._joining.pop(message.process_id, None)
 
@@ -296,8 +302,8 @@ class NodeRelay(Relay):
         self._acknowledged(message.process_id)
         try:
             return await self.acks.add(message)
-        except Unreachable as exc:
-            return Reply.refused(f"the coordinator is unreachable: {exc}", retry=exc.restarting)
+        except (Unreachable, TimeoutError) as exc:
+            return refusal(exc)
 
     def _deliver(self, process_id: str, member: Member, answer: PollAnswer) -> None:
         if member.waiting is not None and not member.waiting.done():
