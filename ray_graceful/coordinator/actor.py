@@ -56,7 +56,7 @@ from . import recovery
 from .backups import BackupTurns
 from .conclusion import carry_out
 from .fanout import MAX_PER_NODE, Fanout
-from .groups import GroupAgents, GroupStarter
+from .groups import GroupAgents
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
 from .outcomes import OutcomeBoard
@@ -86,7 +86,6 @@ class CoordinatorActor:
         lost_source: LostSource | None = None,
         store_factory: StoreFactory | None = None,
         keeper_factory: KeeperFactory | None = None,
-        group_starter: GroupStarter | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
@@ -126,7 +125,7 @@ class CoordinatorActor:
         self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
         self.groups = GroupAgents(
             config.node_group_size,
-            group_starter or functools.partial(start_group_agent, config.health_interval_s, home),
+            functools.partial(start_group_agent, config.health_interval_s, home),
             lambda: {p.node_id for p in self.machine.active()},
         )
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)

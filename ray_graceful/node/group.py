@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, wire
-from .relay import ENDS, MAX_POLL_S, Member, Relay, Unreachable, Upstream, refusal
+from .relay import Member, Relay, Unreachable, Upstream, poll_wait, refusal
 from .upstream import RayUpstream
 
 MAX_CONCURRENCY = 10_000  # held polls and calls one group agent serves at once
@@ -62,7 +62,7 @@ class GroupRelay(Relay):
         """A node agent's long poll: at once with any answer for its processes, else when one
         comes or ``wait_s`` ends (``{}``: every process polls again)."""
         self.node_polls += 1
-        wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
+        wait_s = poll_wait(wait_s)
         now = time.monotonic()
         answers = self.outbox.pop(node_key, {})
         for process_id, told in states.items():
@@ -117,8 +117,7 @@ class GroupRelay(Relay):
 
     def _handed(self, answers: dict[str, PollAnswer]) -> dict[str, PollAnswer]:
         for process_id, answer in answers.items():
-            if answer.kind in ENDS:
-                self.members.pop(process_id, None)  # it registers again, or leaves
+            self._ended(process_id, answer)
         return answers
 
 

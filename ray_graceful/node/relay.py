@@ -55,6 +55,11 @@ class Unreachable(Exception):
         self.restarting = restarting
 
 
+def poll_wait(wait_s: float) -> float:
+    """How long a poll from downstream is held: as asked, within [0.1 s, ``MAX_POLL_S``]."""
+    return min(max(float(wait_s), 0.1), MAX_POLL_S)
+
+
 def refusal(exc: Unreachable | TimeoutError) -> Reply:
     """A call up that failed, as the refusal a process acts on: it registers again (or acks
     again) unless the coordinator is gone for good."""
@@ -171,6 +176,12 @@ class Relay:
     def _deliver(self, process_id: str, member: Member, answer: PollAnswer) -> None:
         raise NotImplementedError
 
+    def _ended(self, process_id: str, answer: PollAnswer) -> None:
+        """An answer that ends a membership (unknown, stale, away): the process registers
+        again, or leaves."""
+        if answer.kind in ENDS:
+            self.members.pop(process_id, None)
+
     def _acknowledged(self, process_id: str) -> None:
         """A process has its order: it is no longer polled for."""
         self.members.pop(process_id, None)
@@ -230,8 +241,7 @@ class Relay:
                 member = self.members.get(process_id)
                 if member is None:
                     continue
-                if answer.kind in ENDS:  # it registers again, or leaves: not polled for now
-                    del self.members[process_id]
+                self._ended(process_id, answer)  # not polled for meanwhile
                 member.take(answer)
                 self._deliver(process_id, member, answer)
 
@@ -283,7 +293,7 @@ class NodeRelay(Relay):
             why = "this process is not registered with its node's agent"
             return PollAnswer(PollKind.UNKNOWN, reason=why)
         member.cycle, member.state, member.seen = cycle, state, time.monotonic()
-        member.wait_s = min(max(float(wait_s), 0.1), MAX_POLL_S)
+        member.wait_s = poll_wait(wait_s)
         if member.answer is not None or member.holding is not None:
             # its order again if it polls without having acknowledged it (a reply lost)
             answer, member.answer = member.answer or member.holding, None
@@ -312,6 +322,5 @@ class NodeRelay(Relay):
             member.answer = answer
 
     def _handed(self, process_id: str, answer: PollAnswer) -> PollAnswer:
-        if answer.kind in ENDS:
-            self.members.pop(process_id, None)  # it registers again, or leaves
+        self._ended(process_id, answer)
         return answer
