@@ -27,13 +27,20 @@ def place(actor_class, placement, exit_recorder):
     ]
 
 
-def start_group(config, exit_recorder, placement, shards, ballast_mb=0):
+def start_group(config, exit_recorder, placement, shards, ballast_mb=0, save_seconds=0.0):
     port = free_port()
     ranks = place(actors.GracefulTrainer, placement, exit_recorder)
     ray.get(
         [
             r.setup.remote(
-                i, len(ranks), "127.0.0.1", port, config, shard=shards[i], ballast_mb=ballast_mb
+                i,
+                len(ranks),
+                "127.0.0.1",
+                port,
+                config,
+                shard=shards[i],
+                ballast_mb=ballast_mb,
+                save_seconds=save_seconds,
             )
             for i, r in enumerate(ranks)
         ],

@@ -361,7 +361,10 @@ def test_a_coordinator_killed_before_its_memory_commit_comes_back_to_its_keepers
     config = memory_config
     coordinator = Coordinator.start(config)
     try:
-        ranks, pids = start_group(config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2)
+        # each save takes 3 s once begun: the coordinator is frozen inside that window
+        ranks, pids = start_group(
+            config, exit_recorder, ["a", "a", "b", "b"], ["0", "1"] * 2, save_seconds=3.0
+        )
         train_then_block(ranks)
         keepers = coordinator.keeper_stats()
         handles = {
@@ -370,6 +373,9 @@ def test_a_coordinator_killed_before_its_memory_commit_comes_back_to_its_keepers
         pid = coordinator.stats()["pid"]
         drain_node(nodes["b"], time.time() + 12)
         wait_for(lambda: glob.glob(f"{config.report_dir}/*/inflight-cycle-0.json"), 10, "the plan")
+        # Both savers (on node a) inside their save: their orders have arrived. Frozen before
+        # the plan is out to every rank, a saver would never hear its order (the CI flake).
+        wait_saving(pids[:2], timeout=10)
         os.kill(pid, signal.SIGSTOP)  # no report can land, nothing be committed
         try:
             wait_for(lambda: _held(handles) >= {"trainer/0", "trainer/1"}, 15, "both shards held")
