@@ -16,11 +16,12 @@ from typing import Protocol
 
 from ..health import FAULTY
 from ..memory.placement import KeeperPool
-from ..plan import RankInfo, RankPlan, TerminationPlan, plan_termination
+from ..plan import RankInfo, RankPlan, TerminationPlan, cyclic_gc_paused, plan_termination
 from ..protocol import (
     Action,
     PollAnswer,
     PollKind,
+    RankKey,
     SaveAssignment,
     ShardId,
     TeardownOrder,
@@ -51,10 +52,23 @@ def plan_and_order(
     placement: KeeperPlacement | None,
     out: list[ev.Decision],
 ) -> None:
+    with cyclic_gc_paused():  # one order per process, all kept: see cyclic_gc_paused
+        _plan_and_order(state, warm, spares, placement, out)
+
+
+def _plan_and_order(
+    state: CoordinatorState,
+    warm: WarmRestarts,
+    spares: Iterable[SpareRecord],
+    placement: KeeperPlacement | None,
+    out: list[ev.Decision],
+) -> None:
     cycle, config = state.cycle, state.config
     topology, health, notes = [], {}, {}
+    process_of: dict[RankKey, str] = {}
     for spec, process in state.registry.ranks_of(cycle.number):
         topology.append(RankInfo.of(spec, process.node_id))
+        process_of[spec.key] = process.process_id
         if process.health is not None:
             health[spec.key] = process.health.verdict
             notes[spec.key] = process.health.summary()
@@ -71,9 +85,7 @@ def plan_and_order(
     cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
     by_process: dict[str, list[RankPlan]] = {}
     for rank_order in plan.orders:
-        process = state.registry.process_of((rank_order.group, rank_order.rank))
-        if process is not None:
-            by_process.setdefault(process.process_id, []).append(rank_order)
+        by_process.setdefault(process_of[rank_order.group, rank_order.rank], []).append(rank_order)
     for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
         if notice.node_id is not None:
             deadline = notice.effective_deadline(config.teardown_timeout_s)
