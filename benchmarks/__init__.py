@@ -15,7 +15,9 @@ install: ``python -m benchmarks NAME [options]`` (``--help`` lists them).
 - ``fanout``: a real coordinator and thousands of simulated ranks and nodes (``fanout.py``);
   ``replies``: what one reply to a node agent costs in Ray, as objects or packed
   (``replies.py``);
-- ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``).
+- ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``);
+- ``watcher``: one round of the lost-rank watcher in the GCS, per actor and per job
+  (``watcher.py``).
 
 Every one shares ``ray_graceful.tools.bench.kit``: the local cluster, the rank-actor base,
 the Markdown table, the results file (default ``bench-output/<name>.json``).

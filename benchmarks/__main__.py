@@ -31,6 +31,7 @@ from .fanout import add_fanout_parser
 from .replies import add_replies_parser
 from .restart import add_restart_parser
 from .soak import add_soak_parser
+from .watcher import add_watcher_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     replies = add_replies_parser(names)
     restart = add_restart_parser(names)
     soak = add_soak_parser(names)
-    for p in (release, save, plan, overhead, recovery, fanout, replies, restart, soak):
+    watcher = add_watcher_parser(names)
+    harnesses = (release, save, plan, overhead, recovery, fanout, replies, restart, soak, watcher)
+    for p in harnesses:
         add_json_argument(p)
     return parser
 

@@ -15,7 +15,17 @@ from ray_graceful.tools.bench.kit import markdown_table, percentile
 from ray_graceful.tools.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESSES = ("release", "save", "plan", "overhead", "recovery", "fanout", "restart", "soak")
+HARNESSES = (
+    "release",
+    "save",
+    "plan",
+    "overhead",
+    "recovery",
+    "fanout",
+    "restart",
+    "soak",
+    "watcher",
+)
 
 
 def harness(*args: str) -> subprocess.CompletedProcess:

@@ -375,3 +375,21 @@ def test_a_group_started_while_the_last_one_tears_down_is_covered_once_that_ende
         assert sorted(latest_committed(config.checkpoint_dir).shards) == ["trainer/0"]
     finally:
         coordinator.shutdown()
+
+
+def test_dead_actors_answers_the_same_one_lookup_each_or_one_call_per_job(ray_cluster):
+    """The lost-rank watcher's question to the GCS: past 64 actors it asks once per Ray job
+    for that job's DEAD actors instead of once per actor. Both ways name exactly the dead one."""
+    from ray_graceful.ray_adapter import dead_actors
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def actor_id(self) -> str:
+            return ray.get_runtime_context().get_actor_id()
+
+    idle = [Idle.remote() for _ in range(3)]
+    ids = ray.get([a.actor_id.remote() for a in idle], timeout=60)
+    ray.kill(idle[0])
+    wait_for(lambda: dead_actors(set(ids)) == {ids[0]}, 30, "the killed actor listed DEAD")
+    assert dead_actors(set(ids), one_call_above=0) == {ids[0]}, "one call for the job"
+    kill_actors(*idle[1:])

@@ -32,6 +32,8 @@ RANK = RankSpec("g", 0, 1, "0", True)
 # A group of two replicas of shard "0" (world size 2): rank 0 on n0, rank 1 on n1.
 PRIMARY = RankSpec("g", 0, 2, "0", True)
 REPLICA = RankSpec("g", 1, 2, "0", True)
+# Their actors, as Ray names them (32 hexadecimal characters).
+A0, A1 = "a0" * 16, "a1" * 16
 
 
 class Drains:
@@ -177,15 +179,15 @@ def test_the_drain_watcher_survives_bad_answers_and_errors(config):
 def test_a_rank_lost_mid_teardown_ends_the_wait(config):
     async def scenario():
         coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
-        await register(coord, pid="p0", actor_id="a0", ranks=(PRIMARY,))
-        await register(coord, pid="p1", actor_id="a1", ranks=(REPLICA,))
+        await register(coord, pid="p0", actor_id=A0, ranks=(PRIMARY,))
+        await register(coord, pid="p1", actor_id=A1, ranks=(REPLICA,))
         polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n0", "reason": "test"})
         await asyncio.gather(*polls)
         await coord.report_teardown("p0", report(0))
         started = time.monotonic()
-        dead.ids = {"a1"}  # p1 is killed mid-teardown: no report will come
+        dead.ids = {A1}  # p1 is killed mid-teardown: no report will come
         outcome = await coord.wait_outcome(0, 15)
         return outcome, time.monotonic() - started
 
@@ -347,8 +349,8 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
 
     async def scenario():
         coord, _drains, dead = make(config.replace(teardown_timeout_s=20.0, save_budget_s=5.0))
-        await register(coord, pid="p0", actor_id="a0", ranks=(PRIMARY,))
-        await register(coord, pid="p1", node="n1", actor_id="a1", ranks=(REPLICA,))
+        await register(coord, pid="p0", actor_id=A0, ranks=(PRIMARY,))
+        await register(coord, pid="p1", node="n1", actor_id=A1, ranks=(REPLICA,))
         polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
         await asyncio.sleep(0)
         await coord.notify({"node_id": "n1", "reason": "test"})
@@ -366,7 +368,7 @@ def test_a_backup_saves_exactly_when_the_saver_cannot(config, saver_fate):
         elif saver_fate == "saved":
             await coord.save_result(SaveResult("p0", 0, saved=("g/0",)))
         elif saver_fate == "died":
-            dead.ids = {"a0"}
+            dead.ids = {A0}
         answer = await turn
         if answer.save:
             await coord.report_teardown("p1", saved_report(config.checkpoint_dir, 0, 9))
@@ -505,6 +507,22 @@ def test_a_rank_beyond_its_world_size_is_refused_at_registration(config):
 
     answer = run(scenario())
     assert not answer.accepted and "rank 2 is not below world_size 2" in answer.reason
+
+
+def test_an_actor_id_that_is_not_rays_is_refused_at_registration(config):
+    """The coordinator looks every registered actor up in the GCS actor table; an id that is not
+    one (a framework passing its own name) is refused with what is allowed, not watched."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        bad = await register(coord, actor_id="trainer-0")
+        good = await register(coord, pid="p1", actor_id=A0)
+        return coord, bad, good
+
+    coord, bad, good = run(scenario())
+    assert not bad.accepted and "actor_id 'trainer-0' is not a Ray actor id" in bad.reason
+    assert "32 hexadecimal characters" in bad.reason
+    assert good.accepted and coord.machine.watched_actors() == {A0}
 
 
 def test_rejected_notices_are_kept_small_whatever_they_were(config):

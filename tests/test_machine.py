@@ -215,10 +215,10 @@ def test_a_lost_rank_opens_a_cycle_and_in_teardown_ends_the_wait_for_it(config):
     m = machine(config)
     for rank in range(2):
         spec = RankSpec("g", rank, 2, "0", True)
-        register = Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,), f"a{rank}")
+        register = Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,), f"a{rank}" * 16)
         m.step(ev.Registration(register))
-    assert m.watched_actors() == {"a0", "a1"}
-    lost = m.step(ev.RanksLost(frozenset({"a1", "not-ours"})))
+    assert m.watched_actors() == {"a0" * 16, "a1" * 16}
+    lost = m.step(ev.RanksLost(frozenset({"a1" * 16, "not-ours"})))
     assert of(lost, ev.CycleOpened) and ev.reply_of(lost) is None, "its own event: no caller"
     m.step(ev.GatheringClosed(0))
     assert of(report(m, "p0"), ev.AllReported), "the lost process has no report coming"

@@ -65,6 +65,11 @@ class RankSpec:
         check_text(self.shard, "shard")
 
 
+def _is_actor_id(text: str) -> bool:
+    """Ray's ActorID in hex: 16 bytes. The coordinator watches it in the GCS actor table."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 @dataclass(frozen=True)
 class Register:
     """A worker process registers its ranks (again after a restart: the newest wins)."""
@@ -82,6 +87,11 @@ class Register:
         check_version(self)
         for name in ("process_id", "node_id", "hostname", "job_id", "actor_id"):
             check_text(getattr(self, name), name)
+        if self.actor_id and not _is_actor_id(self.actor_id):
+            raise ProtocolError(
+                f"actor_id {self.actor_id[:40]!r} is not a Ray actor id: 32 hexadecimal "
+                "characters (ray.get_runtime_context().get_actor_id()), or empty outside an actor"
+            )
         check_count(self.pid, "pid")
         if not isinstance(self.ranks, tuple) or len(self.ranks) > 4096:
             raise ProtocolError("ranks must be a tuple of at most 4096 RankSpec")
