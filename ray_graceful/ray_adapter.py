@@ -136,22 +136,31 @@ def call_self(method: str) -> None:
 ONE_CALL_ABOVE = 64
 
 
-def dead_actors(actor_ids: set[str], one_call_above: int = ONE_CALL_ABOVE) -> set[str]:
-    """Which of ``actor_ids`` the GCS lists as DEAD (the state API needs the dashboard).
-
-    A coordinator asks this for every rank actor of its job every ``health_interval_s``: one
-    lookup per actor was 16,384 GCS calls a round at 16,384 ranks. Past ``one_call_above`` ids it
-    asks once per Ray job the ids belong to (an actor id carries its job's id) for that job's
-    DEAD actors - filtered by the GCS, so the answer is only what died in those jobs."""
+def _actor_table() -> Callable[..., dict[str, Any]]:
+    """``ray._private.state.state.actor_table``: one actor's record by id, or every actor's
+    (filtered by job and state) with None."""
     import ray
 
     state = getattr(getattr(ray._private, "state", None), "state", None)
     if state is None or not hasattr(state, "actor_table"):
         raise _moved("GCS actor table (ray._private.state.state.actor_table)")
+    return state.actor_table
+
+
+def dead_actors(actor_ids: set[str], one_call_above: int = ONE_CALL_ABOVE) -> set[str]:
+    """Which of ``actor_ids`` the GCS lists as DEAD (the state API needs the dashboard).
+
+    A coordinator asks this for every rank actor of its job every ``drain_poll_interval_s``: one
+    lookup per actor was 16,384 GCS calls a round at 16,384 ranks. Past ``one_call_above`` ids it
+    asks once per Ray job the ids belong to (an actor id carries its job's id) for that job's
+    DEAD actors - filtered by the GCS, so the answer is only what died in those jobs."""
+    import ray
+
+    actor_table = _actor_table()
     if len(actor_ids) <= one_call_above:
         dead = set()
         for actor_id in actor_ids:
-            info = state.actor_table(actor_id)
+            info = actor_table(actor_id)
             if info and info.get("State") == "DEAD":
                 dead.add(actor_id)
         return dead
@@ -160,18 +169,13 @@ def dead_actors(actor_ids: set[str], one_call_above: int = ONE_CALL_ABOVE) -> se
         by_job.setdefault(ray.ActorID.from_hex(actor_id).job_id, set()).add(actor_id)
     found: set[str] = set()
     for job_id, ids in by_job.items():
-        found |= ids & set(state.actor_table(None, job_id=job_id, actor_state_name="DEAD"))
+        found |= ids & set(actor_table(None, job_id=job_id, actor_state_name="DEAD"))
     return found
 
 
 def live_actors() -> int:
     """Diagnostics: how many actors the GCS lists as ALIVE (what a soak watches for leaks)."""
-    import ray
-
-    state = getattr(getattr(ray._private, "state", None), "state", None)
-    if state is None or not hasattr(state, "actor_table"):
-        raise _moved("GCS actor table (ray._private.state.state.actor_table)")
-    return sum(info.get("State") == "ALIVE" for info in state.actor_table(None).values())
+    return sum(info.get("State") == "ALIVE" for info in _actor_table()(None).values())
 
 
 # --- diagnostics: how worker processes ended (tests and benchmarks count crashes with it) -----
