@@ -147,6 +147,23 @@ def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(con
         done.outcome.result = "abandoned"  # an outcome is a record: written once
 
 
+def test_all_reported_comes_with_the_last_awaited_report_in_any_order(config):
+    """The wait for reports ends with the last process that got an order, whatever the order
+    they report in; one that reported before the plan, or died, is not waited for."""
+    m = registered(config, ranks=40)
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n39"),)))
+    report(m, "p39")  # its process tore down on its own before the plan
+    m.step(ev.GatheringClosed(0))
+    m.registry.processes["p38"].lost = True  # died without a notice (the watcher's finding)
+    order = [f"p{i}" for i in (7, 0, 21, 3, 37, 12, 30, 1)] + [
+        f"p{i}" for i in range(38) if i not in (7, 0, 21, 3, 37, 12, 30, 1)
+    ]
+    for pid in order[:-1]:
+        assert not of(report(m, pid), ev.AllReported), f"{order[-1]} has not reported yet"
+    assert of(report(m, order[-1]), ev.AllReported) == [ev.AllReported(0)]
+    assert not of(report(m, "p0"), ev.AllReported), "said once"
+
+
 def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config):
     """The coordinator sits on the driver's node; drained, the job ends with it: every rank is
     ordered, each shard saved once, by that drain's deadline (no rank's node was drained)."""

@@ -46,6 +46,8 @@ class Cycle:
     plan_at: float | None = None
     orders_at: float | None = None
     all_reported: bool = False
+    # The processes given an order that may still report (``state.check_all_reported``).
+    awaiting_reports: set[str] = field(default_factory=set)
     # Gathering ends early once every process on every node a notice touched is covered by a
     # notice: nothing more can be learned about those nodes (node -> processes not yet covered).
     uncovered: dict[str, set[str]] = field(default_factory=dict)

@@ -115,6 +115,7 @@ def _plan_and_order(
             rejoin=process_id in rejoiners,
         )
         out.append(ev.OrderOut(process_id, PollAnswer(PollKind.ORDER, process.order)))
+    cycle.awaiting_reports = set(by_process)
     cycle.orders_at = time.time()
     state.check_all_reported(out)
 
