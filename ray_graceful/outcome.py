@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .protocol import Result
@@ -45,7 +45,9 @@ class TerminationOutcome:
     warm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record as plain data: its fields are plain data already (made for it when the
+        cycle concluded), so no deep copy - ``asdict``'s took seconds at 16,384 reports."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -74,16 +76,18 @@ class TerminationOutcome:
         return tail
 
     def publish(self, report_dir: str) -> str | None:
-        """Write the JSON file and the log line; return the file's path."""
+        """Write the JSON file and the log line, the same JSON encoded once (compact: the
+        indented form is encoded in pure Python, seconds at 16,384 ranks); the file's path."""
+        text = self.to_json()
         # The outcome line goes to stderr as is: it is the record a log search finds.
-        sys.stderr.write(f"{LOG_PREFIX}{self.to_json()}\n")
+        sys.stderr.write(f"{LOG_PREFIX}{text}\n")
         sys.stderr.flush()
         try:
             directory = os.path.join(report_dir, self.job_id or "no-job")
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"outcome-cycle-{self.cycle}.json")
             with open(path, "w") as f:
-                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+                f.write(text)
             return path
         except OSError as exc:
             logger.error("ray_graceful: could not write the outcome under %s: %s", report_dir, exc)

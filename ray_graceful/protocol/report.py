@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..checkpoint.records import ShardRecord
@@ -58,7 +58,8 @@ class TeardownReport:
     finished_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # not asdict(self): it deep-copies the lists below only for them to be made again
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["phases"] = [asdict(s) for s in list(self.phases)]
         data["saved"] = [record.to_dict() for record in list(self.saved)]
         data["ranks"] = [asdict(rank) for rank in list(self.ranks)]
