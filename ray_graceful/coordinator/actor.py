@@ -51,8 +51,8 @@ from ..protocol import (
     wire,
 )
 from ..rendezvous import host_store
+from . import collector, recovery
 from . import events as ev
-from . import recovery
 from .backups import BackupTurns
 from .conclusion import carry_out
 from .fanout import MAX_PER_NODE, Fanout
@@ -297,6 +297,7 @@ class CoordinatorActor:
             self._take(ev.GatheringClosed(cycle))
             plan = self.machine.cycle.plan
             if plan is not None:
+                collector.freeze_held()  # the orders are out: see collector.py
                 logger.info("ray_graceful: plan for cycle %s\n%s", cycle, plan.for_log())
                 written = recovery.in_flight(self.machine.cycle, self.config, self.job_id)
                 await asyncio.to_thread(recovery.record_in_flight, self.config.report_dir, written)
@@ -318,6 +319,7 @@ class CoordinatorActor:
             logger.exception("ray_graceful coordinator: cycle %s failed", cycle)
             self._take(ev.CycleFailed(cycle, f"{type(exc).__name__}: {exc}"))
         finally:
+            collector.thaw_held()
             for key in [k for k in self.cycle_events if k[0] <= cycle]:
                 del self.cycle_events[key]
             self.backups.forget_before(cycle + 1)
@@ -420,8 +422,7 @@ class CoordinatorActor:
         }
 
     async def wait_outcome(self, cycle: int | None, timeout: float) -> TerminationOutcome | None:
-        """The outcome of ``cycle``; without one, of the cycle the caller waits for
-        (``OutcomeBoard.awaited``)."""
+        """The outcome of ``cycle`` (None: the one the caller awaits, ``OutcomeBoard``)."""
         if cycle is None:
             now = self.machine.cycle
             cycle = self.outcomes.awaited(now.number, now.tearing_down)
