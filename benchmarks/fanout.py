@@ -34,7 +34,15 @@ import time
 from typing import Any
 
 from ray_graceful.config import GracefulConfig
-from ray_graceful.protocol import Ack, PollKind, PollState, RankSpec, Register, TeardownReport
+from ray_graceful.protocol import (
+    Ack,
+    PollKind,
+    PollState,
+    RankSpec,
+    Register,
+    Reply,
+    TeardownReport,
+)
 
 POLLERS = 4
 NOTICED_NODES = 8
@@ -129,16 +137,18 @@ class Poller:
         return list(await asyncio.gather(*(one(i, node) for i, node in self.ranks.items())))
 
     async def report(self, cycle: int) -> int:
-        """Every rank's teardown report, straight to the coordinator (as real ranks send it)."""
+        """Every rank's teardown report, as real ranks send it: through its node's relay, or
+        straight to the coordinator."""
         now = time.time()
-        replies = await asyncio.gather(
-            *(
-                self.handle.report_teardown.remote(
-                    f"p{i}", TeardownReport(0, "bench", "", "", [], "bench", cycle, now, now)
-                )
-                for i in self.ranks
-            )
-        )
+
+        async def one(i: int, node: str) -> Reply:
+            report = TeardownReport(0, "bench", "", "", [], "bench", cycle, now, now)
+            relay = self.relays.get(node)
+            if relay is not None:
+                return await relay.report(f"p{i}", report)
+            return await self.handle.report_teardown.remote(f"p{i}", report)
+
+        replies = await asyncio.gather(*(one(i, node) for i, node in self.ranks.items()))
         return sum(r.accepted for r in replies)
 
 

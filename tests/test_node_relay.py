@@ -19,6 +19,7 @@ from ray_graceful.protocol import (
     Register,
     Reply,
     TeardownOrder,
+    TeardownReport,
     wire,
 )
 from tests.helpers import until as wait_until
@@ -62,6 +63,12 @@ class FakeCoordinator:
     async def ack(self, acks: list[Ack]) -> list[Reply]:
         self.calls.append(("ack", len(acks)))
         return [Reply.ok(0) for _ in acks]
+
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
+        self.calls.append(("report", len(reports)))
+        if self.unreachable:
+            raise self.unreachable
+        return [Reply.ok(0) for _ in reports]
 
     def count(self, what: str) -> int:
         return sum(1 for call, _ in self.calls if call == what)
@@ -179,6 +186,24 @@ def test_an_unreachable_coordinator_sends_every_process_to_register_again():
     asyncio.run(scenario())
 
 
+def test_a_nodes_reports_go_up_in_one_call_and_an_unreachable_coordinator_says_retry():
+    async def scenario():
+        coordinator = FakeCoordinator()
+        relay = NodeRelay("node-a-1", coordinator, wait_s=30.0)
+        reports = [
+            TeardownReport(100 + i, "h", "node-a", "job", [], "t", 0, 0.0, 1.0) for i in range(8)
+        ]
+        replies = await asyncio.gather(*(relay.report(f"p{i}", r) for i, r in enumerate(reports)))
+        assert all(r.accepted for r in replies)
+        assert [n for c, n in coordinator.calls if c == "report"] == [8], "one call up"
+        coordinator.unreachable = Unreachable("ActorUnavailableError: restarting", True)
+        refused = await relay.report("p0", reports[0])
+        assert not refused.accepted and refused.retry, "the process sends it itself"
+        assert relay.describe()["reports_relayed"] == 9
+
+    asyncio.run(scenario())
+
+
 def test_a_process_that_polls_without_registering_is_told_so():
     async def scenario():
         relay = NodeRelay("node-a-1", FakeCoordinator(), wait_s=30.0)
@@ -227,6 +252,9 @@ class InProcessCoordinator:
     async def ack(self, acks: list[Ack]) -> list[Reply]:
         return wire.unpack(await self.coord.ack_many(acks), list, "ack")
 
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
+        return wire.unpack(await self.coord.report_many(reports), list, "report")
+
 
 def test_an_order_the_relay_holds_is_not_sent_back_to_it_until_acknowledged(tmp_path):
     """The relay polled again as soon as its orders came, and the coordinator answered that
@@ -268,3 +296,43 @@ def test_an_order_the_relay_holds_is_not_sent_back_to_it_until_acknowledged(tmp_
         return [p.acked for p in coord.machine.registry.processes.values()]
 
     assert asyncio.run(asyncio.wait_for(scenario(), 20)) == [True, True]
+
+
+def test_reports_a_node_gathers_reach_the_coordinator_as_if_each_came_alone(tmp_path):
+    """The real coordinator, in-process: a node's teardown reports go up in one call and the
+    cycle concludes on them; a malformed one in such a call is refused on its own."""
+    import time
+
+    from ray_graceful.coordinator import CoordinatorActor
+    from tests.helpers import fast_config
+
+    async def scenario():
+        config = fast_config(tmp_path, teardown_timeout_s=20.0, save_budget_s=5.0)
+        coord = CoordinatorActor(
+            config, "job", drain_source=lambda: {}, lost_source=lambda watched: set()
+        )
+        relay = NodeRelay("node-a-1", InProcessCoordinator(coord), wait_s=30.0)
+        messages = [
+            Register(f"p{i}", "node-a", 100 + i, "h", "job", (RankSpec("g", i, 2, str(i), True),))
+            for i in range(2)
+        ]
+        assert all(r.accepted for r in await asyncio.gather(*map(relay.register, messages)))
+        polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in (0, 1)]
+        await until(lambda: coord.fanout.pending() == 2)
+        assert (await coord.notify({"node_id": "node-a", "reason": "test"})).accepted
+        assert {(await p).kind for p in polls} == {PollKind.ORDER}
+        now = time.time()
+        reports = [
+            TeardownReport(100 + i, "h", "node-a", "job", [], "t", 0, now, now) for i in (0, 1)
+        ]
+        replies = await asyncio.gather(*(relay.report(f"p{i}", reports[i]) for i in (0, 1)))
+        assert all(r.accepted for r in replies), replies
+        outcome = await coord.wait_outcome(0, 20)
+        assert outcome is not None and len(outcome.reports) == 2 and outcome.missing == []
+        assert coord.reports_relayed == 2, "both came in the relay's one call"
+        bad = wire.unpack(await coord.report_many([("p0", "no report"), "junk"]), list, "bad")
+        assert [r.accepted for r in bad] == [False, False] and "TeardownReport" in bad[0].reason
+        (not_a_list,) = wire.unpack(await coord.report_many("junk"), list, "not a list")
+        assert not not_a_list.accepted and "(process id, report) pairs" in not_a_list.reason
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

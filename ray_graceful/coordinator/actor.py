@@ -48,17 +48,17 @@ from ..protocol import (
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
-    wire,
 )
 from ..rendezvous import host_store
 from . import collector, recovery
 from . import events as ev
 from .backups import BackupTurns
 from .conclusion import carry_out
-from .fanout import MAX_PER_NODE, Fanout
+from .fanout import Fanout
 from .groups import GroupAgents
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
+from .node_calls import NodeFacingCalls
 from .outcomes import OutcomeBoard
 from .spares import SparePool
 from .warm import StoreFactory, WarmRestarts
@@ -70,7 +70,7 @@ REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waite
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 
 
-class CoordinatorActor:
+class CoordinatorActor(NodeFacingCalls):
     """The actor's implementation (started through ``Coordinator.start``).
 
     Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``, and
@@ -222,47 +222,6 @@ class CoordinatorActor:
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it is not sent again."""
         return self._take(ev.Acked(message))
-
-    # --- the same for a node's processes at once, from its agent; replies packed (wire.py) ---
-
-    async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
-        """A node agent asks which way to poll: a group agent (key, handle) once it answers,
-        or None: here (also when its group agent did not start in time)."""
-        return await self.groups.ready(self.groups.join(str(node_id), str(gone)))
-
-    async def register_node(self, node_key: str, messages: list[Register]) -> bytes:
-        """A node agent registers the processes of its node together: one reply each."""
-        self._wake()
-        if not isinstance(messages, list) or len(messages) > MAX_PER_NODE:
-            why = f"a node registers a list of at most {MAX_PER_NODE} Register messages"
-            return wire.pack([self._take(ev.Malformed({"node": short(node_key)}, why))])
-        replies = [self._take(ev.Registration(message)) for message in messages]
-        for message, reply in zip(messages, replies, strict=True):
-            if reply.accepted:
-                self.fanout.through_node(message.process_id, str(node_key))
-        return wire.pack(replies)
-
-    async def poll_node(
-        self, node_key: str, states: dict[str, tuple[int, PollState]], wait_s: float
-    ) -> bytes:
-        """A node agent's one long poll: every process's state in, every answer out at once."""
-        self._wake()
-        if not isinstance(states, dict) or len(states) > MAX_PER_NODE:
-            why = f"a node polls with a mapping of at most {MAX_PER_NODE} process states"
-            self._take(ev.Malformed({"node": short(node_key)}, why))
-            return wire.pack({})
-        now = {}
-        for process_id, told in states.items():
-            cycle, state = told if isinstance(told, tuple) and len(told) == 2 else (None, None)
-            answer = self._take(ev.Polled(process_id, cycle, state))
-            if answer is not None:
-                now[process_id] = answer
-        return wire.pack(await self.fanout.hold_node(str(node_key), now, wait_s))
-
-    async def ack_many(self, acks: list[Ack]) -> bytes:
-        """A node agent's acknowledgements, gathered (malformed ones are refused one by one)."""
-        listed = acks if isinstance(acks, list) else [acks]
-        return wire.pack([self._take(ev.Acked(m)) for m in listed])
 
     # --- notices ----------------------------------------------------------------------------
 
@@ -439,6 +398,7 @@ class CoordinatorActor:
             "pending_polls": self.fanout.pending(),
             "polls_served": self.machine.polls_served,
             "poll_calls": self.fanout.calls,
+            "reports_relayed": self.reports_relayed,
         }
 
     async def checkpoint_dir(self) -> str | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
-from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply
+from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply, TeardownReport
 from .cloud_poller import CloudWatch
 from .relay import NodeRelay
 from .upstream import TieredUpstream
@@ -96,6 +96,12 @@ class NodeAgent:
 
     async def ack(self, message: Ack) -> Reply:
         return await self.relay.ack(message)
+
+    async def report_teardown(self, process_id: str, report: TeardownReport) -> Reply:
+        """A process's teardown report, sent up with its node's (the coordinator's own call)."""
+        if not isinstance(report, TeardownReport):
+            return Reply.refused("a report is a TeardownReport")
+        return await self.relay.report(str(process_id), report)
 
     async def describe(self) -> dict[str, Any]:
         """What ``ray-graceful status`` and the tests read: the relay and the cloud poller."""

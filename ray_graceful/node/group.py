@@ -5,9 +5,9 @@ the node's reply and its acknowledgements - serial on its event loop, about 1 ms
 (docs/benchmarks.md, "fanout"): 2,048 nodes, 2 s. Past ``node_group_size`` nodes, the
 coordinator answers further node agents through group agents instead: each is a ``Relay`` whose
 members are the processes of its nodes and which offers those nodes the coordinator's own
-node-facing calls (``register_node``, ``poll_node``, ``ack_many``, replies packed the same way).
-A node agent cannot tell the two apart. The coordinator then answers one reply per group, and
-the groups answer their nodes in parallel, each in its own process.
+node-facing calls (``register_node``, ``poll_node``, ``ack_many``, ``report_many``, replies
+packed the same way). A node agent cannot tell the two apart. The coordinator then answers one
+reply per group, and the groups answer their nodes in parallel, each in its own process.
 
 The coordinator starts its group agents on its own node (``coordinator/groups.py``): the
 driver's node, whose loss ends the job anyway, so a group agent is not lost to the evictions it
@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, wire
+from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, TeardownReport, wire
 from .relay import Member, Relay, Unreachable, Upstream, poll_wait, refusal
 from .upstream import RayUpstream
 
@@ -89,6 +89,14 @@ class GroupRelay(Relay):
         except (Unreachable, TimeoutError) as exc:
             return [refusal(exc)] * len(acks)
 
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
+        """Node agents' teardown reports, gathered with other nodes' into one call up."""
+        self.reports_relayed += len(reports)
+        try:
+            return list(await asyncio.gather(*(self.reports.add(r) for r in reports)))
+        except (Unreachable, TimeoutError) as exc:
+            return [refusal(exc)] * len(reports)
+
     def describe(self) -> dict[str, Any]:
         nodes = {m.node_key for m in self.members.values()}
         return {**super().describe(), "nodes": len(nodes), "node_polls": self.node_polls}
@@ -147,6 +155,12 @@ class GroupAgent:
         if len(good) != len(listed):
             return wire.pack([Reply.refused("a node agent acknowledges with Ack messages")])
         return wire.pack(await self.relay.ack(good))
+
+    async def report_many(self, reports: list[tuple[str, TeardownReport]]) -> bytes:
+        listed = reports if isinstance(reports, list) else [reports]
+        if not all(isinstance(r, tuple) and len(r) == 2 for r in listed):
+            return wire.pack([Reply.refused("a node agent reports (process id, report) pairs")])
+        return wire.pack(await self.relay.report(listed))
 
     async def describe(self) -> dict[str, Any]:
         """Its relay's account (the coordinator asks once, to know it is up)."""

@@ -9,7 +9,7 @@ sends it N/``health_interval_s`` polls a second (``bench fanout``: 4,096 ranks o
   same ``init_process_group``) go up as one message;
 - one long poll carries every process's last step and health, and is answered with the orders
   of all of them at once - one reply per node;
-- acknowledgements go up together;
+- acknowledgements go up together, and so do teardown reports;
 - health is probed once per distinct set of GPUs, and each verdict goes to the processes on
   those GPUs.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..health import HealthProbe, HealthReport
-from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply
+from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, TeardownReport
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Upstream(Protocol):
     ) -> dict[str, PollAnswer]: ...
 
     async def ack(self, acks: list[Ack]) -> list[Reply]: ...
+
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]: ...
 
 
 @dataclass
@@ -158,6 +160,8 @@ class Relay:
         self.probes: dict[tuple[int, ...], HealthProbe] = {}
         self.registrations = Batch(self._send_registrations, batch_s)
         self.acks = Batch(self.upstream.ack, batch_s)
+        self.reports = Batch(self.upstream.report, batch_s)
+        self.reports_relayed = 0
         self._polling: asyncio.Task | None = None
         self._members_changed = asyncio.Event()  # a process registered or acknowledged
         self.parked = False  # every process holds its order: no poll goes up meanwhile
@@ -170,6 +174,7 @@ class Relay:
             "processes": len(self.members),
             "gpu_sets_probed": len(self.probes),
             "upstream_polls": self.upstream_polls,
+            "reports_relayed": self.reports_relayed,
             "parked": self.parked,
         }
 
@@ -312,6 +317,15 @@ class NodeRelay(Relay):
         self._acknowledged(message.process_id)
         try:
             return await self.acks.add(message)
+        except (Unreachable, TimeoutError) as exc:
+            return refusal(exc)
+
+    async def report(self, process_id: str, report: TeardownReport) -> Reply:
+        """A process's teardown report, sent up with the others of its node (a refusal that
+        says ``retry``: the process sends it to the coordinator itself)."""
+        self.reports_relayed += 1
+        try:
+            return await self.reports.add((process_id, report))
         except (Unreachable, TimeoutError) as exc:
             return refusal(exc)
 

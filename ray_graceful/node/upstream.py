@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..protocol import Ack, PollAnswer, PollState, Register, Reply, wire
+from ..protocol import Ack, PollAnswer, PollState, Register, Reply, TeardownReport, wire
 from .relay import Unreachable
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ class RayUpstream:
     async def ack(self, acks: list[Ack]) -> list[Reply]:
         ref = self.coordinator.ack_many.remote(acks)
         return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "ack_many")
+
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
+        ref = self.coordinator.report_many.remote(reports)
+        return wire.unpack(await self._call(ref, UPSTREAM_GRACE_S), list, "report_many")
 
 
 class TieredUpstream:
@@ -120,3 +124,6 @@ class TieredUpstream:
 
     async def ack(self, acks: list[Ack]) -> list[Reply]:
         return await self._through(lambda up: up.ack(acks))
+
+    async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
+        return await self._through(lambda up: up.report(reports))

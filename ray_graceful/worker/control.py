@@ -394,11 +394,24 @@ class ControlChannel:
         return answer if isinstance(answer, Rendezvous) else None
 
     def report(self, report: TeardownReport) -> None:
-        """Send the TeardownReport before the process exits (bounded)."""
+        """Send the TeardownReport before the process exits (bounded): through the node's
+        agent, with its node's; to the coordinator itself if the agent could not pass it on."""
         import ray
 
         if self.cycle is None:
             return
+        if self.relay is not None:
+            try:
+                reply = ray.get(
+                    self.relay.report_teardown.remote(self.process_id, report),
+                    timeout=REPORT_TIMEOUT_S,
+                )
+                if isinstance(reply, Reply) and (reply.accepted or not reply.retry):
+                    return  # taken, or refused by the coordinator itself: not sent again
+                why = reply.reason if isinstance(reply, Reply) else type(reply).__name__
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            logger.warning("ray_graceful: the node agent did not pass the report on (%s)", why)
         try:
             ray.get(
                 self.handle.report_teardown.remote(self.process_id, report),

@@ -1,9 +1,10 @@
 """The node agent on real ranks: orders through it, and its loss.
 
-The four gloo ranks of ``test_faults.py`` with ``node_agent='on'``: they register, poll and
-acknowledge through their node's agent (one actor per job and node, ``node/agent.py``). A
-SIGTERM still ends in a committed checkpoint; an agent killed with SIGKILL is noticed by its
-ranks, which register with the coordinator directly, and the next eviction ends as cleanly.
+The four gloo ranks of ``test_faults.py`` with ``node_agent='on'``: they register, poll,
+acknowledge and report through their node's agent (one actor per job and node,
+``node/agent.py``). A SIGTERM still ends in a committed checkpoint; an agent killed with SIGKILL
+is noticed by its ranks, which register with the coordinator directly, and the next eviction
+ends as cleanly.
 Same bookkeeping (docs/reliability.md).
 """
 
@@ -59,6 +60,7 @@ def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exi
     described = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)
     assert described["processes"] == 4 and described["upstream_polls"] >= 1, described
     evict_one_and_record("SIGTERM, ranks relayed by their node agent", *scene, pids, ranks)
+    assert coordinator.stats()["reports_relayed"] == 4, "the reports came through the agent"
 
 
 def test_node_agent_killed(rep, fault_log, config, coordinator, exit_recorder):
