@@ -4,6 +4,7 @@ the relay's ``Upstream`` seam, the real ``Fanout`` behind the fake."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -256,6 +257,28 @@ class InProcessCoordinator:
         return wire.unpack(await self.coord.report_many(reports), list, "report")
 
 
+async def ordered_through_a_relay(tmp_path) -> tuple[Any, NodeRelay, list[PollAnswer]]:
+    """The real coordinator actor's class, in-process, with two processes of node "node-a"
+    registered through a relay; node-a noticed: (coordinator, relay, the two orders)."""
+    from ray_graceful.coordinator import CoordinatorActor
+    from tests.helpers import fast_config
+
+    config = fast_config(tmp_path, teardown_timeout_s=20.0, save_budget_s=5.0)
+    coord = CoordinatorActor(config, "job", drain_source=lambda: {}, lost_source=lambda w: set())
+    relay = NodeRelay("node-a-1", InProcessCoordinator(coord), wait_s=30.0)
+    messages = [
+        Register(f"p{i}", "node-a", 100 + i, "h", "job", (RankSpec("g", i, 2, str(i), True),))
+        for i in range(2)
+    ]
+    assert all(r.accepted for r in await asyncio.gather(*map(relay.register, messages)))
+    polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in (0, 1)]
+    await until(lambda: coord.fanout.pending() == 2)
+    assert (await coord.notify({"node_id": "node-a", "reason": "test"})).accepted
+    first = [await p for p in polls]
+    assert {a.kind for a in first} == {PollKind.ORDER}
+    return coord, relay, first
+
+
 def test_an_order_the_relay_holds_is_not_sent_back_to_it_until_acknowledged(tmp_path):
     """The relay polled again as soon as its orders came, and the coordinator answered that
     poll at once with the same orders (not yet acknowledged), again and again - at thousands
@@ -263,26 +286,10 @@ def test_an_order_the_relay_holds_is_not_sent_back_to_it_until_acknowledged(tmp_
     processes all hold their orders sends no poll up until they acknowledged (or one more
     registers), hands an order again to a process that polls without acknowledging it, and a
     poll that does go up says which order it holds, so it is not sent back."""
-    from ray_graceful.coordinator import CoordinatorActor
     from ray_graceful.coordinator import events as ev
-    from tests.helpers import fast_config
 
     async def scenario():
-        config = fast_config(tmp_path, teardown_timeout_s=20.0, save_budget_s=5.0)
-        coord = CoordinatorActor(
-            config, "job", drain_source=lambda: {}, lost_source=lambda watched: set()
-        )
-        relay = NodeRelay("node-a-1", InProcessCoordinator(coord), wait_s=30.0)
-        messages = [
-            Register(f"p{i}", "node-a", 100 + i, "h", "job", (RankSpec("g", i, 2, str(i), True),))
-            for i in range(2)
-        ]
-        assert all(r.accepted for r in await asyncio.gather(*map(relay.register, messages)))
-        polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in (0, 1)]
-        await until(lambda: coord.fanout.pending() == 2)
-        assert (await coord.notify({"node_id": "node-a", "reason": "test"})).accepted
-        first = [await p for p in polls]
-        assert {a.kind for a in first} == {PollKind.ORDER}
+        coord, relay, first = await ordered_through_a_relay(tmp_path)
         await until(lambda: relay.parked)
         assert relay.upstream_polls <= 2, f"the relay's poll spun: {relay.upstream_polls} polls"
         held = PollState(holding=first[0].order.order_id)
@@ -303,24 +310,8 @@ def test_reports_a_node_gathers_reach_the_coordinator_as_if_each_came_alone(tmp_
     cycle concludes on them; a malformed one in such a call is refused on its own."""
     import time
 
-    from ray_graceful.coordinator import CoordinatorActor
-    from tests.helpers import fast_config
-
     async def scenario():
-        config = fast_config(tmp_path, teardown_timeout_s=20.0, save_budget_s=5.0)
-        coord = CoordinatorActor(
-            config, "job", drain_source=lambda: {}, lost_source=lambda watched: set()
-        )
-        relay = NodeRelay("node-a-1", InProcessCoordinator(coord), wait_s=30.0)
-        messages = [
-            Register(f"p{i}", "node-a", 100 + i, "h", "job", (RankSpec("g", i, 2, str(i), True),))
-            for i in range(2)
-        ]
-        assert all(r.accepted for r in await asyncio.gather(*map(relay.register, messages)))
-        polls = [asyncio.ensure_future(relay.poll(f"p{i}", 0, PollState(), 30.0)) for i in (0, 1)]
-        await until(lambda: coord.fanout.pending() == 2)
-        assert (await coord.notify({"node_id": "node-a", "reason": "test"})).accepted
-        assert {(await p).kind for p in polls} == {PollKind.ORDER}
+        coord, relay, _ = await ordered_through_a_relay(tmp_path)
         now = time.time()
         reports = [
             TeardownReport(100 + i, "h", "node-a", "job", [], "t", 0, now, now) for i in (0, 1)

@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, TeardownReport, wire
-from .relay import Member, Relay, Unreachable, Upstream, poll_wait, refusal
+from .relay import Batch, Member, Relay, Unreachable, Upstream, poll_wait, refusal
 from .upstream import RayUpstream
 
 MAX_CONCURRENCY = 10_000  # held polls and calls one group agent serves at once
@@ -49,9 +49,7 @@ class GroupRelay(Relay):
         for message in messages:
             self._joining[message.process_id] = Member(node_key=node_key, wait_s=self.wait_s)
         try:
-            return list(await asyncio.gather(*(self.registrations.add(m) for m in messages)))
-        except (Unreachable, TimeoutError) as exc:
-            return [refusal(exc)] * len(messages)
+            return await self._each_up(self.registrations, messages)
         finally:
             for message in messages:
                 self._joining.pop(message.process_id, None)
@@ -84,18 +82,20 @@ class GroupRelay(Relay):
         """A node agent's acknowledgements, gathered with other nodes' into one call up."""
         for message in acks:
             self._acknowledged(message.process_id)
-        try:
-            return list(await asyncio.gather(*(self.acks.add(m) for m in acks)))
-        except (Unreachable, TimeoutError) as exc:
-            return [refusal(exc)] * len(acks)
+        return await self._each_up(self.acks, acks)
 
     async def report(self, reports: list[tuple[str, TeardownReport]]) -> list[Reply]:
         """Node agents' teardown reports, gathered with other nodes' into one call up."""
         self.reports_relayed += len(reports)
+        return await self._each_up(self.reports, reports)
+
+    async def _each_up(self, batch: Batch, items: list[Any]) -> list[Reply]:
+        """``items`` up in ``batch``, with what other nodes send meanwhile: a reply each (the
+        refusal for all, if the call up failed)."""
         try:
-            return list(await asyncio.gather(*(self.reports.add(r) for r in reports)))
+            return list(await asyncio.gather(*(batch.add(item) for item in items)))
         except (Unreachable, TimeoutError) as exc:
-            return [refusal(exc)] * len(reports)
+            return [refusal(exc)] * len(items)
 
     def describe(self) -> dict[str, Any]:
         nodes = {m.node_key for m in self.members.values()}
