@@ -283,9 +283,7 @@ class NodeRelay(Relay):
         """Register a process's ranks, together with whoever else registers now."""
         self._joining[message.process_id] = Member(tuple(gpus), wait_s=self.wait_s)
         try:
-            return await self.registrations.add(message)
-        except (Unreachable, TimeoutError) as exc:
-            return refusal(exc)
+            return await self._up(self.registrations, message)
         finally:
             self._joining.pop(message.process_id, None)
 
@@ -315,17 +313,19 @@ class NodeRelay(Relay):
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it stops polling, and the coordinator is told."""
         self._acknowledged(message.process_id)
-        try:
-            return await self.acks.add(message)
-        except (Unreachable, TimeoutError) as exc:
-            return refusal(exc)
+        return await self._up(self.acks, message)
 
     async def report(self, process_id: str, report: TeardownReport) -> Reply:
         """A process's teardown report, sent up with the others of its node (a refusal that
         says ``retry``: the process sends it to the coordinator itself)."""
         self.reports_relayed += 1
+        return await self._up(self.reports, (process_id, report))
+
+    async def _up(self, batch: Batch, item: Any) -> Reply:
+        """``item`` up in ``batch`` with the others of its node: the reply, or the refusal a
+        process acts on if the call up failed."""
         try:
-            return await self.reports.add((process_id, report))
+            return await batch.add(item)
         except (Unreachable, TimeoutError) as exc:
             return refusal(exc)
 
