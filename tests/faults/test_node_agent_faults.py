@@ -50,6 +50,7 @@ def evict_one_and_record(name, fault_log, config, coordinator, exit_recorder, pi
     os.kill(pids[1], signal.SIGTERM)
     outcome = run_and_record(name, fault_log, config, coordinator, exit_recorder, pids, ranks)
     assert outcome.result == "committed", outcome.reason
+    assert outcome.missing == [] and len(outcome.reports) == 4, "every rank's report arrived"
 
 
 def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exit_recorder):
@@ -60,7 +61,10 @@ def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exi
     described = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)
     assert described["processes"] == 4 and described["upstream_polls"] >= 1, described
     evict_one_and_record("SIGTERM, ranks relayed by their node agent", *scene, pids, ranks)
-    assert coordinator.stats()["reports_relayed"] == 4, "the reports came through the agent"
+    # The agent dies with the rank that started it (its owner): a rank that reports after the
+    # owner left finds it gone and sends its report itself: every report arrived (above).
+    through_agent = coordinator.stats()["reports_relayed"]
+    assert 1 <= through_agent <= 4, f"{through_agent} reports came through the agent"
 
 
 def test_node_agent_killed(rep, fault_log, config, coordinator, exit_recorder):
