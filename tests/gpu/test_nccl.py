@@ -9,6 +9,7 @@ ranks share one GPU when each process has its own ``NCCL_HOSTID`` (``GPU_SHARE=1
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import threading
@@ -56,11 +57,16 @@ def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
     extra_handle = resolve_group("weight-sync", process_group=extra)
     queue.put(("backends", rank, handle.backends))
     if rank == 0:
+        faulthandler.dump_traceback_later(60)  # a hang shows where, in the test's output
 
         def release_both() -> None:
-            queue.put(("released", release(handle) + release(extra_handle)))
+            try:
+                queue.put(("released", release(handle) + release(extra_handle)))
+            except Exception as exc:  # said, not lost in a thread
+                queue.put(("released", [f"raised {exc!r}"]))
 
-        threading.Timer(1.0, release_both).start()
+        releaser = threading.Timer(1.0, release_both)
+        releaser.start()
         start = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4, device="cuda"))  # the peer never joins
@@ -68,6 +74,7 @@ def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
             queue.put(("rank0", "returned", time.monotonic() - start))
         except Exception as exc:
             queue.put(("rank0", type(exc).__name__, time.monotonic() - start))
+        releaser.join(60)
     else:
         time.sleep(5)
 
@@ -82,7 +89,7 @@ def test_nccl_abort_releases_a_blocked_collective():
     for p in procs:
         p.start()
     events = {}
-    while "rank0" not in events:
+    while not {"rank0", "released"} <= events.keys():  # either may come first
         item = queue.get(timeout=90)
         events[item[0] if item[0] != "backends" else f"backends{item[1]}"] = item
     for p in procs:

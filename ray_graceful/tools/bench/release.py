@@ -82,6 +82,7 @@ def _release_once(
     ranks: list[Any] = []
     try:
         port = free_port()
+        joining = time.monotonic()
         for i in range(n):
             where = {"bench_evicted": 1} if i == 0 else {"bench_head": 1}
             ranks.append(
@@ -94,6 +95,7 @@ def _release_once(
             ],
             timeout=600,
         )
+        joined_s = time.monotonic() - joining
         if graceful:
             ray.get(
                 [
@@ -142,6 +144,7 @@ def _release_once(
             "n": n,
             "graceful": graceful,
             "how": how,
+            "joined_s": joined_s,
             "after_teardown_s": linger,
             "ray_recorded": recorded,
             "crashes": sum(kind == "SYSTEM_ERROR" for kind in recorded.values()),
@@ -172,7 +175,11 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
     ]
     imports = tuple(m for m in (args.imports or "").split(",") if m)
     poll_cost = None
+    starting = time.monotonic()
     with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
+        # Progress before the first repetition: where a run stalls (a GPU machine's first NCCL
+        # run printed nothing for minutes) shows which stage it stalled in.
+        print(f"  local cluster up in {time.monotonic() - starting:.1f}s", flush=True)
         if "drain" in hows:
             poll_cost = _drain_poll_cost(cluster, args.drain_poll)
             print(f"  drain poll cost: {poll_cost}", flush=True)
@@ -194,7 +201,8 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     r["how"] = how
                     results.append({**r, "rep": rep})
                     print(
-                        f"  {how} N={n} rep {rep}: all out {r['all_out_s']}s, "
+                        f"  {how} N={n} rep {rep}: joined in {r['joined_s']:.1f}s, "
+                        f"all out {r['all_out_s']}s, "
                         f"exits {r['exit_paths']}, {r['crashes']} recorded as crashes",
                         flush=True,
                     )
