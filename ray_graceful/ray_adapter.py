@@ -102,6 +102,16 @@ def current_actor_id() -> str:
         return ""
 
 
+def actor_id_of(handle: Any) -> str:
+    """The Ray id (hex) of the actor behind ``handle``: ``ActorHandle._actor_id``, a property
+    Ray keeps private (no public accessor in 2.60). A handle without one raises
+    ``RayInternalsMoved``."""
+    try:
+        return str(handle._actor_id.hex())
+    except AttributeError as exc:
+        raise _moved("ActorHandle._actor_id", exc) from exc
+
+
 def actor_was_restarted() -> bool:
     """Whether this actor is a restart of one whose process died (``max_restarts``).
 

@@ -19,6 +19,7 @@ import pytest
 
 from ray_graceful.cloud import CloudPoller, detect
 from ray_graceful.node.agent import agent_name
+from ray_graceful.ray_adapter import actor_id_of
 
 AWS_TOKEN = "AQAEAtoken=="
 
@@ -260,7 +261,7 @@ def test_a_spot_notice_from_the_cloud_tears_the_group_down(ray_cluster, server, 
         assert "orders arrive through a long poll" in status, status
         assert "cloud notices not started" not in status, status
         node = ray.get(rank.node.remote())
-        name = agent_name(job, node)
+        name = agent_name(job, actor_id_of(coordinator.handle), node)
 
         def poller_started():
             try:

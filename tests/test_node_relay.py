@@ -10,7 +10,7 @@ import pytest
 
 from ray_graceful.coordinator.fanout import Fanout
 from ray_graceful.health import FAULTY, HEALTHY, HealthReport
-from ray_graceful.node.relay import NodeRelay, Unreachable
+from ray_graceful.node.relay import Member, NodeRelay, Unreachable
 from ray_graceful.protocol import (
     Ack,
     PollAnswer,
@@ -327,3 +327,33 @@ def test_reports_a_node_gathers_reach_the_coordinator_as_if_each_came_alone(tmp_
         assert not not_a_list.accepted and "(process id, report) pairs" in not_a_list.reason
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_an_agent_leaves_once_its_coordinator_is_gone_for_good_and_asks_only_when_idle():
+    """``leave_with.py``: a busy relay asks the GCS nothing; an idle one asks until the
+    coordinator is DEAD (a failed look is asked again), then leaves, once."""
+    import threading
+
+    from ray_graceful.leave_with import leave_with_coordinator
+
+    relay = NodeRelay("node-a", FakeCoordinator(), 5.0)
+    asked: list[str] = []
+    left = threading.Event()
+    answers = iter([RuntimeError("GCS away"), False, True])
+
+    def is_gone(coordinator_id: str) -> bool:
+        asked.append(coordinator_id)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    relay.members["p0"] = Member()  # a process relayed: the agent is busy
+    watch = leave_with_coordinator(
+        "c0ffee", "node agent", busy=relay.relaying, every_s=0.01, is_gone=is_gone, leave=left.set
+    )
+    assert not left.wait(0.2) and asked == [], "a busy agent asks the GCS nothing"
+    relay.members.clear()  # its processes left it
+    assert left.wait(5), "an idle agent leaves once its coordinator is gone for good"
+    watch.join(5)
+    assert asked == ["c0ffee"] * 3 and not watch.is_alive(), asked

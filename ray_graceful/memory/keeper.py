@@ -11,8 +11,8 @@ The coordinator starts one keeper per node that runs ranks (pinned to that node)
 which keepers hold which shard (``placement.py``). A keeper is detached from the coordinator's
 process, so that what it holds outlives a coordinator crash: Ray restarts the coordinator (same
 actor, same id), which finds its keepers again by name (``find_keepers``) and reads back what
-they hold. It is not detached from the job: it watches its coordinator and leaves once that is
-gone for good (DEAD in the GCS - the job ended, ``shutdown``, restarts used up).
+they hold. It is not detached from the job: it leaves once its coordinator is gone for good
+(``leave_with.py``: DEAD in the GCS - the job ended, ``shutdown``, restarts used up).
 
 A keeper refuses what does not fit its budget - the saver then saves to disk and says so -
 writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic, checksummed, exactly
@@ -30,16 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import ray_adapter
 from ..checkpoint import ShardRecord, save_state_dict, write_shard
 from ..config import GracefulConfig
 from ..dcp import is_shard_files, write_shard_files
+from ..leave_with import leave_with_coordinator
 from .tree import from_tree
 
 logger = logging.getLogger(__name__)
 
 KEEPER_PREFIX = "ray_graceful_keeper"
-COORDINATOR_WATCH_S = 2.0  # how often a keeper asks whether its coordinator is gone for good
 
 
 def keeper_name(job_id: str, coordinator_id: str, node_id: str) -> str:
@@ -96,23 +95,7 @@ class Keeper:
 
         self.name = ray.get_runtime_context().get_actor_name() or ""  # in stats: shutdown() uses it
         if coordinator_id:
-            threading.Thread(
-                target=self._leave_with, args=(coordinator_id,), daemon=True, name="keeper-watch"
-            ).start()
-
-    def _leave_with(self, coordinator_id: str) -> None:
-        """Leave once the coordinator is DEAD in the GCS (not while Ray restarts it)."""
-        while True:
-            time.sleep(COORDINATOR_WATCH_S)
-            try:
-                gone = coordinator_id in ray_adapter.dead_actors({coordinator_id})
-            except Exception as exc:  # the GCS away for a moment: ask again
-                logger.warning("ray_graceful keeper: cannot see the coordinator: %r", exc)
-                continue
-            if gone:
-                logger.info("ray_graceful keeper: the coordinator is gone for good; leaving")
-                ray_adapter.call_self("leave")
-                return
+            leave_with_coordinator(coordinator_id, "keeper")
 
     def leave(self) -> None:
         """End this keeper (its coordinator is gone for good): an intended exit."""

@@ -1,8 +1,9 @@
 """The node agent: one actor per job on each node that hosts its ranks.
 
 The first rank process of a job to set up on a node starts it (``ensure_agent``: named after
-the job and the node, ``get_if_exists``, so the node's other processes find it instead of
-starting another; pinned to the node; no CPU). It does per node what each process did alone:
+the job, its coordinator and the node, ``get_if_exists``, so the node's other processes find it
+instead of starting another; pinned to the node; no CPU). It does per node what each process
+did alone:
 
 - relays the node's processes to the coordinator (``relay.py``): one registration, one long
   poll, one NVML probe per set of GPUs - when ``node_agent`` is on (``uses_agent``); past
@@ -12,13 +13,17 @@ starting another; pinned to the node; no CPU). It does per node what each proces
 
 Its processes still hold their long polls here, on their own node, from their control threads:
 an order reaches a rank blocked in a collective exactly as a direct poll does, one local hop
-later. The agent lives as long as the process that started it (Ray ends an actor with its
-owner). A process whose agent is gone registers with the coordinator directly and polls it
-from then on; the coordinator logs the move (``coordinator/fanout.py``). An agent serves one
-job: a registration of another job's process is refused here and at the coordinator.
+later. The agent is detached from the process that started it: owned by that rank, it would
+end with it (Ray ends an actor with its owner), and the node's ranks that tear down after that
+one - in an eviction, most of them - would find it gone and report on their own. It leaves once
+its coordinator is gone for good (``leave_with.py``; asked of the GCS only while it relays
+nobody). A process whose agent is gone (a crash) registers with the coordinator directly and
+polls it from then on; the coordinator logs the move (``coordinator/fanout.py``). An agent
+serves one job and one coordinator: a registration of another job's process is refused here
+and at the coordinator, and a coordinator started again in the same job gets agents of its own.
 
-The agent is not the memory tier's keeper, although both are per node and per job: the keeper
-holds the checkpoint in its process's memory and must outlive the ranks, the coordinator
+The agent is not the memory tier's keeper, although both are per node and per job and both
+outlive the ranks: the keeper holds the checkpoint in its process's memory, the coordinator
 starts it only for the memory tier, and its budget is that memory. The agent runs NVML and HTTP
 against the metadata service - code that can hang or crash on a sick host - and must never take
 a checkpoint down with it.
@@ -31,8 +36,10 @@ import os
 import uuid
 from typing import Any
 
+from .. import ray_adapter
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
+from ..leave_with import leave_with_coordinator
 from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply, TeardownReport
 from .cloud_poller import CloudWatch
 from .relay import NodeRelay
@@ -51,14 +58,22 @@ def uses_agent(config: GracefulConfig, ranks: tuple[RankSpec, ...]) -> bool:
     return config.node_agent == "on"
 
 
-def agent_name(job_id: str, node_id: str) -> str:
-    return f"ray_graceful_agent-{job_id}-{node_id[:16]}"
+def agent_name(job_id: str, coordinator_id: str, node_id: str) -> str:
+    """The agent of ``node_id`` for the coordinator of Ray id ``coordinator_id``, job ``job_id``."""
+    return f"ray_graceful_agent-{job_id}-{coordinator_id[:16]}-{node_id[:16]}"
 
 
 class NodeAgent:
     """The actor (async): the relay's calls, and the cloud poller's thread."""
 
-    def __init__(self, config: GracefulConfig, node_id: str, job_id: str, coordinator: Any) -> None:
+    def __init__(
+        self,
+        config: GracefulConfig,
+        node_id: str,
+        job_id: str,
+        coordinator: Any,
+        coordinator_id: str = "",
+    ) -> None:
         self.config, self.node_id, self.job_id = config, node_id, job_id
         node_key = f"{node_id[:16]}-{uuid.uuid4().hex[:8]}"  # a new agent: a new key
         self.relay = NodeRelay(
@@ -70,6 +85,16 @@ class NodeAgent:
         self.cloud = None
         if config.cloud_notices != "off":
             self.cloud = CloudWatch(config, node_id, coordinator)
+        if coordinator_id:
+            # Busy while it relays: its processes' polls would fail and leave it, were the
+            # coordinator gone; the GCS is asked only once nobody is relayed.
+            leave_with_coordinator(coordinator_id, "node agent", busy=self.relay.relaying)
+
+    async def leave(self) -> None:
+        """End this agent (its coordinator is gone for good): an intended exit."""
+        import ray
+
+        ray.actor.exit_actor()
 
     def _probe_for(self, gpus: tuple[int, ...]) -> HealthProbe:
         try:
@@ -119,23 +144,26 @@ class NodeAgent:
 
 
 def ensure_agent(config: GracefulConfig, coordinator: Any) -> Any:
-    """This node's agent for this job, started unless one runs already.
+    """This node's agent for this job's coordinator, started unless one runs already.
 
-    The caller keeps the handle: Ray ends an actor once no handle to it is left."""
+    Detached: it outlives the process that started it, and leaves with its coordinator."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ctx = ray.get_runtime_context()
     node_id, job_id = ctx.get_node_id(), ctx.get_job_id()
+    coordinator_id = ray_adapter.actor_id_of(coordinator)
     return (
         ray.remote(NodeAgent)
         .options(
-            name=agent_name(job_id, node_id),
+            name=agent_name(job_id, coordinator_id, node_id),
             namespace=config.coordinator_namespace,
+            lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
+            max_restarts=0,
             max_concurrency=MAX_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(config, node_id, job_id, coordinator)
+        .remote(config, node_id, job_id, coordinator, coordinator_id)
     )

@@ -178,6 +178,11 @@ class Relay:
             "parked": self.parked,
         }
 
+    def relaying(self) -> bool:
+        """Whether any process is relayed, or joining, or has something on its way up."""
+        batches = (self.registrations, self.acks, self.reports)
+        return bool(self.members or self._joining or any(b.items for b in batches))
+
     def _deliver(self, process_id: str, member: Member, answer: PollAnswer) -> None:
         raise NotImplementedError
 

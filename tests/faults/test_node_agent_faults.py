@@ -18,6 +18,7 @@ import ray
 
 from ray_graceful.coordinator import Coordinator
 from ray_graceful.node.agent import agent_name
+from ray_graceful.ray_adapter import actor_id_of
 from tests.faults.test_faults import fault_config, run_and_record, start
 from tests.helpers import wait_for
 
@@ -34,11 +35,12 @@ def coordinator(ray_cluster, config):
     coord.shutdown()
 
 
-def node_agent(config, rank):
+def node_agent(config, coordinator, rank):
     """The agent of ``rank``'s node (``rank`` not inside a call: rank 3 of ``start``)."""
     job = ray.get_runtime_context().get_job_id()
     node = ray.get(rank.node.remote(), timeout=30)
-    return ray.get_actor(agent_name(job, node), namespace=config.coordinator_namespace)
+    name = agent_name(job, actor_id_of(coordinator.handle), node)
+    return ray.get_actor(name, namespace=config.coordinator_namespace)
 
 
 def relayed(coordinator) -> dict:
@@ -58,20 +60,32 @@ def test_sigterm_through_the_node_agent(rep, fault_log, config, coordinator, exi
     ranks, pids = start(config, exit_recorder)
     agents = wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
     assert [a["processes"] for a in agents.values()] == [4], "four ranks, one node, one agent"
-    described = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)
+    agent = node_agent(config, coordinator, ranks[-1])
+    described = ray.get(agent.describe.remote(), timeout=10)
     assert described["processes"] == 4 and described["upstream_polls"] >= 1, described
     evict_one_and_record("SIGTERM, ranks relayed by their node agent", *scene, pids, ranks)
-    # The agent dies with the rank that started it (its owner): a rank that reports after the
-    # owner left finds it gone and sends its report itself: every report arrived (above).
+    # The agent outlives the rank that started it: the last rank out still reports through it.
     through_agent = coordinator.stats()["reports_relayed"]
-    assert 1 <= through_agent <= 4, f"{through_agent} reports came through the agent"
+    assert through_agent == 4, f"{through_agent} of 4 reports came through the agent"
+    assert ray.get(agent.describe.remote(), timeout=10)["pid"] == described["pid"], "still up"
+    coordinator.shutdown()  # the job's coordinator gone for good: the agent leaves with it
+    wait_for(lambda: gone(agent), 30, "the node agent to leave with its coordinator")
+
+
+def gone(actor) -> bool:
+    try:
+        ray.get(actor.describe.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def test_node_agent_killed(rep, fault_log, config, coordinator, exit_recorder):
     scene = (fault_log, config, coordinator, exit_recorder)
     ranks, pids = start(config, exit_recorder)
     wait_for(lambda: relayed(coordinator), 10, "the node agent's first poll")
-    agent_pid = ray.get(node_agent(config, ranks[-1]).describe.remote(), timeout=10)["pid"]
+    agent = node_agent(config, coordinator, ranks[-1])
+    agent_pid = ray.get(agent.describe.remote(), timeout=10)["pid"]
     os.kill(agent_pid, signal.SIGKILL)  # a crash of the agent's process
     wait_for(lambda: not relayed(coordinator), 20, "the ranks to poll the coordinator directly")
     assert len(coordinator.status()["ranks"]) == 4, "every rank registered again, directly"
