@@ -283,6 +283,7 @@ class CoordinatorActor(NodeFacingCalls):
                 del self.cycle_events[key]
             self.backups.forget_before(cycle + 1)
             self.fanout.forget_except(set(self.machine.registry.processes))
+            await asyncio.to_thread(collector.give_back_freed)  # off the loop: see collector.py
 
     def _publish(self, concluded: ev.Concluded) -> None:
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
