@@ -212,10 +212,12 @@ def _fanout_once(
     pids = (stats["pid"], *poller_pids, *group_pids)
     cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
     polled = len(poller_pids)
+    calls_before, coordinator_cpu = stats["report_calls"], cpu_seconds(stats["pid"])
     reports_start = time.monotonic()
     reported = sum(ray.get([p.report.remote(cycle) for p in pollers], timeout=600))
     outcome = coordinator.wait_outcome(timeout=300, cycle=cycle)
     reports_s = time.monotonic() - reports_start
+    report_calls = coordinator.stats(timeout=120)["report_calls"] - calls_before
     return {
         "registration_s": registration_s,
         "all_ordered_s": latest,
@@ -231,6 +233,10 @@ def _fanout_once(
         "group_agents_cpu_s": sum(cpu[1 + polled :]),
         "reported": reported,
         "reports_to_outcome_s": reports_s,
+        # what the reports cost the coordinator: its CPU from the first report sent to the
+        # outcome, and the calls they came in (gathered by the relays)
+        "reports_coordinator_cpu_s": cpu_seconds(stats["pid"]) - coordinator_cpu,
+        "report_calls": report_calls,
         "result": outcome.result if outcome else None,
     }
 
@@ -318,6 +324,8 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
                         runs[-1]["group_agents"],
                         percentile([r["group_agents_cpu_s"] for r in runs], 0.5),
                         percentile([r["reports_to_outcome_s"] for r in runs], 0.5),
+                        percentile([r["reports_coordinator_cpu_s"] for r in runs], 0.5),
+                        percentile([r["report_calls"] for r in runs], 0.5),
                     ]
                 )
     table = markdown_table(
@@ -337,6 +345,8 @@ def bench_fanout(args: argparse.Namespace) -> dict[str, Any]:
             "group agents",
             "group agents' CPU s",
             "every report to the outcome p50 s",
+            "its coordinator CPU s",
+            "report calls",
         ],
         rows,
     )

@@ -400,6 +400,7 @@ class CoordinatorActor(NodeFacingCalls):
             "polls_served": self.machine.polls_served,
             "poll_calls": self.fanout.calls,
             "reports_relayed": self.reports_relayed,
+            "report_calls": self.report_calls,
         }
 
     async def checkpoint_dir(self) -> str | None:

@@ -16,6 +16,7 @@ futures, no events (the actor owns those).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +47,9 @@ class Cycle:
     plan_at: float | None = None
     orders_at: float | None = None
     all_reported: bool = False
-    # The processes given an order that may still report (``state.check_all_reported``).
-    awaiting_reports: set[str] = field(default_factory=set)
+    # The processes given an order that may still report, in the orders' order
+    # (``state.check_all_reported``).
+    awaiting_reports: deque[str] = field(default_factory=deque)
     # Gathering ends early once every process on every node a notice touched is covered by a
     # notice: nothing more can be learned about those nodes (node -> processes not yet covered).
     uncovered: dict[str, set[str]] = field(default_factory=dict)

@@ -32,6 +32,7 @@ class NodeFacingCalls:
     _take: Callable[[ev.Event], Any]
     _wake: Callable[[], None]
     reports_relayed = 0  # reports that came gathered (the fan-out harness reads it)
+    report_calls = 0  # the calls they came in
 
     async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
         """A node agent asks which way to poll: a group agent (key, handle) once it answers,
@@ -80,5 +81,6 @@ class NodeFacingCalls:
             why = f"reports come as a list of at most {MAX_REPORTS} (process id, report) pairs"
             return wire.pack([self._take(ev.Malformed({"reports": short(reports)}, why))])
         self.reports_relayed += len(reports)
+        self.report_calls += 1
         pairs = [r if isinstance(r, tuple) and len(r) == 2 else ("", r) for r in reports]
         return wire.pack([self._take(ev.ReportIn(str(pid), report)) for pid, report in pairs])

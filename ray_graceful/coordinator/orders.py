@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -115,7 +116,7 @@ def _plan_and_order(
             rejoin=process_id in rejoiners,
         )
         out.append(ev.OrderOut(process_id, PollAnswer(PollKind.ORDER, process.order)))
-    cycle.awaiting_reports = set(by_process)
+    cycle.awaiting_reports = deque(by_process)
     cycle.orders_at = time.time()
     state.check_all_reported(out)
 
