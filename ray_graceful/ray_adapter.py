@@ -133,7 +133,8 @@ def actor_was_restarted() -> bool:
 
 
 def call_self(method: str) -> None:
-    """From an actor's ``__init__``: queue a call of its own ``method`` (runs right after)."""
+    """From inside an actor (its ``__init__``, or a thread of its own): queue a call of its own
+    ``method``, which runs as any call does - on the actor's executor, not the caller's thread."""
     import ray
 
     getattr(ray.get_runtime_context().current_actor, method).remote()

@@ -72,7 +72,7 @@ class NodeAgent:
         node_id: str,
         job_id: str,
         coordinator: Any,
-        coordinator_id: str = "",
+        coordinator_id: str,
     ) -> None:
         self.config, self.node_id, self.job_id = config, node_id, job_id
         node_key = f"{node_id[:16]}-{uuid.uuid4().hex[:8]}"  # a new agent: a new key
@@ -85,10 +85,9 @@ class NodeAgent:
         self.cloud = None
         if config.cloud_notices != "off":
             self.cloud = CloudWatch(config, node_id, coordinator)
-        if coordinator_id:
-            # Busy while it relays: its processes' polls would fail and leave it, were the
-            # coordinator gone; the GCS is asked only once nobody is relayed.
-            leave_with_coordinator(coordinator_id, "node agent", busy=self.relay.relaying)
+        # Busy while it relays: its processes' polls would fail and leave it, were the
+        # coordinator gone; the GCS is asked only once nobody is relayed.
+        leave_with_coordinator(coordinator_id, "node agent", busy=self.relay.relaying)
 
     async def leave(self) -> None:
         """End this agent (its coordinator is gone for good): an intended exit."""

@@ -75,6 +75,7 @@ def _nccl_rank(rank: int, world: int, port: int, queue) -> None:
         except Exception as exc:
             queue.put(("rank0", type(exc).__name__, time.monotonic() - start))
         releaser.join(60)
+        faulthandler.cancel_dump_traceback_later()
     else:
         time.sleep(5)
 
