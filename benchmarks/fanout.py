@@ -27,7 +27,9 @@ node's relay, or one call each per rank) to the cycle's outcome, the time to reg
 rank, the coordinator's resident memory with every poll pending, and the calls a second it
 serves while the job is idle (each rank, or each node, renews its poll every
 ``health_interval_s``). Each repetition is a full cycle: orders, a report from every rank, the
-outcome, and everyone registered again for the next.
+outcome, and everyone registered again for the next. Each simulated report is as long as a
+real one (a record of each of the seven teardown phases, the rank it held; no shards saved):
+the outcome carries every report, and its cost grows with them.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ from typing import Any
 from ray_graceful.config import GracefulConfig
 from ray_graceful.protocol import (
     Ack,
+    PhaseRecord,
+    PhaseStatus,
     PollKind,
     PollState,
     RankSpec,
     Register,
     Reply,
+    ReportedRank,
+    TeardownPhase,
     TeardownReport,
 )
 
@@ -146,9 +152,12 @@ class Poller:
         """Every rank's teardown report, as real ranks send it: through its node's relay, or
         straight to the coordinator."""
         now = time.time()
+        # as long as a real one: a record of each of the seven teardown phases, the rank held
+        phases = [PhaseRecord(p, PhaseStatus.RAN, "bench", 0.0, 0.001) for p in TeardownPhase]
 
         async def one(i: int, node: str) -> Reply:
-            report = TeardownReport(0, "bench", "", "", [], "bench", cycle, now, now)
+            ranks = [ReportedRank("g", i, self.n)]
+            report = TeardownReport(0, "bench", "", "", ranks, "bench", cycle, now, now, phases)
             relay = self.relays.get(node)
             if relay is not None:
                 return await relay.report(f"p{i}", report)
