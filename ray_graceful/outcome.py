@@ -14,6 +14,9 @@ from .protocol import Result
 logger = logging.getLogger(__name__)
 
 LOG_PREFIX = "ray_graceful outcome "
+# Past this many characters the log line is a summary that names the file with the whole record
+# (at 65,536 ranks the record is tens of MB: a log line that size floods the driver's log).
+LOG_LINE_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -77,21 +80,51 @@ class TerminationOutcome:
 
     def publish(self, report_dir: str) -> str | None:
         """Write the JSON file and the log line, the same JSON encoded once (compact: the
-        indented form is encoded in pure Python, seconds at 16,384 ranks); the file's path."""
+        indented form is encoded in pure Python, seconds at 16,384 ranks); the file's path.
+
+        The log line is the record a log search finds: the whole record, unless it is longer
+        than ``LOG_LINE_LIMIT`` and the file was written - then ``log_summary``, which names the
+        file. Where the file could not be written, the whole record goes to the log."""
         text = self.to_json()
-        # The outcome line goes to stderr as is: it is the record a log search finds.
-        sys.stderr.write(f"{LOG_PREFIX}{text}\n")
-        sys.stderr.flush()
+        path: str | None = None
         try:
             directory = os.path.join(report_dir, self.job_id or "no-job")
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"outcome-cycle-{self.cycle}.json")
             with open(path, "w") as f:
                 f.write(text)
-            return path
         except OSError as exc:
             logger.error("ray_graceful: could not write the outcome under %s: %s", report_dir, exc)
-            return None
+            path = None
+        if path is not None and len(text) > LOG_LINE_LIMIT:
+            text = json.dumps(self.log_summary(path, len(text)), sort_keys=True)
+        sys.stderr.write(f"{LOG_PREFIX}{text}\n")
+        sys.stderr.flush()
+        return path
+
+    def log_summary(self, path: str, length: int) -> dict[str, Any]:
+        """What the log line says of a record too long for it: the verdict and what a restart
+        loads, the notices, reports and missing processes counted (the first 20 missing named),
+        and the file that holds the whole record."""
+        return {
+            "cycle": self.cycle,
+            "job_id": self.job_id,
+            "result": self.result,
+            "reason": self.reason,
+            "committed": self.committed,
+            "resume_from": self.resume_from,
+            "timings": self.timings,
+            "notices": len(self.notices),
+            "rejected": len(self.rejected),
+            "reports": len(self.reports),
+            "missing": len(self.missing),
+            "missing_first": self.missing[:20],
+            "fallbacks": len(self.fallbacks),
+            "warm": self.warm.get("result") if self.warm else None,
+            "summary": self.summary(),
+            "record": path,
+            "record_chars": length,
+        }
 
 
 def publish_record(report_dir: str, job_id: str, name: str, record: dict[str, Any]) -> None:

@@ -197,3 +197,46 @@ def test_what_the_keepers_hold_of_a_cycle_is_gathered_with_every_holder():
     assert [(r.shard, r.step, r.holders, r.tier) for r in records] == [
         ("trainer/0", 7, ("a", "b"), "memory")
     ]
+
+
+def _logged_outcome(captured: str) -> dict:
+    import json
+
+    from ray_graceful.outcome import LOG_PREFIX
+
+    (line,) = [ln for ln in captured.splitlines() if ln.startswith(LOG_PREFIX)]
+    return json.loads(line[len(LOG_PREFIX) :])
+
+
+def test_the_outcome_log_line_is_the_record_or_names_the_file_that_holds_it(tmp_path, capsys):
+    """A record that fits is logged whole; one past LOG_LINE_LIMIT (a large job's reports) is
+    logged as a summary naming its file; one whose file cannot be written is logged whole."""
+    import json
+
+    from ray_graceful.outcome import LOG_LINE_LIMIT
+
+    small = TerminationOutcome(cycle=0, job_id="job", result=Result.COMMITTED, missing=["p9"])
+    path = small.publish(str(tmp_path))
+    assert _logged_outcome(capsys.readouterr().err) == json.loads(Path(path).read_text())
+
+    reports = [{"pid": i, "phases": ["x" * 100] * 7} for i in range((LOG_LINE_LIMIT // 700) + 10)]
+    missing = [f"p{i}" for i in range(30)]
+    big = TerminationOutcome(
+        cycle=1, job_id="job", result=Result.ABANDONED, reports=reports, missing=missing
+    )
+    path = big.publish(str(tmp_path))
+    logged = _logged_outcome(capsys.readouterr().err)
+    on_disk = json.loads(Path(path).read_text())
+    assert len(on_disk["reports"]) == len(reports), "the file holds the whole record"
+    assert logged["record"] == path and logged["record_chars"] > LOG_LINE_LIMIT
+    assert (logged["result"], logged["reports"], logged["missing"]) == (
+        "abandoned",
+        len(reports),
+        30,
+    )
+    assert logged["missing_first"] == missing[:20]
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the report directory should be")
+    assert big.publish(str(blocked)) is None
+    assert len(_logged_outcome(capsys.readouterr().err)["reports"]) == len(reports), "all logged"
