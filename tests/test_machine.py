@@ -88,6 +88,29 @@ def test_a_notice_opens_the_cycle_and_closing_the_gathering_orders_every_process
     assert of(m.step(ev.Polled("p0", 0, PollState())), ev.HoldPoll)
 
 
+def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its_own(config):
+    """Most processes of a large job are told the same ("leave by T"): one order object and
+    one id for them (built and pickled once per reply, not once per process), a distinct one
+    for each process told something else - and an acknowledgement still counts for its
+    sender only."""
+    m = registered(config, ranks=6)
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
+    out = {d.process_id: d.answer for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    savers = [pid for pid, answer in out.items() if answer.order.saves]
+    stay = [pid for pid, answer in out.items() if not answer.order.saves and pid != "p1"]
+    assert len(savers) >= 2 and len(stay) >= 2, f"a saver and a backup, then leavers: {out}"
+    assert all(out[pid] is out[stay[0]] for pid in stay), "they only leave: one order"
+    ids = {pid: answer.order.order_id for pid, answer in out.items()}
+    assert len({ids[pid] for pid in savers}) == len(savers), "each saver's is its own"
+    assert ids[stay[0]] not in {ids[pid] for pid in savers}
+    one, other = stay[:2]
+    assert ev.reply_of(m.step(ev.Acked(Ack(one, 0, ids[one])))).accepted
+    assert ev.reply_of(m.step(ev.Polled(other, 0, PollState()))).order == out[other].order, (
+        "one's acknowledgement is not the other's: it is told again until it acknowledges"
+    )
+    assert of(m.step(ev.Polled(one, 0, PollState())), ev.HoldPoll)
+
+
 def test_a_report_whose_saved_shards_are_not_records_is_refused_and_saves_nothing(config):
     """A report carries ``ShardRecord``s; anything else is refused with the reason, not read."""
     m = registered(config)

@@ -141,10 +141,12 @@ class SaveAssignment:
 
 @dataclass(frozen=True)
 class TeardownOrder:
-    """The coordinator's order to one worker process: tear down by ``deadline``.
+    """The coordinator's order to a worker process: tear down by ``deadline``.
 
     Delivered at least once: the coordinator answers every poll with it until the process
-    acknowledges ``order_id``; handling it is idempotent on the worker side.
+    acknowledges ``order_id``; handling it is idempotent on the worker side. ``order_id`` tells
+    one order of a process from another (never reused across cycles); processes told exactly
+    the same in a cycle share one order and its id.
     """
 
     job_id: str
