@@ -177,7 +177,7 @@ def test_all_reported_comes_with_the_last_awaited_report_in_any_order(config):
     m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n39"),)))
     report(m, "p39")  # its process tore down on its own before the plan
     m.step(ev.GatheringClosed(0))
-    m.registry.processes["p38"].lost = True  # died without a notice (the watcher's finding)
+    m.registry.mark_lost(m.registry.processes["p38"])  # died without a notice (the watcher)
     order = [f"p{i}" for i in (7, 0, 21, 3, 37, 12, 30, 1)] + [
         f"p{i}" for i in range(38) if i not in (7, 0, 21, 3, 37, 12, 30, 1)
     ]
@@ -260,8 +260,26 @@ def test_a_lost_rank_opens_a_cycle_and_in_teardown_ends_the_wait_for_it(config):
     assert m.watched_actors() == {"a0" * 16, "a1" * 16}
     lost = m.step(ev.RanksLost(frozenset({"a1" * 16, "not-ours"})))
     assert of(lost, ev.CycleOpened) and ev.reply_of(lost) is None, "its own event: no caller"
+    assert m.watched_actors() == {"a0" * 16}, "a lost process is watched no more"
     m.step(ev.GatheringClosed(0))
     assert of(report(m, "p0"), ev.AllReported), "the lost process has no report coming"
+
+
+def test_a_node_notice_is_taken_for_the_nodes_the_jobs_processes_registered_from(config):
+    """A node-level notice names a node of the job's or is refused; a process that registers
+    again from another node (its actor restarted elsewhere) moves its node with it."""
+    m = registered(config)  # p0 on n0, p1 on n1
+
+    def taken(node: str) -> bool:
+        cycle = m.cycle.number
+        notice = EvictionNotice("api", "x", cycle, time.time() + 60, node_id=node)
+        return ev.reply_of(m.step(ev.NoticesIn((notice,)))).accepted
+
+    assert not taken("n9")
+    moved = Register("p1", "n5", 1, "h", "job-a", (RankSpec("g", 1, 2, "0", True),))
+    m.step(ev.Registration(moved))
+    assert not taken("n1"), "p1 left n1: nobody of the job runs there"
+    assert taken("n5")
 
 
 def test_an_event_for_a_cycle_that_ended_changes_nothing(config):

@@ -244,7 +244,7 @@ def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decisi
     if not dead:
         return
     for process in dead:
-        process.lost = True
+        state.registry.mark_lost(process)
         state.resolve_saves(process, set(), "its process died", out)
     state.check_all_reported(out)
     if state.cycle.phase is Phase.TEARING_DOWN:

@@ -65,6 +65,7 @@ class CycleMachine:
         self.warm = warm
         self.spares = spares
         self.placement = placement
+        self._watched: tuple[tuple[int, int] | None, frozenset[str]] = (None, frozenset())
 
     @property
     def cycle(self) -> Cycle:
@@ -144,11 +145,19 @@ class CycleMachine:
     def active(self) -> list[Process]:
         return self.state.active()
 
-    def watched_actors(self) -> set[str]:
-        """The actors of this cycle's processes, to be checked for death without a notice."""
+    def watched_actors(self) -> frozenset[str]:
+        """The actors of this cycle's processes, to be checked for death without a notice.
+
+        Asked every watch round (``drain_poll_interval_s``); rebuilt only when the registry
+        changed: at 16,384 processes each rebuild took 25-50 ms of the event loop.
+        """
         if self.job_state != "running":
-            return set()  # the job is over: its actors going away is no eviction
-        return {p.actor_id for p in self.active() if p.actor_id and not p.lost}
+            return frozenset()  # the job is over: its actors going away is no eviction
+        key = (self.registry.version, self.cycle.number)
+        if self._watched[0] != key:
+            actors = frozenset(p.actor_id for p in self.active() if p.actor_id and not p.lost)
+            self._watched = (key, actors)
+        return self._watched[1]
 
     def topology(self) -> list[RankInfo]:
         return [RankInfo.of(s, p.node_id) for s, p in self.registry.ranks_of(self.cycle.number)]

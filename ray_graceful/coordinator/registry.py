@@ -59,6 +59,12 @@ class Registry:
     def __init__(self) -> None:
         self.processes: dict[str, Process] = {}
         self.ranks: dict[RankKey, tuple[RankSpec, str]] = {}  # key -> (spec, process id)
+        # node id -> the processes registered from it: a node-level notice asks whether the
+        # job runs there, and a scan of every process per notice was 17 ms at 16,384.
+        self.on_node: dict[str, set[str]] = {}
+        # Bumped whenever the set of processes or their standing changes (registered, lost,
+        # forgotten): what is derived from all of them is recomputed only then.
+        self.version = 0
 
     def register(self, message: Register, cycle: int) -> Process:
         keys = []
@@ -71,10 +77,14 @@ class Registry:
             self.ranks[spec.key] = (spec, message.process_id)
             keys.append(spec.key)
         process = self.processes.get(message.process_id)
+        if process is not None and process.node_id != message.node_id:
+            self.on_node.get(process.node_id, set()).discard(message.process_id)
         if process is None or process.cycle != cycle:
             process = Process(message, cycle, [])
             self.processes[message.process_id] = process
         process.registration = message
+        self.on_node.setdefault(message.node_id, set()).add(message.process_id)
+        self.version += 1
         process.keys = sorted(set(process.keys) | set(keys))
         return process
 
@@ -95,7 +105,12 @@ class Registry:
         return None if entry is None else self.processes.get(entry[1])
 
     def has_node(self, node_id: str, cycle: int) -> bool:
-        return any(p.node_id == node_id for p in self.active(cycle))
+        return any(self.processes[pid].cycle == cycle for pid in self.on_node.get(node_id, ()))
+
+    def mark_lost(self, process: Process) -> None:
+        """``process`` died without a notice: no report will come from it."""
+        process.lost = True
+        self.version += 1
 
     def forget_before(self, cycle: int) -> None:
         """Drop the processes of earlier cycles and their ranks: they were torn down.
@@ -107,6 +122,10 @@ class Registry:
         self.ranks = {
             k: (spec, pid) for k, (spec, pid) in self.ranks.items() if pid in self.processes
         }
+        self.on_node = {}
+        for process_id, process in self.processes.items():
+            self.on_node.setdefault(process.node_id, set()).add(process_id)
+        self.version += 1
 
     def describe_ranks(self, cycle: int) -> list[dict[str, object]]:
         """Every rank of ``cycle`` as ``ray-graceful status`` shows it."""

@@ -33,7 +33,7 @@ class Watcher:
         drain_source: DrainSource,
         lost_source: LostSource,
         interval_s: float,
-        watched: Callable[[], set[str]],
+        watched: Callable[[], frozenset[str]],
         take: Callable[[Event], object],
     ) -> None:
         self.drain_source = drain_source
