@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ray_graceful.torch_adapter import choose_abort
-from ray_graceful.worker.gloo import parse_sockaddrs
+from ray_graceful.worker.gloo import listeners_in, parse_sockaddrs
 from tests.helpers import free_port
 
 
@@ -75,6 +75,39 @@ def test_parse_sockaddrs_finds_ipv4_and_ipv6():
     blob = b"\x07header" + v4 + b"\x00\x01" + v6 + b"tail"
     assert parse_sockaddrs(blob) >= {("10.1.2.3", 4242), ("fe80::1", 5151)}
     assert parse_sockaddrs(b"") == set()
+
+
+# What two gloo ranks published (torch 2.x, captured on this machine): each listener's
+# sockaddr_in at byte 18, then the rest of a sockaddr_storage that gloo leaves uninitialised.
+_BLOB0 = bytes.fromhex(
+    "0200000000000000766d88000000000000000200aeed7f00000100000000000000001833e23229560000"
+    "8c95aa514b7f00001092ce53ff7f00005092ce53ff7f000028f5c12d295600005092ce53ff7f000028f5"
+    "c12d29560000e092ce53ff7f00005092ce53ff7f000000cacc40542aad7d000000000000000080ffffff"
+    "ffffffff730000000000000062db975a4b7f0000ffffffffffffffff00000000000000000100000000000000"
+)
+_BLOB1 = bytes.fromhex(
+    "0200000000000000766d880000000000000002009bb17f0000010000000000000000e8c26b7698550000"
+    "8c954a86b27f0000b0328ba8fc7f0000f0328ba8fc7f000028854b7198550000f0328ba8fc7f00002885"
+    "4b719855000000c903b17653e406000000000000000000c903b17653e406000000000000000080ffffff"
+    "ffffffff730000000000000062db378fb27f0000ffffffffffffffff00000000000000000100000000000000"
+)
+
+
+def _plant(blob: bytes, offset: int, fake: bytes) -> bytes:
+    return blob[:offset] + fake + blob[offset + len(fake) :]
+
+
+def test_listeners_ignore_lookalikes_in_gloos_uninitialised_bytes():
+    """A CI run found 3 listeners for 2 ranks: garbage after the sockaddr looked like one."""
+    real = {("127.0.0.1", 0xAEED), ("127.0.0.1", 0x9BB1)}
+    assert listeners_in([_BLOB0, _BLOB1], {0xAEED}) == real
+    ipv6_lookalike = _plant(_BLOB0, 60, bytes.fromhex("0a001234"))
+    ipv4_with_own_port = _plant(_BLOB1, 90, bytes.fromhex("0200aeed0a0000010000000000000000"))
+    assert len(parse_sockaddrs(ipv6_lookalike) | parse_sockaddrs(ipv4_with_own_port)) > 2
+    assert listeners_in([ipv6_lookalike, ipv4_with_own_port], {0xAEED, 6379}) == real
+    # Blobs this module does not know: no listener rather than a guess.
+    assert listeners_in([_BLOB0, _BLOB1], {6379}) == frozenset()
+    assert listeners_in([b"not gloo"], {0xAEED}) == frozenset()
 
 
 def _rank(rank, port, queue):

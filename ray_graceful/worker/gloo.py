@@ -9,7 +9,7 @@ the other end. So this module finds the group's own connections and shuts them d
 
 Finding them exactly: each rank publishes its gloo listening address in the group's store when
 the group is created (read through ``torch_adapter.gloo_listener_blobs``; each value holds a
-``sockaddr``). A socket
+``sockaddr``, at the offset where this rank finds its own listener in its own value). A socket
 of this process belongs to the group if its remote end is one of those listeners, or its local
 end is this rank's listener. The addresses are read once, at setup (the store may be gone at
 teardown); the sockets are matched at release time. Listening sockets are never touched
@@ -44,34 +44,58 @@ class GlooAddresses:
         return bool(self.listeners)
 
 
-def parse_sockaddrs(blob: bytes) -> set[Endpoint]:
-    """Every IPv4/IPv6 ``sockaddr`` (Linux layout) embedded in a gloo address blob."""
-    found: set[Endpoint] = set()
+def sockaddrs_at(blob: bytes) -> dict[int, Endpoint]:
+    """Every IPv4/IPv6 ``sockaddr`` (Linux layout) in a gloo address blob, by byte offset.
+
+    A scan finds look-alikes as well as the real one: gloo copies its listener's whole
+    ``sockaddr_storage`` into the blob, and the 112 bytes after the address are left
+    uninitialised (stack pointers, measured), so ``read_group_addresses`` keeps only the
+    offset where this rank's own listener is found.
+    """
+    found: dict[int, Endpoint] = {}
     for i in range(0, max(len(blob) - 15, 0)):
         family = struct.unpack_from("<H", blob, i)[0]
         if family == socket.AF_INET and blob[i + 8 : i + 16] == b"\0" * 8:
             port = struct.unpack_from(">H", blob, i + 2)[0]
             if port:
-                found.add((socket.inet_ntop(socket.AF_INET, blob[i + 4 : i + 8]), port))
+                found[i] = (socket.inet_ntop(socket.AF_INET, blob[i + 4 : i + 8]), port)
         elif family == socket.AF_INET6 and i + 28 <= len(blob):
             port = struct.unpack_from(">H", blob, i + 2)[0]
             if port:
-                found.add((socket.inet_ntop(socket.AF_INET6, blob[i + 8 : i + 24]), port))
+                found[i] = (socket.inet_ntop(socket.AF_INET6, blob[i + 8 : i + 24]), port)
     return found
+
+
+def parse_sockaddrs(blob: bytes) -> set[Endpoint]:
+    """Every ``sockaddr`` look-alike in ``blob`` (see ``sockaddrs_at``)."""
+    return set(sockaddrs_at(blob).values())
+
+
+def listeners_in(blobs: list[bytes], own_ports: set[int]) -> frozenset[Endpoint]:
+    """Each rank's listener from the group's blobs: the endpoint at the one offset where this
+    rank's own listener (a port in ``own_ports``) appears, read at that offset in every blob.
+
+    Every rank's blob has the same layout, so the offset that holds this rank's listener holds
+    every rank's. Empty when no offset does: the blobs are not what this module knows, and
+    releasing must not guess (a wrong port would shut down another library's connections).
+    Where look-alikes also carry one of ``own_ports``, the offset found in the most blobs
+    wins, then the earliest.
+    """
+    parsed = [sockaddrs_at(blob) for blob in blobs]
+    offsets = {off for found in parsed for off, (_, port) in found.items() if port in own_ports}
+    if not offsets:
+        return frozenset()
+    best = min(offsets, key=lambda off: (-sum(off in found for found in parsed), off))
+    return frozenset(_normal(found[best]) for found in parsed if best in found)
 
 
 def read_group_addresses(process_group: object) -> GlooAddresses:
     """Read the gloo listeners of ``process_group`` from its store (call at setup)."""
-    listeners: set[Endpoint] = set()
-    for blob in torch_adapter.gloo_listener_blobs(process_group):
-        listeners |= parse_sockaddrs(blob)
-    listeners = {_normal(e) for e in listeners}
     sockets = _tcp_sockets()
-    own = {s.local for s in sockets.values() if s.listening}
-    # Only trust the parse if this rank's own listener is among the addresses found.
-    if not listeners & own and not {p for _, p in listeners} & {p for _, p in own}:
+    own_ports = {s.local[1] for s in sockets.values() if s.listening}
+    found = listeners_in(torch_adapter.gloo_listener_blobs(process_group), own_ports)
+    if not found:
         return GlooAddresses(frozenset())
-    found = frozenset(listeners)
     return GlooAddresses(found, frozenset(s.inode for s in _matching(found, sockets)))
 
 
