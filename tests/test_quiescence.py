@@ -106,6 +106,39 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
     assert teardown.training_released.is_set(), "a parked thread is let go after the save"
 
 
+def test_a_thread_stuck_in_a_collective_is_timed_from_the_release_not_from_the_exit(
+    tmp_path, monkeypatch
+):
+    """A saver released its peers seconds before it asks Ray to exit: a thread still in its
+    collective since then is given up on at once, not after a fresh wait."""
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker import teardown as teardown_module
+
+    config = GracefulConfig(report_dir=str(tmp_path), exit_grace_s=5.0)
+    teardown = teardown_module.Teardown(config, [], "test", time.time() + 30, exit_process=False)
+    threshold = teardown_module.STUCK_IN_COLLECTIVE_S
+    monkeypatch.setattr(teardown_module, "thread_in_collective", lambda: True)
+
+    teardown.released_at = time.monotonic() - 2.0
+    waited, stuck_s = teardown._wait_for_intended_exit()
+    assert stuck_s is not None and stuck_s >= 2.0
+    assert waited < threshold, f"waited {waited:.2f}s more for a thread stuck for 2 s"
+
+    teardown.released_at = time.monotonic()  # just released: the thread gets its time
+    waited, stuck_s = teardown._wait_for_intended_exit()
+    assert stuck_s is not None and threshold <= stuck_s < 5.0
+
+    monkeypatch.setattr(teardown_module, "thread_in_collective", lambda: False)
+    teardown.config = GracefulConfig(report_dir=str(tmp_path), exit_grace_s=0.3)
+    assert teardown._wait_for_intended_exit()[1] is None, "a thread out of it is not stuck"
+
+    teardown.released_at = None  # no release ran: nothing to call stuck
+    monkeypatch.setattr(teardown_module, "thread_in_collective", lambda: True)
+    assert teardown._wait_for_intended_exit()[1] is None
+
+
 def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     """No order after reporting the SIGTERM: the rank goes alone, its deadline still counted
     from the signal (it was counted from the moment it gave up: 7 s after the signal for 4 s)."""

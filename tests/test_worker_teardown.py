@@ -206,6 +206,7 @@ def test_rank_stuck_in_a_collective_after_release_exits_without_waiting(
     exit_step = next(s for s in report["phases"] if s["name"] == "exit")
     assert report["exit_path"] == "ray_kill", report
     assert "still alive" in exit_step["detail"] and "all_reduce" in exit_step["detail"], exit_step
+    assert "still in a collective" in exit_step["detail"], exit_step
     exit_type, detail = wait_for(lambda: worker_exit(pids[0]), 10, "the GCS worker record")
     assert exit_type == "INTENDED_SYSTEM_EXIT", (exit_type, detail)
     kill_actors(*ranks)

@@ -72,7 +72,10 @@ class TrainingThread(Protocol):
         """The step the thread parked at, else the last step boundary it reported."""
 
 
-STUCK_IN_COLLECTIVE_S = 0.3
+# Still inside a collective this long after its peers were released: gloo's queued-send race,
+# which nothing wakes. Measured from the release to the thread leaving its collective: 3-6 ms
+# in the test suite, 16-130 ms with 16 ranks tearing down at once on two cores.
+STUCK_IN_COLLECTIVE_S = 0.2
 FORCED_EXIT_WAIT_S = 2.0  # Ray's forced intended exit may take this long; then exit hard
 # Found inside a collective this long at quiesce: release first. A healthy step's collective
 # that ends within it still parks at the boundary, where the rank can save (20 ms was tried:
@@ -113,6 +116,7 @@ class Teardown:
         self.clean_step: int | None = None
         # Set once the training thread may leave should_stop (parked there until the save).
         self.training_released = threading.Event()
+        self.released_at: float | None = None  # monotonic, once release_peers ran
         self.t0 = time.monotonic()
         self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
         identity = ray_identity()
@@ -200,6 +204,7 @@ class Teardown:
                 errors.append(f"{group.name}: {type(exc).__name__}: {exc}")
         if errors:
             raise RuntimeError("; ".join(errors + done))
+        self.released_at = time.monotonic()
         return "; ".join(done)
 
     def _drain_device(self) -> str:
@@ -348,11 +353,13 @@ class Teardown:
                 exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
             except Exception as exc:
                 write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
-            waited = self._wait_for_intended_exit()
+            waited, stuck_s = self._wait_for_intended_exit()
             why = (
                 f"; the process was still alive after {waited:.2f}s "
                 f"(a task had not returned: {busy_threads()})"
             )
+            if stuck_s is not None:
+                why += f", its thread still in a collective {stuck_s:.2f}s after the release"
             force = ray_adapter.forced_intended_exit()
             if force is not None:
                 # Ray kills the actor from its IO thread: recorded INTENDED_SYSTEM_EXIT (status
@@ -372,27 +379,28 @@ class Teardown:
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
 
-    def _wait_for_intended_exit(self) -> float:
-        """Give Ray's exit up to ``exit_grace_s`` to end the process; returns the time waited.
+    def _wait_for_intended_exit(self) -> tuple[float, float | None]:
+        """Give Ray's exit up to ``exit_grace_s`` to end the process.
 
         Ray's exit waits for the running task to return. A task still inside a collective
         ``STUCK_IN_COLLECTIVE_S`` after the peers were released will not return (gloo can miss
-        a shut-down connection while a send is queued), so waiting longer only costs time.
+        a shut-down connection while a send is queued), so waiting longer only costs time. The
+        time counts from the release, not from this wait: a saver that released its peers
+        seconds ago is not made to wait again. Returns the time waited, and how long after the
+        release the thread was found stuck (None when it was not).
         """
         started = time.monotonic()
         limit = max(min(self.config.exit_grace_s, self.remaining()), 0.0)
-        ran = PhaseStatus.RAN
-        released = any(r.name == "release_peers" and r.status is ran for r in self.report.phases)
         stuck_since: float | None = None
         while (waited := time.monotonic() - started) < limit:
-            if released and thread_in_collective():
-                stuck_since = stuck_since or time.monotonic()
-                if time.monotonic() - stuck_since >= STUCK_IN_COLLECTIVE_S:
-                    break
+            if self.released_at is not None and thread_in_collective():
+                stuck_since = stuck_since or self.released_at
+                if (stuck_s := time.monotonic() - stuck_since) >= STUCK_IN_COLLECTIVE_S:
+                    return waited, stuck_s
             else:
-                stuck_since = None
+                stuck_since = time.monotonic()  # out of it since: a new collective counts anew
             time.sleep(0.02)
-        return waited
+        return waited, None
 
     def _watchdog(self) -> None:
         delay = self.remaining()
