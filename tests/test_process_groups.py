@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ray_graceful.torch_adapter import choose_abort
-from ray_graceful.worker.gloo import listeners_in, parse_sockaddrs
+from ray_graceful.worker.gloo import listeners_in, sockaddrs_at
 from tests.helpers import free_port
 
 
@@ -67,14 +67,15 @@ def test_nccl_abort_falls_back_to_c10d_then_group_then_none():
     assert choose_abort(object(), _OldBackend(), _C10d(calls, has_abort_pg=False)) is None
 
 
-def test_parse_sockaddrs_finds_ipv4_and_ipv6():
+def test_sockaddrs_at_finds_ipv4_and_ipv6():
     v4 = struct.pack("<H", socket.AF_INET) + struct.pack(">H", 4242) + socket.inet_aton("10.1.2.3")
     v4 += b"\0" * 8
     v6 = struct.pack("<H", socket.AF_INET6) + struct.pack(">H", 5151) + b"\0" * 4
     v6 += socket.inet_pton(socket.AF_INET6, "fe80::1") + b"\0" * 4
     blob = b"\x07header" + v4 + b"\x00\x01" + v6 + b"tail"
-    assert parse_sockaddrs(blob) >= {("10.1.2.3", 4242), ("fe80::1", 5151)}
-    assert parse_sockaddrs(b"") == set()
+    assert set(sockaddrs_at(blob).values()) >= {("10.1.2.3", 4242), ("fe80::1", 5151)}
+    assert sockaddrs_at(blob)[7] == ("10.1.2.3", 4242), "found where it starts"
+    assert sockaddrs_at(b"") == {}
 
 
 # What two gloo ranks published (torch 2.x, captured on this machine): each listener's
@@ -103,7 +104,7 @@ def test_listeners_ignore_lookalikes_in_gloos_uninitialised_bytes():
     assert listeners_in([_BLOB0, _BLOB1], {0xAEED}) == real
     ipv6_lookalike = _plant(_BLOB0, 60, bytes.fromhex("0a001234"))
     ipv4_with_own_port = _plant(_BLOB1, 90, bytes.fromhex("0200aeed0a0000010000000000000000"))
-    assert len(parse_sockaddrs(ipv6_lookalike) | parse_sockaddrs(ipv4_with_own_port)) > 2
+    assert len(sockaddrs_at(ipv6_lookalike)) + len(sockaddrs_at(ipv4_with_own_port)) > 2
     assert listeners_in([ipv6_lookalike, ipv4_with_own_port], {0xAEED, 6379}) == real
     # Blobs this module does not know: no listener rather than a guess.
     assert listeners_in([_BLOB0, _BLOB1], {6379}) == frozenset()

@@ -49,8 +49,8 @@ def sockaddrs_at(blob: bytes) -> dict[int, Endpoint]:
 
     A scan finds look-alikes as well as the real one: gloo copies its listener's whole
     ``sockaddr_storage`` into the blob, and the 112 bytes after the address are left
-    uninitialised (stack pointers, measured), so ``read_group_addresses`` keeps only the
-    offset where this rank's own listener is found.
+    uninitialised (stack pointers, measured), so ``listeners_in`` keeps only the offset where
+    this rank's own listener is found.
     """
     found: dict[int, Endpoint] = {}
     for i in range(0, max(len(blob) - 15, 0)):
@@ -64,11 +64,6 @@ def sockaddrs_at(blob: bytes) -> dict[int, Endpoint]:
             if port:
                 found[i] = (socket.inet_ntop(socket.AF_INET6, blob[i + 8 : i + 24]), port)
     return found
-
-
-def parse_sockaddrs(blob: bytes) -> set[Endpoint]:
-    """Every ``sockaddr`` look-alike in ``blob`` (see ``sockaddrs_at``)."""
-    return set(sockaddrs_at(blob).values())
 
 
 def listeners_in(blobs: list[bytes], own_ports: set[int]) -> frozenset[Endpoint]:
