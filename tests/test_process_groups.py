@@ -120,7 +120,10 @@ def _rank(rank, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     handle = resolve_group("g")
-    queue.put(("addresses", rank, len(handle.gloo_addresses.listeners)))
+    found = handle.gloo_addresses
+    queue.put(
+        ("addresses", rank, len(found.listeners), len(found.others), found.others & found.inodes)
+    )
     if rank == 0:
         threading.Timer(0.5, lambda: queue.put(("released", release(handle)))).start()
         start = time.monotonic()
@@ -156,6 +159,9 @@ def test_gloo_release_frees_own_thread_and_peer():
     for p in procs:
         p.join(10)
     assert events["addresses0"][2] == 2 and events["addresses1"][2] == 2
+    # The store's connection is not the group's: set aside at setup, not looked at again.
+    assert events["addresses0"][3] >= 1 and events["addresses1"][3] >= 1
+    assert not events["addresses0"][4] and not events["addresses1"][4]
     assert any("shut down" in line and "gloo" in line for line in events["released"][1])
     _, outcome0, waited0 = events["rank0"]
     assert "closed by peer" in outcome0 and waited0 < 2.0, events["rank0"]
