@@ -341,12 +341,7 @@ def incomplete_groups(topology: Iterable[RankInfo]) -> dict[str, str]:
     ranks did not say their world size (``world_size`` 0, a dry-run topology) are taken as
     they are.
     """
-    present: dict[str, set[int]] = {}
-    sizes: dict[str, set[int]] = {}
-    for info in topology:
-        present.setdefault(info.group, set()).add(info.rank)
-        if info.world_size > 0:
-            sizes.setdefault(info.group, set()).add(info.world_size)
+    present, sizes = _ranks_and_sizes(topology)
     out = {}
     for group, declared in sizes.items():
         if len(declared) > 1:
@@ -364,6 +359,31 @@ def incomplete_groups(topology: Iterable[RankInfo]) -> dict[str, str]:
                 why += f" (ranks beyond the world size: {_few(beyond)})"
             out[group] = why
     return out
+
+
+def missing_ranks(topology: Iterable[RankInfo]) -> dict[str, list[int]]:
+    """Per group that agrees on its world size, the ranks below it that are not in ``topology``."""
+    present, sizes = _ranks_and_sizes(topology)
+    out = {}
+    for group, declared in sizes.items():
+        if len(declared) == 1:
+            missing = sorted(set(range(next(iter(declared)))) - present[group])
+            if missing:
+                out[group] = missing
+    return out
+
+
+def _ranks_and_sizes(
+    topology: Iterable[RankInfo],
+) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """Per group: the ranks present, and the world sizes they declared (0 is none)."""
+    present: dict[str, set[int]] = {}
+    sizes: dict[str, set[int]] = {}
+    for info in topology:
+        present.setdefault(info.group, set()).add(info.rank)
+        if info.world_size > 0:
+            sizes.setdefault(info.group, set()).add(info.world_size)
+    return present, sizes
 
 
 def _few(numbers: list[int]) -> str:

@@ -265,6 +265,37 @@ def test_a_lost_rank_opens_a_cycle_and_in_teardown_ends_the_wait_for_it(config):
     assert of(report(m, "p0"), ev.AllReported), "the lost process has no report coming"
 
 
+def test_after_a_restart_a_rank_not_registered_again_is_lost_and_its_group_ordered_out(config):
+    """A rank that died or left alone while the coordinator restarted never registers again;
+    its peers, registered again, wait for an order. Once the restart settled, the missing rank
+    is a "lost" notice naming it, and the plan orders the group's other ranks out (the group is
+    incomplete: none saves for it). A group that came back whole opens nothing."""
+    m = machine(config)
+    for rank in (0, 2, 3):  # rank 1 of 4 never came back
+        spec = RankSpec("g", rank, 4, str(rank % 2), True)
+        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
+    whole = RankSpec("h", 0, 1, "0", True)
+    m.step(ev.Registration(Register("q0", "n0", 9, "h", "job-a", (whole,))))
+
+    settled = m.step(ev.RestartSettled(5.0))
+    assert of(settled, ev.CycleOpened) == [ev.CycleOpened(0)]
+    assert ev.reply_of(settled) is None, "its own event: no caller"
+    assert [(n.source, n.rank) for n in m.cycle.notices] == [("lost", ("g", 1))]
+    assert "did not register again within 5s" in m.cycle.notices[0].reason
+
+    ordered = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    assert set(ordered) == {"p0", "p2", "p3", "q0"}, "every process still here is ordered out"
+    assert not any(ordered[p].saves for p in ("p0", "p2", "p3")), "an incomplete group saves none"
+    assert "missing: 1" in m.cycle.plan.incomplete["g"]
+    assert m.step(ev.RestartSettled(5.0)) == [], "orders out: nothing more to say"
+
+
+def test_after_a_restart_every_group_back_whole_opens_nothing(config):
+    m = registered(config, ranks=2)
+    assert m.step(ev.RestartSettled(5.0)) == []
+    assert m.cycle.phase.value == "idle"
+
+
 def test_a_node_notice_is_taken_for_the_nodes_the_jobs_processes_registered_from(config):
     """A node-level notice names a node of the job's or is refused; a process that registers
     again from another node (its actor restarted elsewhere) moves its node with it."""

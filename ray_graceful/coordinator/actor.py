@@ -91,6 +91,7 @@ class CoordinatorActor(NodeFacingCalls):
         self.job_id = job_id
         self.restarted = ray_adapter.actor_was_restarted()  # our process died; Ray started us
         self.settle_until = time.time() + recovery.SETTLE_S if self.restarted else 0.0
+        self.settle_check_due = self.restarted  # then: who did not register again is gone
         first_cycle, self.left_open = recovery.predecessor(config, job_id, self.restarted)
         self.warm = WarmRestarts(config, store_factory or host_store)
         self.warm.prepare()
@@ -138,11 +139,20 @@ class CoordinatorActor(NodeFacingCalls):
         self.memory.resume()
         while self.left_open:
             self._spawn(self._conclude_left(self.left_open.pop()))
+        if self.settle_check_due:
+            self.settle_check_due = False
+            self._spawn(self._after_settling())
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self.cycle_tasks.add(task)
         task.add_done_callback(self.cycle_tasks.discard)
+
+    async def _after_settling(self) -> None:
+        """After a restart: the ranks that did not register again by ``settle_until`` are gone
+        (``intake.not_back``)."""
+        await asyncio.sleep(max(0.0, self.settle_until - time.time()))
+        self._step(ev.RestartSettled(recovery.SETTLE_S))
 
     async def _conclude_left(self, cycle: recovery.InFlight) -> None:
         """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""

@@ -113,6 +113,13 @@ class RanksLost:
 
 
 @dataclass(frozen=True)
+class RestartSettled:
+    """A restarted coordinator's ranks had ``settle_s`` to register again (``recovery.py``)."""
+
+    settle_s: float
+
+
+@dataclass(frozen=True)
 class GatheringClosed:
     """The gathering window of ``cycle`` closed (or every touched node was covered)."""
 
@@ -216,6 +223,7 @@ Event = (
     | DrainsSeen
     | DrainUnreadable
     | RanksLost
+    | RestartSettled
     | GatheringClosed
     | ReportIn
     | SaveResultIn

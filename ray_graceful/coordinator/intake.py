@@ -10,7 +10,8 @@ Functions of the machine's ``CoordinatorState``, each appending its decisions to
   once every node the notices touched is covered (``Cycle.cover``); later ones are recorded as
   late;
 - ``sigterm``, ``drains``, ``lost`` - the notices of a SIGTERM, of Ray's drain state and of
-  ranks that died without one.
+  ranks that died without one; ``not_back`` - of ranks that did not register again after the
+  coordinator's restart.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
+from ..plan import RankInfo, missing_ranks
 from ..protocol import PollAnswer, PollKind, PollState, ProtocolError, Reply, check_version
 from . import events as ev
 from .cycle import Phase
@@ -136,14 +138,16 @@ def sigterm(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> No
     take_notices(state, notices, out)
 
 
-def _check_target(state: CoordinatorState, notice: EvictionNotice) -> str | None:
+def _check_target(
+    state: CoordinatorState, notice: EvictionNotice, unregistered: bool = False
+) -> str | None:
     if notice.cycle != state.cycle.number:
         return state.stale(notice.cycle)
     if notice.node_id is not None and not state.registry.has_node(
         notice.node_id, state.cycle.number
     ):
         return f"no rank of this job runs on node {notice.node_id}"
-    if notice.rank is not None and notice.rank not in state.registry.ranks:
+    if notice.rank is not None and not unregistered and notice.rank not in state.registry.ranks:
         return f"rank {notice.rank[0]}/{notice.rank[1]} is not registered"
     return None
 
@@ -153,16 +157,18 @@ def take_notices(
     notices: Iterable[EvictionNotice],
     out: list[ev.Decision],
     answer: bool = True,
+    unregistered: bool = False,
 ) -> None:
     """Take notices: the first opens the cycle's teardown (IDLE -> GATHERING).
 
     ``answer``: reply to the caller; False for notices the machine made itself within another
     event (a health verdict in a poll, a drain, a lost rank) that has its own answer.
+    ``unregistered``: the notices may name ranks that are not registered (``not_back``'s).
     """
     accepted, reasons = 0, []
     cycle = state.cycle
     for notice in notices:
-        reason = _check_target(state, notice)
+        reason = _check_target(state, notice, unregistered)
         if reason is not None:
             reasons.append(state.reject(out, notice.to_dict(), reason))
             continue
@@ -256,3 +262,34 @@ def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decisi
         for k in process.keys
     ]
     take_notices(state, notices, out, answer=False)
+
+
+def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -> None:
+    """A restarted coordinator, ``settle_s`` after it started: a rank not registered again is gone.
+
+    Every rank registers again within a second or two of a restart (``worker/control.py``); a
+    rank of a registered group that has not by then died, or left on its own while no
+    coordinator answered (a SIGTERM it could not report). Nothing else would notice it: the
+    lost-rank watch covers the actors this coordinator knows, and its peers, registered again,
+    stopped watching the group's store for its leave key (``worker/peer_release.py``) - they
+    would wait for an order that never comes. So each such rank is a "lost" notice, and the
+    cycle orders its group out (the plan finds the group incomplete: its ranks leave, none
+    saves for it).
+    """
+    cycle = state.cycle
+    if state.job_state != "running" or cycle.tearing_down:
+        return  # the job ended, or the orders are out: the group is ordered out with them
+    topology = [RankInfo.of(s, p.node_id) for s, p in state.registry.ranks_of(cycle.number)]
+    notices = [
+        EvictionNotice(
+            "lost",
+            f"rank {rank} of group {group!r} did not register again within {settle_s:.0f}s of "
+            "the coordinator's restart: it died or left while no coordinator answered",
+            cycle.number,
+            time.time(),
+            rank=(group, rank),
+        )
+        for group, ranks in sorted(missing_ranks(topology).items())
+        for rank in ranks
+    ]
+    take_notices(state, notices, out, answer=False, unregistered=True)

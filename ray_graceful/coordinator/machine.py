@@ -106,6 +106,8 @@ class CycleMachine:
                 state.reject(out, {"source": "drain"}, f"could not read Ray's drain state: {error}")
             case ev.RanksLost(actor_ids):
                 intake.lost(state, actor_ids, out)
+            case ev.RestartSettled(settle_s):
+                intake.not_back(state, settle_s, out)
             case ev.GatheringClosed(cycle):
                 if cycle == self.cycle.number and self.cycle.phase is Phase.GATHERING:
                     spares = self.spares.spares.values()

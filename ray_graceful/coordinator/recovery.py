@@ -21,7 +21,9 @@ the driver's node); the new process starts empty. What it needs was written down
   not all in the same instant. A plan made before a group is whole again would order out the
   ranks already back and strand the rest in a group that cannot go on - so for its first
   ``SETTLE_S`` a restarted coordinator plans only once every group it has heard from is
-  complete (``settled``). A drain under way is seen at the watcher's first poll.
+  complete (``settled``). A rank still missing after that is taken as gone - it died or left
+  alone while no coordinator answered - and its group is ordered out (``intake.not_back``).
+  A drain under way is seen at the watcher's first poll.
 
 Reading and committing touch only the disk (and keepers' answers); ``conclude_from_disk`` runs
 on a thread.

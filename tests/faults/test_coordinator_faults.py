@@ -67,11 +67,11 @@ def shard_files(config) -> list[str]:
     ]
 
 
-def record(fault_log, exit_recorder, name, config, outcome, pids, ranks):
+def record(fault_log, exit_recorder, name, config, outcome, pids, ranks, killed=()):
     """Every rank out by its deadline, and the checkpoint as the outcome says (or untouched)."""
     released, hangs = settle(exit_recorder, pids)
     state = checkpoint_state(outcome, config) if outcome is not None else "n/a"
-    fault_log.record(name, len(pids), released, hangs, state, pids)
+    fault_log.record(name, len(pids), released, hangs, state, pids, killed)
     kill_actors(*ranks)
     assert hangs == 0, f"{hangs} rank(s) still alive past their deadline"
     return released
@@ -108,6 +108,25 @@ def test_killed_while_gathering(rep, fault_log, ray_cluster, config, exit_record
         record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
     finally:
         coordinator.shutdown()
+
+
+def test_a_rank_killed_while_it_restarts_is_taken_as_lost(
+    rep, fault_log, config, coordinator, exit_recorder
+):
+    """A rank that dies while no coordinator answers never registers again, no lost-rank watch
+    knows its actor, and its peers stop watching their store once they are back: the restarted
+    coordinator takes a rank still missing after its settling time as lost and orders the rest
+    of its group out (abandoned: an incomplete group saves nothing)."""
+    ranks, pids = start(config, exit_recorder)
+    old = kill_coordinator(coordinator)
+    os.kill(pids[1], signal.SIGKILL)  # before the new coordinator can know it
+    wait_for(lambda: restarted_with_ranks(coordinator, old, ranks=3), 30, "the others back")
+    outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
+    assert outcome is not None, "the restarted coordinator never noticed the missing rank"
+    assert [(n["source"], n["rank"]) for n in outcome.notices] == [("lost", ["trainer", 1])]
+    assert outcome.result == Result.ABANDONED and "missing: 1" in outcome.reason, outcome.reason
+    name = "rank killed while the coordinator restarts"
+    record(fault_log, exit_recorder, name, config, outcome, pids, ranks, killed=[pids[1]])
 
 
 def test_killed_during_teardown(rep, fault_log, config, coordinator, exit_recorder, tmp_path):
