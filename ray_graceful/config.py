@@ -117,7 +117,8 @@ class GracefulConfig:
         2.0,
         allowed.between(0.0, 60.0),
         "After reporting a SIGTERM to the coordinator, how long a rank waits for its order "
-        "before tearing itself down on its own.",
+        "before tearing itself down on its own. While Ray restarts the coordinator the rank "
+        "waits for the new one's order longer, as long as its own save would still fit.",
     )
     strict: bool = _setting(
         False,

@@ -290,6 +290,33 @@ def test_after_a_restart_a_rank_not_registered_again_is_lost_and_its_group_order
     assert m.step(ev.RestartSettled(5.0)) == [], "orders out: nothing more to say"
 
 
+def test_while_gathering_a_rank_missing_from_a_planned_group_is_let_in_and_ordered(config):
+    """After a restart, one rank's SIGTERM reported again opens the cycle before its peers
+    registered again: they belong to the group being planned (refused, they kept it incomplete
+    and the cycle was abandoned). Anyone else still waits for the next cycle."""
+    m = machine(config)
+
+    def register(pid: str, group: str, rank: int, world: int = 4):
+        spec = RankSpec(group, rank, world, str(rank % 2), True)
+        return ev.reply_of(m.step(ev.Registration(Register(pid, "n0", 1, "h", "job-a", (spec,)))))
+
+    assert register("p1", "g", 1).accepted
+    m.step(ev.NoticesIn((EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", 1)),)))
+    assert m.cycle.phase.value == "gathering"
+    assert register("p0", "g", 0).accepted, "missing from the group being planned"
+    refused = register("x0", "g", 1)
+    assert not refused.accepted and refused.retry, "rank 1 is p1's"
+    refused = register("y0", "other", 0, world=2)
+    assert not refused.accepted and refused.retry, "a group this cycle does not plan for"
+    refused = register("z0", "g", 2, world=8)
+    assert not refused.accepted and refused.retry, "not the group's world size"
+    assert register("p2", "g", 2).accepted and register("p3", "g", 3).accepted
+
+    ordered = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    assert set(ordered) == {"p0", "p1", "p2", "p3"}
+    assert not m.cycle.plan.incomplete and not m.cycle.plan.abandoned, m.cycle.plan.abandoned
+
+
 def test_after_a_restart_every_group_back_whole_opens_nothing(config):
     m = registered(config, ranks=2)
     assert m.step(ev.RestartSettled(5.0)) == []

@@ -32,14 +32,16 @@ class SilentControl:
 
     alive = True
     connected = True
+    reconnecting = False
+    restarts_seen = 0
 
     def __init__(self) -> None:
         import threading
 
         self.order_received = threading.Event()  # never set
 
-    def report_sigterm(self, received_at: float) -> bool:
-        return True
+    def report_sigterm(self, received_at: float) -> str:
+        return "accepted"
 
 
 @pytest.mark.parametrize("module_name", ["user_code.trainer", "ray_graceful.demo_like"])
@@ -157,6 +159,71 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     runtime._await_order(15, SilentControl(), signalled)
     assert started["deadline"] == signalled + 4.0
     assert "no order from the coordinator" in started["trigger"]
+
+
+class RestartingControl(SilentControl):
+    """A control channel whose coordinator Ray is restarting: the report cannot land."""
+
+    connected = False
+    reconnecting = True
+    restarts_seen = 1
+
+    def report_sigterm(self, received_at: float) -> str:
+        return "restarting"
+
+
+class SilentlyDeadControl(SilentControl):
+    """A coordinator SIGKILLed a moment ago: the report times out before Ray finds it dead."""
+
+    def report_sigterm(self, received_at: float) -> str:
+        return "unanswered"
+
+
+@pytest.mark.parametrize(
+    "control_type,order_comes,why",
+    [
+        (RestartingControl, True, ""),
+        (RestartingControl, False, "the coordinator restarted; it was not back"),
+        (SilentlyDeadControl, False, "the coordinator did not answer"),
+    ],
+)
+def test_a_sigterm_while_the_coordinator_restarts_waits_for_the_new_ones_order(
+    control_type, order_comes, why
+):
+    """The new coordinator's order (a replica saves every shard) is worth waiting for past
+    ``order_wait_s``: the rank waits while going alone afterwards still leaves it its own save
+    (here 8 - 1 margin - 2 destroy - 4 save = 1 s), takes the order when it comes, and else goes
+    alone then, saying why. A coordinator gone for good (the channel lost) is not waited for."""
+    import threading
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.process_runtime import ProcessRuntime
+
+    config = GracefulConfig(teardown_timeout_s=8.0, save_budget_s=4.0, order_wait_s=0.1)
+    runtime = ProcessRuntime(config=config)
+    started: dict = {}
+    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
+        at=time.time(), trigger=trigger
+    )
+    control = control_type()
+    if order_comes:  # registered again 0.4 s later, the SIGTERM reported, the order out
+        threading.Timer(0.4, lambda: setattr(runtime, "order", object())).start()
+    signalled = time.time()
+    runtime._await_order(15, control, signalled)
+    if order_comes:
+        assert started == {}, "the order, not the rank alone, tears it down"
+        assert 0.4 <= time.time() - signalled < 0.9
+    else:
+        assert 0.9 <= started["at"] - signalled < 1.4, started["at"] - signalled
+        assert why in started["trigger"], started["trigger"]
+
+    gone, started = RestartingControl(), {}
+    gone.alive = False  # ActorDiedError: no restart left
+    runtime.order = None
+    signalled = time.time()
+    runtime._await_order(15, gone, signalled)
+    assert started["at"] - signalled < 0.2, "nothing to wait for"
 
 
 def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monkeypatch):

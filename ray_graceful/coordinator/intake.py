@@ -23,7 +23,16 @@ from typing import Any
 from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
 from ..plan import RankInfo, missing_ranks
-from ..protocol import PollAnswer, PollKind, PollState, ProtocolError, Reply, check_version
+from ..protocol import (
+    PollAnswer,
+    PollKind,
+    PollState,
+    ProtocolError,
+    RankKey,
+    RankSpec,
+    Reply,
+    check_version,
+)
 from . import events as ev
 from .cycle import Phase
 from .registry import Process
@@ -46,7 +55,7 @@ def register(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> N
         )
         return
     number = state.cycle.number
-    if state.cycle.tearing_down:
+    if state.cycle.tearing_down and not _completes_a_group(state, message):
         # The previous group is still leaving: its ranks are what this cycle plans for. The
         # worker's control thread registers again until the next cycle accepts it.
         why = f"cycle {number} is being torn down; registering again once it ended"
@@ -59,6 +68,48 @@ def register(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> N
     if state.config.memory_replicas > 0:
         out.append(ev.KeeperNeeded(message.node_id))
     out.append(ev.Replied(Reply.ok(number)))
+
+
+def _completes_a_group(state: CoordinatorState, message: Any) -> bool:
+    """While gathering: does ``message`` bring ranks of the groups this cycle plans for?
+
+    Such a rank belongs to the group being planned, not to the next cycle: a rank registering
+    again after the coordinator's restart while a peer's re-reported SIGTERM already opened the
+    cycle (refused, it kept its group incomplete until the plan gave up on it: abandoned), a
+    group's late starter, or a process of this cycle registering again as itself (its node
+    agent failed). Each of its ranks must be that process's already, or missing from a group
+    registered in this cycle with the same world size.
+    """
+    if state.cycle.phase is not Phase.GATHERING or not message.ranks:
+        return False
+    registry, number = state.registry, state.cycle.number
+    for spec in message.ranks:
+        entry = registry.ranks.get(spec.key)
+        if entry is not None:
+            if entry[1] != message.process_id:
+                return False  # another process holds it
+        else:
+            entry = _a_member_of(registry.ranks, spec.group, spec.world_size)
+            if entry is None or entry[0].world_size != spec.world_size:
+                return False
+        process = registry.processes.get(entry[1])
+        if process is None or process.cycle != number:
+            return False
+    return True
+
+
+def _a_member_of(
+    ranks: dict[RankKey, tuple[RankSpec, str]], group: str, world_size: int
+) -> tuple[RankSpec, str] | None:
+    """Any registered rank of ``group`` (its spec, its process id), or None; looks at no more
+    keys than there are registered ranks, whatever world size a message claims."""
+    if world_size > len(ranks):
+        return next((entry for key, entry in ranks.items() if key[0] == group), None)
+    for rank in range(world_size):
+        entry = ranks.get((group, rank))
+        if entry is not None:
+            return entry
+    return None
 
 
 def poll(

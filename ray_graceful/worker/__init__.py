@@ -9,6 +9,7 @@
 - ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
 - ``control.py``       the transport to the coordinator (register, long poll, ack, report;
                        registering again with a coordinator Ray restarted)
+- ``order_wait.py``    how long a SIGTERMed rank waits for its order before going alone
 - ``peer_release.py``  without a reachable coordinator: a rank leaving alone tells its peers
                        through the group's store, and they leave too
 - ``setup_status.py``  what ``graceful_setup`` installed (``SetupStatus``)

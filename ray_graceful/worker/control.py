@@ -12,9 +12,11 @@ not sent again - delivery is at least once) and hands it to ``on_order``; the wo
 it into a teardown. A coordinator that Ray is restarting (its process died; the poll fails with
 ``ActorUnavailableError``) is registered with again, with the same keys, for up to
 ``coordinator_reconnect_s``; one that is gone for good (``ActorDiedError``) ends the channel.
-Either way ``on_disconnect`` is told at once: while no coordinator is reachable a SIGTERM tears
-the rank down on its own and releases its peers through the group's store
-(``peer_release.py``).
+Either way ``on_disconnect`` is told at once, and the peers are watched through the group's
+store (``peer_release.py``). A SIGTERM while Ray restarts the coordinator is reported to the
+new one, and the rank waits for its order as long as its own save would still fit
+(``ProcessRuntime._await_restarted_coordinator``); with the coordinator gone for good it tears
+itself down on its own and releases its peers through the store.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
@@ -52,6 +54,8 @@ REGISTER_TIMEOUT_S = 15.0
 REREGISTER_EVERY_S = 0.25  # while the coordinator says "later" (a cycle still tearing down)
 REPORT_TIMEOUT_S = 2.0
 SIGTERM_REPORT_TIMEOUT_S = 1.0
+
+SigtermTold = Literal["accepted", "refused", "restarting", "unanswered", "unreachable"]
 
 
 def find_coordinator(config: GracefulConfig) -> Any | None:
@@ -111,6 +115,8 @@ class ControlChannel:
         self.coordinator_name = coordinator_name(config, self.job_id)
         self.cycle: int | None = None
         self.alive = True
+        self.reconnecting = False  # Ray is restarting the coordinator: registering again
+        self.restarts_seen = 0  # how often this channel found the coordinator restarting
         self.state = "connecting"
         self.order_received = threading.Event()
         self._thread: threading.Thread | None = None
@@ -315,14 +321,20 @@ class ControlChannel:
     def _reconnect(self, why: str) -> bool:
         """Register again (same process id, same ranks) with the coordinator Ray restarts.
 
-        Until it answers, ``cycle`` is None: a SIGTERM meanwhile tears this rank down on its
-        own, and ``on_disconnect`` has the peers watched through the group's store.
+        Until it answers, ``cycle`` is None and ``reconnecting`` true: a SIGTERM meanwhile is
+        reported once it is back, and ``on_disconnect`` has the peers watched through the
+        group's store.
         """
         self.cycle, self.state = None, f"reconnecting: {why}"
+        self.reconnecting = True
+        self.restarts_seen += 1
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
-        if not self._register_until_accepted(self._give_up()):
-            return False
+        try:
+            if not self._register_until_accepted(self._give_up()):
+                return False
+        finally:
+            self.reconnecting = False
         logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
         if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
             self.report_sigterm(self.sigterm_at)
@@ -341,13 +353,19 @@ class ControlChannel:
         )
         self.on_disconnect()
 
-    def report_sigterm(self, received_at: float) -> bool:
-        """Tell the coordinator this process got SIGTERM; False if it could not be told."""
+    def report_sigterm(self, received_at: float) -> SigtermTold:
+        """Tell the coordinator this process got SIGTERM: "accepted", "refused" (with no
+        order to come), "restarting" (Ray is restarting it: the control thread registers again
+        and reports the SIGTERM to the new process, ``_reconnect``), "unanswered" (no answer in
+        time: a process just killed is found dead only after a second or so, here), or
+        "unreachable" (gone for good)."""
         import ray
 
         self.sigterm_at = received_at
+        if self.reconnecting:
+            return "restarting"
         if not self.connected:
-            return False
+            return "unreachable"
         try:
             answer: Reply = ray.get(
                 self.handle.report_sigterm.remote(
@@ -355,10 +373,14 @@ class ControlChannel:
                 ),
                 timeout=SIGTERM_REPORT_TIMEOUT_S,
             )
+        except ray.exceptions.ActorUnavailableError:
+            return "restarting"  # the control thread's poll fails too, and registers again
+        except ray.exceptions.GetTimeoutError:
+            return "unanswered"  # dead and not yet found so, or busy: the control thread tells
         except Exception as exc:
             self._lost(f"reporting SIGTERM: {exc!r}")
-            return False
-        return answer.accepted
+            return "unreachable"
+        return "accepted" if answer.accepted else "refused"
 
     def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:
         """Tell the coordinator how this process's own saves went (its backups wait on it)."""

@@ -26,6 +26,7 @@ from .emergency_save import Saver, ShardSave
 from .exit_path import hard_exit
 from .hard_deadline import hard_deadline
 from .leaving import leave_unless_rejoined
+from .order_wait import await_order
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError
 from .report import write_report_file
@@ -134,7 +135,8 @@ class ProcessRuntime:
                 return
             self.sigterm_seen = True
         control = self.control
-        if control is None or not control.connected or self.teardown is not None:
+        answers = control is not None and (control.connected or control.reconnecting)
+        if control is None or not answers or self.teardown is not None:
             self.begin_teardown(trigger=f"signal {signum} (no coordinator reachable)")
             return
         # The wait for an order counts against this rank's deadline: the kernel timer is armed
@@ -150,25 +152,14 @@ class ProcessRuntime:
         ).start()
 
     def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
-        """Report the SIGTERM, then wait for the coordinator's order; else go alone.
-
-        Going alone, the deadline still counts from the signal: the time spent waiting for an
-        order that never came is not given back.
-        """
+        """Report the SIGTERM, then wait for the coordinator's order (``order_wait.py``); else
+        go alone, the deadline still counted from the signal."""
         config = self.config_or_default()
-        deadline = received_at + config.teardown_timeout_s
-        if control.report_sigterm(received_at):
-            # Never longer than leaves the teardown its release and exit before the deadline.
-            latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
-            control.order_received.wait(max(0.0, min(config.order_wait_s, latest - time.time())))
+        why = await_order(control, config, received_at, lambda: self.order is not None)
         # An order for ranks whose training function saves (Ray Train) starts no
         # teardown here: having the order is what counts.
-        if self.teardown is None and self.order is None:
-            why = (
-                "coordinator unreachable"
-                if not control.connected
-                else (f"no order from the coordinator within {config.order_wait_s}s")
-            )
+        if why is not None and self.teardown is None and self.order is None:
+            deadline = received_at + config.teardown_timeout_s
             self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
 
     def carry_out(self, order: TeardownOrder) -> None:

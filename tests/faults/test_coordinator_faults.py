@@ -110,6 +110,31 @@ def test_killed_while_gathering(rep, fault_log, ray_cluster, config, exit_record
         coordinator.shutdown()
 
 
+def test_a_sigterm_while_it_restarts_is_planned_by_the_new_one(
+    rep, fault_log, ray_cluster, config, exit_recorder
+):
+    """A SIGTERM that reaches a rank while Ray restarts the coordinator waits for the new one
+    (for as long as going alone would still leave its own save): its control channel reports
+    it again, and the new coordinator plans the cycle - a replica saves each shard, committed.
+    Going alone at once, the cycle was abandoned (and unseen: nobody was left registered)."""
+    # The default 25 s of teardown: the wait may last until 25 - 1 - 2 - 6 = 16 s after the
+    # signal, far more than a restart needs even on a loaded machine.
+    config = dataclasses.replace(config, teardown_timeout_s=25.0)
+    coordinator = Coordinator.start(config)
+    try:
+        ranks, pids = start(config, exit_recorder)
+        kill_coordinator(coordinator)
+        os.kill(pids[1], signal.SIGTERM)
+        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+        assert outcome is not None, "the restarted coordinator never heard of the SIGTERM"
+        assert outcome.result == Result.COMMITTED, outcome.summary()
+        assert [n["source"] for n in outcome.notices] == ["sigterm"], outcome.notices
+        name = "SIGTERM while the coordinator restarts"
+        record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
+    finally:
+        coordinator.shutdown()
+
+
 def test_a_rank_killed_while_it_restarts_is_taken_as_lost(
     rep, fault_log, config, coordinator, exit_recorder
 ):
