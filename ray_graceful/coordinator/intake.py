@@ -318,14 +318,14 @@ def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decisi
 def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -> None:
     """A restarted coordinator, ``settle_s`` after it started: a rank not registered again is gone.
 
-    Every rank registers again within a second or two of a restart (``worker/control.py``); a
-    rank of a registered group that has not by then died, or left on its own while no
-    coordinator answered (a SIGTERM it could not report). Nothing else would notice it: the
-    lost-rank watch covers the actors this coordinator knows, and its peers, registered again,
-    stopped watching the group's store for its leave key (``worker/peer_release.py``) - they
-    would wait for an order that never comes. So each such rank is a "lost" notice, and the
-    cycle orders its group out (the plan finds the group incomplete: its ranks leave, none
-    saves for it).
+    Every rank registers again within a second or two of a restart (``worker/control.py``);
+    one of a registered group's ranks that has not done so by then has died, or left on its
+    own while no coordinator answered (a SIGTERM it could not report). Nothing else would
+    notice it: the lost-rank watch covers the actors this coordinator knows, and its peers,
+    registered again, stopped watching the group's store for its leave key
+    (``worker/peer_release.py``) - they would wait for an order that never comes. So each such
+    rank is a "lost" notice, and the cycle orders its group out (the plan finds the group
+    incomplete: its ranks leave, none saves for it).
     """
     cycle = state.cycle
     if state.job_state != "running" or cycle.tearing_down:

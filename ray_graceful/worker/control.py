@@ -15,8 +15,8 @@ it into a teardown. A coordinator that Ray is restarting (its process died; the 
 Either way ``on_disconnect`` is told at once, and the peers are watched through the group's
 store (``peer_release.py``). A SIGTERM while Ray restarts the coordinator is reported to the
 new one, and the rank waits for its order as long as its own save would still fit
-(``ProcessRuntime._await_restarted_coordinator``); with the coordinator gone for good it tears
-itself down on its own and releases its peers through the store.
+(``order_wait.py``); with the coordinator gone for good it tears itself down on its own and
+releases its peers through the store.
 """
 
 from __future__ import annotations
