@@ -42,6 +42,20 @@ def coordinator(ray_cluster, config):
     coord.shutdown()
 
 
+@pytest.fixture
+def coordinator_with(ray_cluster):
+    """Start a coordinator with the scenario's own config; each is shut down after the test."""
+    started = []
+
+    def start_one(config):
+        started.append(Coordinator.start(config))
+        return started[-1]
+
+    yield start_one
+    for coord in started:
+        coord.shutdown()
+
+
 def kill_coordinator(coordinator) -> int:
     """SIGKILL the coordinator's process (not ray.kill: Ray restarts it as after a crash)."""
     pid = coordinator.stats()["pid"]
@@ -93,25 +107,22 @@ def test_killed_before_a_notice(rep, fault_log, config, coordinator, exit_record
     assert back_in < 10, f"the ranks took {back_in:.1f}s to register again"
 
 
-def test_killed_while_gathering(rep, fault_log, ray_cluster, config, exit_recorder):
+def test_killed_while_gathering(rep, fault_log, coordinator_with, config, exit_recorder):
     """The SIGTERM reached the old coordinator only: the rank tells the new one, or leaves
     alone and its peers see it go; either way every rank is out and nothing torn is kept."""
     # A gathering window long enough to kill the coordinator inside it (the default is 0.2 s).
-    coordinator = Coordinator.start(dataclasses.replace(config, notice_gather_s=3.0))
-    try:
-        ranks, pids = start(config, exit_recorder)
-        os.kill(pids[1], signal.SIGTERM)
-        wait_for(lambda: coordinator.status()["phase"] == "gathering", 10, "the gathering")
-        kill_coordinator(coordinator)
-        outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
-        name = "coordinator killed while gathering"
-        record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
-    finally:
-        coordinator.shutdown()
+    coordinator = coordinator_with(dataclasses.replace(config, notice_gather_s=3.0))
+    ranks, pids = start(config, exit_recorder)
+    os.kill(pids[1], signal.SIGTERM)
+    wait_for(lambda: coordinator.status()["phase"] == "gathering", 10, "the gathering")
+    kill_coordinator(coordinator)
+    outcome = coordinator.wait_outcome(timeout=DEADLINE_S + 10, cycle=0)
+    name = "coordinator killed while gathering"
+    record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
 
 
 def test_a_sigterm_while_it_restarts_is_planned_by_the_new_one(
-    rep, fault_log, ray_cluster, config, exit_recorder
+    rep, fault_log, coordinator_with, config, exit_recorder
 ):
     """A SIGTERM that reaches a rank while Ray restarts the coordinator waits for the new one
     (for as long as going alone would still leave its own save): its control channel reports
@@ -120,19 +131,16 @@ def test_a_sigterm_while_it_restarts_is_planned_by_the_new_one(
     # The default 25 s of teardown: the wait may last until 25 - 1 - 2 - 6 = 16 s after the
     # signal, far more than a restart needs even on a loaded machine.
     config = dataclasses.replace(config, teardown_timeout_s=25.0)
-    coordinator = Coordinator.start(config)
-    try:
-        ranks, pids = start(config, exit_recorder)
-        kill_coordinator(coordinator)
-        os.kill(pids[1], signal.SIGTERM)
-        outcome = coordinator.wait_outcome(timeout=30, cycle=0)
-        assert outcome is not None, "the restarted coordinator never heard of the SIGTERM"
-        assert outcome.result == Result.COMMITTED, outcome.summary()
-        assert [n["source"] for n in outcome.notices] == ["sigterm"], outcome.notices
-        name = "SIGTERM while the coordinator restarts"
-        record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
-    finally:
-        coordinator.shutdown()
+    coordinator = coordinator_with(config)
+    ranks, pids = start(config, exit_recorder)
+    kill_coordinator(coordinator)
+    os.kill(pids[1], signal.SIGTERM)
+    outcome = coordinator.wait_outcome(timeout=30, cycle=0)
+    assert outcome is not None, "the restarted coordinator never heard of the SIGTERM"
+    assert outcome.result == Result.COMMITTED, outcome.summary()
+    assert [n["source"] for n in outcome.notices] == ["sigterm"], outcome.notices
+    name = "SIGTERM while the coordinator restarts"
+    record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
 
 
 def test_a_rank_killed_while_it_restarts_is_taken_as_lost(
