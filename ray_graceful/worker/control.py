@@ -21,6 +21,7 @@ releases its peers through the store.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -78,6 +79,12 @@ def gpu_indices() -> list[int]:
         return [int(g) for g in ray.get_gpu_ids()]
     except Exception:
         return []
+
+
+def _warn_if_unacknowledged(done: concurrent.futures.Future) -> None:
+    """Said, not raised: an unacknowledged order may come again, and is handled once."""
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
 
 
 class ControlChannel:
@@ -308,15 +315,14 @@ class ControlChannel:
             return
 
     def _ack(self, order: TeardownOrder) -> None:
-        import ray
-
+        """Acknowledge ``order``, not waiting for the answer (a round trip, or a node agent's
+        batch, before every teardown began); sent first, it still precedes the report."""
         try:
-            ray.get(
-                self.via.ack.remote(Ack(self.process_id, order.cycle, order.order_id)),
-                timeout=REPORT_TIMEOUT_S,
-            )
+            ref = self.via.ack.remote(Ack(self.process_id, order.cycle, order.order_id))
         except Exception as exc:  # unacknowledged: it may come again, handled once
             logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
+            return
+        ref.future().add_done_callback(_warn_if_unacknowledged)
 
     def _reconnect(self, why: str) -> bool:
         """Register again (same process id, same ranks) with the coordinator Ray restarts.
