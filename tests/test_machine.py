@@ -111,40 +111,6 @@ def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its
     assert of(m.step(ev.Polled(one, 0, PollState())), ev.HoldPoll)
 
 
-@pytest.mark.parametrize("can_save", [True, False])
-def test_only_groups_with_a_saver_are_told_to_wait_for_their_step_boundary(config, can_save):
-    """A saver's collective reaches its boundary only if its peers' do: its whole group is
-    told to let a collective finish. With nothing saved (here: no rank can, so the checkpoint
-    is abandoned) no one is kept waiting for a boundary: the ranks release at once."""
-    m = machine(config)
-    for rank in range(2):
-        spec = RankSpec("g", rank, 2, "0", can_save)
-        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    out = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
-    assert all(bool(order.saves) is can_save for order in out.values()), out
-    assert all(order.boundary_wanted is can_save for order in out.values()), out
-
-
-def test_a_group_waits_for_its_boundary_where_one_process_saves_backs_up_or_rejoins():
-    """Per group: a leaver shares its saver's wait; a group of leavers waits only for a
-    survivor of a warm restart (its state is kept only if it parks at its boundary)."""
-    from types import SimpleNamespace as Plan
-
-    from ray_graceful.coordinator.orders import groups_wanting_boundaries
-    from ray_graceful.protocol import Action
-
-    by_process = {
-        "saver": [Plan(group="g", action=Action.SAVE), Plan(group="x", action=Action.LEAVE)],
-        "leaver": [Plan(group="g", action=Action.LEAVE)],
-        "backup": [Plan(group="b", action=Action.BACKUP)],
-        "survivor": [Plan(group="w", action=Action.LEAVE)],
-        "gone": [Plan(group="w", action=Action.LEAVE), Plan(group="y", action=Action.LEAVE)],
-    }
-    assert groups_wanting_boundaries(by_process, {"survivor"}) == {"g", "x", "b", "w"}
-    assert groups_wanting_boundaries(by_process, set()) == {"g", "x", "b"}
-
-
 def test_a_report_whose_saved_shards_are_not_records_is_refused_and_saves_nothing(config):
     """A report carries ``ShardRecord``s; anything else is refused with the reason, not read."""
     m = registered(config)

@@ -108,53 +108,6 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
     assert teardown.training_released.is_set(), "a parked thread is let go after the save"
 
 
-class _FinishingCollective(_Training):
-    """A thread inside a collective that finishes it and parks at its boundary 20 ms on."""
-
-    def __init__(self) -> None:
-        import time
-
-        super().__init__("in_collective")
-        self.parks_at = time.monotonic() + 0.02
-
-    def state(self) -> str:
-        import time
-
-        return "parked" if time.monotonic() >= self.parks_at else "in_collective"
-
-
-@pytest.mark.parametrize("boundary_wanted", [True, False])
-def test_a_collective_is_waited_for_only_when_a_rank_of_the_groups_needs_the_boundary(
-    tmp_path, boundary_wanted
-):
-    """A saver's collective reaches its boundary only if its peers' do, so they wait for it;
-    when no rank of the groups saves or rejoins (the order says so) nothing is kept waiting."""
-    import time
-
-    from ray_graceful import GracefulConfig
-    from ray_graceful.worker.teardown import Teardown
-
-    config = GracefulConfig(report_dir=str(tmp_path), quiesce_timeout_s=1.0)
-    teardown = Teardown(
-        config,
-        [],
-        "test",
-        time.time() + 10,
-        training=_FinishingCollective(),
-        exit_process=False,
-        boundary_wanted=boundary_wanted,
-    )
-    teardown.run()
-    quiesce = next(p for p in teardown.report.phases if p.name == "quiesce")
-    if boundary_wanted:
-        assert teardown.clean_step == 5, quiesce.detail
-        assert "parked at should_stop(5)" in quiesce.detail
-    else:
-        assert teardown.clean_step is None, quiesce.detail
-        assert "no rank of its groups needs the boundary" in quiesce.detail
-        assert quiesce.duration_s < 0.02, "released without waiting for the collective"
-
-
 def test_a_thread_stuck_in_a_collective_is_timed_from_the_release_not_from_the_exit(
     tmp_path, monkeypatch
 ):

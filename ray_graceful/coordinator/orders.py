@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from ..health import FAULTY
@@ -104,7 +104,6 @@ def _plan_and_order(
     # One random prefix per cycle and a counter, not a uuid4 per order (0.1 s at 16,384).
     prefix = uuid.uuid4().hex[:16]
     told: dict[tuple, PollAnswer] = {}
-    bounded = groups_wanting_boundaries(by_process, rejoiners)
     for process_id, orders in by_process.items():
         deadline = min(o.deadline for o in orders)
         saves = tuple(
@@ -114,8 +113,7 @@ def _plan_and_order(
         )
         skip_reason = "; ".join(o.reason for o in orders if o.action is not Action.SAVE)
         rejoin = process_id in rejoiners
-        boundary_wanted = any(o.group in bounded for o in orders)
-        what = (deadline, saves, skip_reason, rejoin, boundary_wanted)
+        what = (deadline, saves, skip_reason, rejoin)
         answer = told.get(what)
         if answer is None:
             answer = told[what] = PollAnswer(
@@ -130,7 +128,6 @@ def _plan_and_order(
                     skip_reason=skip_reason,
                     save_budget_s=config.save_budget_s,
                     rejoin=rejoin,
-                    boundary_wanted=boundary_wanted,
                 ),
             )
         state.registry.processes[process_id].order = answer.order
@@ -138,19 +135,6 @@ def _plan_and_order(
     cycle.awaiting_reports = deque(by_process)
     cycle.orders_at = time.time()
     state.check_all_reported(out)
-
-
-def groups_wanting_boundaries(
-    by_process: dict[str, list[RankPlan]], rejoiners: Collection[str]
-) -> set[str]:
-    """Every group of a process that saves, backs up or rejoins: it needs its step boundary,
-    which its collectives reach only if every peer's do - so each of its groups waits for it."""
-    return {
-        o.group
-        for process_id, orders in by_process.items()
-        if process_id in rejoiners or any(o.action is not Action.LEAVE for o in orders)
-        for o in orders
-    }
 
 
 def destination(state: CoordinatorState, cycle: Cycle) -> str | None:

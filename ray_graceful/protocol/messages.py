@@ -160,12 +160,6 @@ class TeardownOrder:
     # Warm restart: this process survives. Its teardown ends without an exit, and it waits for
     # the next cycle's ``Rendezvous`` (``worker/rejoin.py``) instead.
     rejoin: bool = False
-    # Whether a training thread found inside a collective is given its moment to finish it and
-    # park at its step boundary (``worker/teardown.py``, ``IN_COLLECTIVE_S``). Only a rank that
-    # saves, backs up or rejoins needs its boundary, and its collective finishes only if its
-    # peers' do too: False when no process sharing a group with this one does any of those, so
-    # nothing is kept waiting for a boundary no one uses.
-    boundary_wanted: bool = True
     version: int = PROTOCOL_VERSION
 
 

@@ -199,7 +199,6 @@ class ProcessRuntime:
             save_orders=save_orders,
             skip_save_reason=skip_reason or "the plan has another replica save",
             exit_process=not order.rejoin,
-            boundary_wanted=order.boundary_wanted,
         )
         if order.rejoin and not teardown.exit_process:
             control = self.control
@@ -324,7 +323,6 @@ class ProcessRuntime:
         save_orders: list[ShardSave] | None = None,
         skip_save_reason: str | None = None,
         exit_process: bool = True,
-        boundary_wanted: bool = True,
     ) -> Teardown:
         """Start this process's teardown once; later calls return the one already running."""
         with self.lock:
@@ -348,7 +346,6 @@ class ProcessRuntime:
                 on_saved=self.control.save_result if self.control is not None else None,
                 training=self.loop,
                 exit_process=exit_process,
-                boundary_wanted=boundary_wanted,
             )
             self.teardown.report.last_step = self.loop.last_step
             teardown = self.teardown

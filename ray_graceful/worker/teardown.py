@@ -8,9 +8,8 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 2. ``quiesce``          - wait (bounded) for the training thread to reach its step boundary:
                           ``should_stop(step)`` *parks* it there until the save is done, so the
                           state saved is exactly the state of ``step``. A thread found inside a
-                          collective gets ``IN_COLLECTIVE_S`` to finish it when a rank of its
-                          groups needs the boundary (saves, backs up, rejoins), else none: a
-                          collective whose peer is gone never returns.
+                          collective is not waited for: a collective whose peer is gone never
+                          returns.
 3. ``drain_device`` and ``release_peers``, in the safe order: a rank parked at its boundary
                           drains the device first (``torch.cuda.synchronize()``, bounded) and
                           then aborts its communicators, so no abort cuts NVLink traffic in
@@ -101,7 +100,6 @@ class Teardown:
         on_saved: Callable[[list[str], list[str], str], None] | None = None,
         training: TrainingThread | None = None,
         exit_process: bool = True,
-        boundary_wanted: bool = True,
     ) -> None:
         self.config = config
         self.groups = groups
@@ -111,10 +109,6 @@ class Teardown:
         self.training = training
         self.exit_process = exit_process
         self.quiescent = training is None  # no loop registered: nothing to wait for
-        # Found inside a collective: how long its step may still reach the boundary. No wait
-        # when the order says no rank of this process's groups saves or rejoins: releasing
-        # at once takes nothing from anyone (``TeardownOrder.boundary_wanted``).
-        self.in_collective_s = IN_COLLECTIVE_S if boundary_wanted else 0.0
         # The step this rank's state provably is: the thread is held inside should_stop(step).
         # A thread found outside its loop may have left it by an exception from a collective a
         # peer's release broke, its update half-applied: not proof (warm restart: such a rank
@@ -236,7 +230,7 @@ class Teardown:
                 return state
             if state == "in_collective":
                 in_collective_since = in_collective_since or now
-                if now - in_collective_since >= self.in_collective_s:
+                if now - in_collective_since >= IN_COLLECTIVE_S:
                     return state
             else:
                 in_collective_since = None
@@ -260,9 +254,8 @@ class Teardown:
         if state == "idle":
             return f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
         if state == "in_collective":
-            why = "" if self.in_collective_s else " (no rank of its groups needs the boundary)"
             return (
-                f"training thread inside a collective after {waited_ms:.0f}ms{why}: peers are "
+                f"training thread inside a collective after {waited_ms:.0f}ms: peers are "
                 "released first"
             )
         return f"training thread still inside its step after {waited_ms:.0f}ms"
