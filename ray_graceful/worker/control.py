@@ -55,6 +55,7 @@ REGISTER_TIMEOUT_S = 15.0
 REREGISTER_EVERY_S = 0.25  # while the coordinator says "later" (a cycle still tearing down)
 REPORT_TIMEOUT_S = 2.0
 SIGTERM_REPORT_TIMEOUT_S = 1.0
+UNACKNOWLEDGED = "ray_graceful: could not acknowledge the order: %r"
 
 SigtermTold = Literal["accepted", "refused", "restarting", "unanswered", "unreachable"]
 
@@ -84,7 +85,7 @@ def gpu_indices() -> list[int]:
 def _warn_if_unacknowledged(done: concurrent.futures.Future) -> None:
     """Said, not raised: an unacknowledged order may come again, and is handled once."""
     if not done.cancelled() and (exc := done.exception()) is not None:
-        logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
+        logger.warning(UNACKNOWLEDGED, exc)
 
 
 class ControlChannel:
@@ -319,8 +320,8 @@ class ControlChannel:
         batch, before every teardown began); sent first, it still precedes the report."""
         try:
             ref = self.via.ack.remote(Ack(self.process_id, order.cycle, order.order_id))
-        except Exception as exc:  # unacknowledged: it may come again, handled once
-            logger.warning("ray_graceful: could not acknowledge the order: %r", exc)
+        except Exception as exc:
+            logger.warning(UNACKNOWLEDGED, exc)
             return
         ref.future().add_done_callback(_warn_if_unacknowledged)
 
