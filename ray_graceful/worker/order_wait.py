@@ -33,16 +33,15 @@ def await_order(
     """Report the SIGTERM received at ``received_at`` and wait for the order: None once
     ``has_order()``, else why the rank goes alone."""
     deadline = received_at + config.teardown_timeout_s
+    # Never longer than leaves the teardown its release and exit before the deadline.
+    latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
     restarts = control.restarts_seen
     told = control.report_sigterm(received_at)
     if told == "accepted":
-        # Never longer than leaves the teardown its release and exit before the deadline.
-        latest = deadline - config.watchdog_margin_s - config.destroy_timeout_s
         control.order_received.wait(max(0.0, min(config.order_wait_s, latest - time.time())))
     restarted = told == "restarting" or control.restarts_seen > restarts
     if not has_order() and (restarted or told == "unanswered"):
-        until = deadline - config.watchdog_margin_s - config.destroy_timeout_s
-        _while_not_lost(control, until - config.save_budget_s, has_order)
+        _while_not_lost(control, latest - config.save_budget_s, has_order)
         restarted = restarted or control.restarts_seen > restarts
     if has_order():
         return None
