@@ -201,3 +201,86 @@ def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, 
     handle = process_groups.GroupHandle("g", 0, 2, object(), (name,))
     done = process_groups.release(handle)
     assert calls == ["backend.abort"] and name in done[0], done
+
+
+class _InCollective:
+    """A training thread stuck inside a collective, as the teardown sees it."""
+
+    def state(self) -> str:
+        return "in_collective"
+
+    def step(self) -> int | None:
+        return 3
+
+
+def _rank_whose_peer_leaves(rank, port, report_dir, peer_released, queue):
+    import torch
+    import torch.distributed as dist
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.emergency_save import ShardSave
+    from ray_graceful.worker.process_groups import peer_left, release, resolve_group
+    from ray_graceful.worker.teardown import Teardown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    handle = resolve_group("g")
+    dist.all_reduce(torch.ones(4))  # traffic both ways is not a peer leaving
+    if rank == 0:
+        peer_released.wait(20)  # rank 1 has looked once
+        release(handle)
+        time.sleep(2)
+        return
+    before = peer_left(handle)
+    peer_released.set()
+    deadline = time.monotonic() + 10
+    while not peer_left(handle) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    config = GracefulConfig(report_dir=report_dir, quiesce_timeout_s=0.5)
+    found = {"before": before, "after": peer_left(handle)}
+    orders = [ShardSave(report_dir, "shard-1", 5.0, lambda path, step: None)]
+    for who, save_orders in (("non_saver", []), ("saver", orders)):
+        teardown = Teardown(
+            config,
+            [handle],
+            "test",
+            time.time() + 30,
+            save_orders=save_orders,
+            training=_InCollective(),
+            exit_process=False,
+        )
+        teardown.run()
+        quiesce = teardown.report.phase("quiesce")
+        found[who] = (quiesce.duration_s, quiesce.detail)
+    queue.put(found)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_saves_nothing_stops_waiting_in_a_collective_its_peer_has_left(tmp_path):
+    """The teardown gives a collective 50 ms to reach its boundary, for a rank that saves. Once a
+    peer released the group (its gloo connections shut down) that collective cannot end: a rank
+    with nothing to save releases at once, a saver still gives it its time."""
+    from ray_graceful.worker.teardown import IN_COLLECTIVE_S
+
+    ctx = mp.get_context("spawn")
+    queue, peer_released = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_whose_peer_leaves, args=(r, port, str(tmp_path), peer_released, queue)
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        found = queue.get(timeout=45)
+    finally:
+        for p in procs:
+            p.join(10)
+    assert found["before"] is False, "a live peer was taken for one that left"
+    assert found["after"] is True, "a peer's release was not seen"
+    waited, detail = found["non_saver"]
+    assert waited < IN_COLLECTIVE_S / 2 and "a peer having left the group" in detail, found
+    waited, detail = found["saver"]
+    assert waited >= IN_COLLECTIVE_S and "peer having left" not in detail, found
