@@ -194,11 +194,11 @@ def release(handle: GroupHandle) -> list[str]:
     return done
 
 
-def peer_left(handle: GroupHandle, quiet_ms: int = 0) -> bool:
+def peer_left(handle: GroupHandle) -> bool:
     """Whether a peer of ``handle``'s group already ended its connections with this rank.
 
     Seen only for gloo (``gloo.peer_gone``); for any other backend, False: NCCL shows nothing
     of a peer's abort until the collective itself fails.
     """
     addresses = handle.gloo_addresses
-    return addresses is not None and peer_gone(addresses, quiet_ms)
+    return addresses is not None and peer_gone(addresses)

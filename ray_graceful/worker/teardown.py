@@ -84,7 +84,6 @@ FORCED_EXIT_WAIT_S = 2.0  # Ray's forced intended exit may take this long; then 
 # is stalled, and cutting a stalled one does not meet gloo's race that cutting a moving one
 # does (docs/benchmarks.md, "release: no wait in a collective a peer has left").
 IN_COLLECTIVE_S = 0.05
-QUIET_MS = 10
 
 
 class Teardown:
@@ -214,7 +213,7 @@ class Teardown:
 
     def _peer_left(self) -> bool:
         try:
-            return any(peer_left(group, QUIET_MS) for group in self.groups)
+            return any(peer_left(group) for group in self.groups)
         except OSError:
             return False  # not seen: the wait runs its course
 
