@@ -19,7 +19,6 @@ teardown); the sockets are matched at release time. Listening sockets are never 
 from __future__ import annotations
 
 import os
-import select
 import socket
 import stat
 import struct
@@ -39,14 +38,12 @@ class GlooAddresses:
     peer has already reset it no longer has a peer address to match, but keeps its inode.
     ``others`` are the connected sockets found at setup that are not the group's (Ray's, the
     store's, the user's): their two ends are fixed, so the release need not look at them again
-    (about 30 us of system calls each; a Ray worker holds dozens). ``connections`` are the
-    group's sockets as (fd, inode): where ``peer_gone`` looks without listing every fd.
+    (about 30 us of system calls each; a Ray worker holds dozens).
     """
 
     listeners: frozenset[Endpoint]
     inodes: frozenset[int] = frozenset()
     others: frozenset[int] = frozenset()
-    connections: frozenset[tuple[int, int]] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self.listeners)
@@ -105,29 +102,7 @@ def read_group_addresses(process_group: object) -> GlooAddresses:
         for s in sockets.values()
         if s.remote is not None and not s.listening and s.inode not in ours
     )
-    connections = frozenset((fd, s.inode) for fd, s in sockets.items() if s.inode in ours)
-    return GlooAddresses(found, ours, others, connections)
-
-
-def peer_gone(addresses: GlooAddresses) -> bool:
-    """Whether a peer has ended one of this rank's group connections (call before releasing).
-
-    A peer's release (``shutdown_connections``) or its death ends its side of every connection
-    of the group, and this rank sees it at once, with no call to anyone: gloo's own event loop
-    closes a connection whose peer hung up (measured: within a few ms, whether or not a
-    collective is running), so its fd no longer holds the socket found at setup; until then
-    the socket reports the hang-up (``POLLRDHUP``). About 20 us for 16 connections.
-    """
-    poller = select.poll()
-    for fd, inode in addresses.connections:
-        try:
-            if os.fstat(fd).st_ino != inode:
-                return True  # closed by gloo (and the number maybe reused)
-        except OSError:
-            return True
-        poller.register(fd, select.POLLRDHUP)
-    ended = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
-    return any(events & ended for _fd, events in poller.poll(0))
+    return GlooAddresses(found, ours, others)
 
 
 def shutdown_connections(addresses: GlooAddresses) -> int:

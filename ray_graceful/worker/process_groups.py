@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import torch_adapter
-from .gloo import GlooAddresses, peer_gone, read_group_addresses, shutdown_connections
+from .gloo import GlooAddresses, read_group_addresses, shutdown_connections
 
 
 class SetupError(RuntimeError):
@@ -192,13 +192,3 @@ def release(handle: GroupHandle) -> list[str]:
         else:
             done.append(f"{handle.name}: gloo connections unknown; released at exit")
     return done
-
-
-def peer_left(handle: GroupHandle) -> bool:
-    """Whether a peer of ``handle``'s group already ended its connections with this rank.
-
-    Seen only for gloo (``gloo.peer_gone``); for any other backend, False: NCCL shows nothing
-    of a peer's abort until the collective itself fails.
-    """
-    addresses = handle.gloo_addresses
-    return addresses is not None and peer_gone(addresses)

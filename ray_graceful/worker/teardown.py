@@ -50,7 +50,7 @@ from ..protocol import PhaseStatus, ReportedRank, TeardownPhase
 from .emergency_save import EmergencySave, ShardSave
 from .exit_path import hard_exit, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
-from .process_groups import GroupHandle, peer_left, release
+from .process_groups import GroupHandle, release
 from .report import (
     LOG_PREFIX,
     PhaseRecord,
@@ -80,9 +80,6 @@ FORCED_EXIT_WAIT_S = 2.0  # Ray's forced intended exit may take this long; then 
 # Found inside a collective this long at quiesce: release first. A healthy step's collective
 # that ends within it still parks at the boundary, where the rank can save (20 ms was tried:
 # 10 ms off an N=8 release's p50, and a saver released mid-step lost its save under load).
-# Not waited for by a rank that saves nothing once a peer has left the group: its collective
-# is stalled, and cutting a stalled one does not meet gloo's race that cutting a moving one
-# does (docs/benchmarks.md, "release: no wait in a collective a peer has left").
 IN_COLLECTIVE_S = 0.05
 
 
@@ -120,7 +117,6 @@ class Teardown:
         # Set once the training thread may leave should_stop (parked there until the save).
         self.training_released = threading.Event()
         self.released_at: float | None = None  # monotonic, once release_peers ran
-        self.peer_had_left = False  # the quiesce stopped waiting: a peer had left the group
         self.t0 = time.monotonic()
         self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
         identity = ray_identity()
@@ -211,12 +207,6 @@ class Teardown:
         self.released_at = time.monotonic()
         return "; ".join(done)
 
-    def _peer_left(self) -> bool:
-        try:
-            return any(peer_left(group) for group in self.groups)
-        except OSError:
-            return False  # not seen: the wait runs its course
-
     def _drain_device(self) -> str:
         try:
             import torch
@@ -228,11 +218,8 @@ class Teardown:
         run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
         return "torch.cuda.synchronize() returned"
 
-    def _wait_for_boundary(self, limit: float, until_peer_left: bool = False) -> str:
-        """Poll the training thread until it is at a boundary, in a collective, or ``limit``.
-
-        ``until_peer_left``: a collective is not waited for once a peer has left the group.
-        """
+    def _wait_for_boundary(self, limit: float) -> str:
+        """Poll the training thread until it is at a boundary, in a collective, or ``limit``."""
         assert self.training is not None
         started = time.monotonic()
         in_collective_since: float | None = None
@@ -244,9 +231,6 @@ class Teardown:
             if state == "in_collective":
                 in_collective_since = in_collective_since or now
                 if now - in_collective_since >= IN_COLLECTIVE_S:
-                    return state
-                if until_peer_left and self._peer_left():
-                    self.peer_had_left = True
                     return state
             else:
                 in_collective_since = None
@@ -260,9 +244,7 @@ class Teardown:
             raise Skip("no training loop registered")
         started = time.monotonic()
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
-        # A saver keeps its wait: a collective a peer finished before leaving may still end,
-        # and only a thread parked at its boundary can save.
-        state = self._wait_for_boundary(limit, until_peer_left=not self.saving.orders)
+        state = self._wait_for_boundary(limit)
         waited_ms = (time.monotonic() - started) * 1000
         self.quiescent = state in ("parked", "idle")
         step = self.training.step()
@@ -272,9 +254,8 @@ class Teardown:
         if state == "idle":
             return f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
         if state == "in_collective":
-            why = ", a peer having left the group" if self.peer_had_left else ""
             return (
-                f"training thread inside a collective after {waited_ms:.0f}ms{why}: peers are "
+                f"training thread inside a collective after {waited_ms:.0f}ms: peers are "
                 "released first"
             )
         return f"training thread still inside its step after {waited_ms:.0f}ms"
