@@ -161,6 +161,38 @@ def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     assert "no order from the coordinator" in started["trigger"]
 
 
+class RefusingControl(SilentControl):
+    """A coordinator that refuses the SIGTERM report: it does not know this process."""
+
+    sigterm_refusal = "SIGTERM from an unregistered process"
+
+    def report_sigterm(self, received_at: float) -> str:
+        return "refused"
+
+
+def test_a_refused_sigterm_report_goes_alone_at_once_and_says_why():
+    """No order will follow a refusal: the rank goes alone without waiting ``order_wait_s``, and
+    its trigger names the coordinator's reason (it said "no order within 5 s", a wait it never
+    made)."""
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.process_runtime import ProcessRuntime
+
+    runtime = ProcessRuntime(config=GracefulConfig(order_wait_s=5.0))
+    started: dict = {}
+    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
+        at=time.time(), trigger=trigger
+    )
+    signalled = time.time()
+    runtime._await_order(15, RefusingControl(), signalled)
+    assert started["at"] - signalled < 1.0, "a refusal is not waited on"
+    assert started["trigger"] == (
+        "signal 15 (the coordinator refused the SIGTERM report: SIGTERM from an unregistered "
+        "process)"
+    )
+
+
 class RestartingControl(SilentControl):
     """A control channel whose coordinator Ray is restarting: the report cannot land."""
 

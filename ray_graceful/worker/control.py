@@ -109,12 +109,12 @@ class ControlChannel:
     ) -> None:
         import ray
 
-        self.handle = handle
+        self.handle, self.config = handle, config
         self.relay = relay  # this node's agent (node/agent.py), or None: straight to the handle
-        self.config = config
         self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
         self.on_disconnect = on_disconnect
         self.sigterm_at: float | None = None  # reported again to a restarted coordinator
+        self.sigterm_refusal = ""  # why the coordinator refused the SIGTERM report, if it did
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
         self.job_id = ctx.get_job_id() or ""
@@ -361,11 +361,10 @@ class ControlChannel:
         self.on_disconnect()
 
     def report_sigterm(self, received_at: float) -> SigtermTold:
-        """Tell the coordinator this process got SIGTERM: "accepted", "refused" (with no
-        order to come), "restarting" (Ray is restarting it: the control thread registers again
-        and reports the SIGTERM to the new process, ``_reconnect``), "unanswered" (no answer in
-        time: a process just killed is found dead only after a second or so, here), or
-        "unreachable" (gone for good)."""
+        """Tell the coordinator this process got SIGTERM: "accepted"; "refused" (no order to
+        come, ``sigterm_refusal`` says why); "restarting" (Ray restarts it: the control thread
+        reports the SIGTERM to the new process, ``_reconnect``); "unanswered" (a process just
+        killed answers nothing for a second or so); "unreachable" (gone for good)."""
         import ray
 
         self.sigterm_at = received_at
@@ -387,6 +386,7 @@ class ControlChannel:
         except Exception as exc:
             self._lost(f"reporting SIGTERM: {exc!r}")
             return "unreachable"
+        self.sigterm_refusal = "" if answer.accepted else answer.reason
         return "accepted" if answer.accepted else "refused"
 
     def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:

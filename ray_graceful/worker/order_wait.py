@@ -12,7 +12,8 @@ cycle is abandoned. The wait comes out of the rank's own teardown time, so it is
   new process (``ControlChannel._reconnect``), and a restart takes 1-2 s - often more than
   ``order_wait_s``. The rank waits while its channel is not lost, for as long as going alone
   afterwards still leaves it its own save (``save_budget_s``);
-- the coordinator gone for good, or never reached: no wait.
+- the coordinator gone for good, or never reached, or refusing the report (a process it does
+  not know, a cycle that is over): no wait, and the reason is the teardown's trigger.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def await_order(
         return f"the coordinator restarted; {back} while this rank's own save still fit"
     if told == "unanswered":
         return "the coordinator did not answer while this rank's own save still fit"
+    if told == "refused":
+        return f"the coordinator refused the SIGTERM report: {control.sigterm_refusal}"
     if not control.connected:
         return "coordinator unreachable"
     return f"no order from the coordinator within {config.order_wait_s}s"
