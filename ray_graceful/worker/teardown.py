@@ -8,8 +8,8 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
 2. ``quiesce``          - wait (bounded) for the training thread to reach its step boundary:
                           ``should_stop(step)`` *parks* it there until the save is done, so the
                           state saved is exactly the state of ``step``. A thread found inside a
-                          collective is not waited for: a collective whose peer is gone never
-                          returns.
+                          collective is given ``IN_COLLECTIVE_S`` to finish it, no more: a
+                          collective whose peer is gone never returns.
 3. ``drain_device`` and ``release_peers``, in the safe order: a rank parked at its boundary
                           drains the device first (``torch.cuda.synchronize()``, bounded) and
                           then aborts its communicators, so no abort cuts NVLink traffic in
