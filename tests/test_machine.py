@@ -18,9 +18,10 @@ from ray_graceful import TeardownReport, read_reports
 from ray_graceful.checkpoint import ShardRecord, save_state_dict, write_shard
 from ray_graceful.coordinator import events as ev
 from ray_graceful.coordinator.conclusion import carry_out
+from ray_graceful.coordinator.cycle import Cycle
 from ray_graceful.coordinator.machine import CycleMachine
-from ray_graceful.coordinator.spares import SparePool
-from ray_graceful.coordinator.warm import WarmRestarts
+from ray_graceful.coordinator.spares import SparePool, SpareRecord
+from ray_graceful.coordinator.warm import Survivor, WarmRestarts
 from ray_graceful.notices import EvictionNotice
 from ray_graceful.protocol import (
     Ack,
@@ -29,6 +30,7 @@ from ray_graceful.protocol import (
     PollState,
     RankSpec,
     Register,
+    Rejoined,
     ReportedRank,
     TeardownPhase,
 )
@@ -242,6 +244,30 @@ def test_a_large_plan_is_logged_as_one_line_of_counts_a_small_one_as_its_table(c
     line = plan.for_log(max_rows=1)
     assert "\n" not in line and line.startswith("2 ranks on 2 nodes (1 evicted)")
     assert "1 backup" in line and "1 save" in line and "checkpoint 1 shard(s)" in line
+
+
+def test_a_spare_that_cannot_load_ends_the_warm_restart_before_the_survivor_is_back(tmp_path):
+    """The spare registered (under its process id, not its member id) and failed its load while
+    the survivor was still re-forming: the failure's notice names the spare's slot and opens the
+    cycle; the survivor registering during its gathering is taken in, and both are ordered out."""
+    m = machine(fast_config(tmp_path, warm_restart=True))
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
+    spare = SpareRecord("spare-x", "spare", "n2", 9)
+    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    assert record is not None and set(record.members) == {"p1", "spare-x"}
+    m.state.cycle = Cycle(record.cycle)  # cycle 0 concluded into this record
+    slot = RankSpec("g", 0, 2, "0", True)
+    m.step(ev.Registration(Register("x", "n2", 9, "h", "job-a", (slot,))))
+
+    bad = Rejoined("left", "spare-x", "g", 0, 2, 7, record.cycle, reason="no load_state_dict")
+    opened = m.step(ev.RejoinedIn(bad))
+    assert of(opened, ev.CycleOpened) == [ev.CycleOpened(record.cycle)]
+    assert [(n.source, n.rank) for n in m.cycle.notices] == [("rejoin", ("g", 0))]
+    survivor = RankSpec("g", 1, 2, "1", True)
+    back = m.step(ev.Registration(Register("p1", "n1", 101, "h", "job-a", (survivor,))))
+    assert ev.reply_of(back).accepted, "the survivor belongs to the group being ended"
+    ordered = m.step(ev.GatheringClosed(record.cycle))
+    assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"x", "p1"}
 
 
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):

@@ -159,7 +159,7 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
         assert record["result"] == "failed" and "no load_state_dict" in record["reason"]
         # The survivor had joined; the failure's notice ended it cleanly (cycle 1's outcome).
         outcome = coordinator.wait_outcome(timeout=60, cycle=1)
-        assert outcome is not None and outcome.notices[0]["source"] == "rejoin"
+        assert outcome is not None and outcome.notices[0]["source"] == "rejoin", outcome
         wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
         wait_for(lambda: not _alive(spare), 30, "the spare to leave")
 

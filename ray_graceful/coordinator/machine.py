@@ -26,6 +26,7 @@ from ..plan import RankInfo, incomplete_groups
 from ..protocol import (
     JobClosed,
     ProtocolError,
+    RankKey,
     Rejoined,
     Reply,
     Result,
@@ -45,7 +46,7 @@ from .orders import KeeperPlacement, plan_and_order
 from .registry import Process, Registry
 from .spares import ROLES, SparePool
 from .state import CoordinatorState
-from .warm import WarmRestarts
+from .warm import WarmRecord, WarmRestarts
 
 
 class CycleMachine:
@@ -259,16 +260,23 @@ class CycleMachine:
             return
         failed_record = self.warm.joined(result)
         if failed_record is not None:
-            keys = [
-                key
-                for p in self.active()
-                if p.process_id in failed_record.members
-                for key in p.keys
-            ]
+            keys = self._registered_slots(failed_record)
             reason = f"warm restart failed: {failed_record.reason}"[:500]
             notices = [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
             intake.take_notices(self.state, notices, out, answer=False)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _registered_slots(self, record: WarmRecord) -> list[RankKey]:
+        """The ranks the record's members registered in this cycle, found by the slot each was
+        given: a spare registers under its process id, not under its member id, and a member
+        that has not registered yet is turned away or taken into the cycle this opens."""
+        keys = []
+        for answer in record.members.values():
+            entry = self.registry.ranks.get((answer.group, answer.rank))
+            process = self.registry.processes.get(entry[1]) if entry is not None else None
+            if process is not None and process.cycle == self.cycle.number:
+                keys.append((answer.group, answer.rank))
+        return keys
 
     # --- spares and the job's end ---------------------------------------------------------------
 
