@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from ray_graceful.checkpoint import (
     step_dir,
     write_shard,
 )
+from ray_graceful.checkpoint.files import file_checksum
 
 
 def _saver(value):
@@ -91,12 +93,39 @@ def test_commit_refuses_incomplete_or_mixed_steps(tmp_path):
     b8 = write_shard(root, 8, "b", _saver(8))
     with pytest.raises(CheckpointError, match="saved at step 8, not 7"):
         commit(root, 7, ["a", "b"], [a, b8])
-    with pytest.raises(CheckpointError, match="saved twice"):
-        commit(root, 7, ["a"], [a, a])
+    neither = dataclasses.replace(a, crc32=a.crc32 ^ 1)
+    with pytest.raises(CheckpointError, match=r"saved twice at step 7, and .* is neither save"):
+        commit(root, 7, ["a"], [neither, neither])
     with pytest.raises(CheckpointError, match="no shards"):
         commit(root, 7, [], [])
     assert not os.path.exists(os.path.join(step_dir(root, 7), MANIFEST))
     assert latest_committed(root) is None
+
+
+def test_a_shard_saved_twice_at_one_step_commits_the_save_whose_file_is_on_disk(tmp_path):
+    """A rank that left alone and the replica the plan chose both saved shard "a" at step 7,
+    each renaming a complete file into place: the record that is the file on disk is the one
+    committed, and the shard loads. Records the file is neither of commit nothing."""
+    root = str(tmp_path)
+    alone = write_shard(root, 7, "a", _saver(7), group="g", rank=0)
+    replica = write_shard(root, 7, "a", _saver(7), group="g", rank=1)
+    on_disk = file_checksum(os.path.join(step_dir(root, 7), replica.file))
+    assert (replica.bytes, replica.crc32) == on_disk, "the later rename is the file there"
+    # (Two replicas of one step write the same bytes: either record may stand for the file.)
+
+    other_bytes = dataclasses.replace(alone, crc32=alone.crc32 ^ 1)
+    torn = dataclasses.replace(replica, bytes=replica.bytes - 1)
+    with pytest.raises(CheckpointError, match="is neither save"):
+        commit(root, 7, ["a"], [other_bytes, torn])
+    assert latest_committed(root) is None
+
+    # The lone rank's file was replaced by the replica's: the replica's record is committed.
+    commit(root, 7, ["a"], [other_bytes, replica])
+    committed = latest_committed(root)
+    assert committed is not None and committed.step == 7
+    entry = committed.manifest["shards"]["a"]
+    assert entry["rank"] == 1 and (entry["bytes"], entry["crc32"]) == on_disk
+    assert torch.equal(load_committed_shard(committed, "a")["w"], torch.full((4,), 7.0))
 
 
 def test_directory_saver_and_failed_saver(tmp_path):

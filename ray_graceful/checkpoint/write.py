@@ -17,6 +17,7 @@ from typing import Any
 
 from ..dcp import DcpError, assemble, is_dcp_shard
 from .files import (
+    file_checksum,
     fsync_path,
     not_plain,
     path_size,
@@ -130,11 +131,13 @@ def commit(
     """Write the manifest - only if every expected shard was saved at ``step``.
 
     Raises CheckpointError (and writes nothing) when a shard is missing, saved at another
-    step, duplicated, or its file is not on disk with the recorded size.
+    step, saved twice with a file on disk that is neither save, or its file is not on disk with
+    the recorded size.
     """
     if not expected_shards:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
     by_shard: dict[str, ShardRecord] = {}
+    twice: dict[str, list[ShardRecord]] = {}
     for record in records:
         if record.step != step:
             raise CheckpointError(
@@ -142,8 +145,8 @@ def commit(
                 "a checkpoint holds one step."
             )
         if record.shard in by_shard:
-            raise CheckpointError(f"shard {record.shard!r} was saved twice at step {step}")
-        by_shard[record.shard] = record
+            twice.setdefault(record.shard, [by_shard[record.shard]]).append(record)
+        by_shard.setdefault(record.shard, record)
     check_shard_set(expected_shards, by_shard, f" at step {step}")
     directory = step_dir(root, step)
     existing, _reason = read_manifest(directory, step)
@@ -154,6 +157,8 @@ def commit(
                 "a committed checkpoint is never modified"
             )
         return os.path.join(directory, MANIFEST)  # committed before: kept as it is
+    for shard, saves in twice.items():
+        by_shard[shard] = _the_save_on_disk(directory, step, shard, saves)
     for record in by_shard.values():
         if record.file != shard_file_name(record.shard):
             raise CheckpointError(
@@ -190,3 +195,29 @@ def commit(
     path = os.path.join(directory, MANIFEST)
     write_json_atomic(path, manifest)
     return path
+
+
+def _the_save_on_disk(
+    directory: str, step: int, shard: str, saves: list[ShardRecord]
+) -> ShardRecord:
+    """Of two saves of one shard at one step, the one whose file is on disk.
+
+    It happens when a rank left alone while the coordinator restarted and saved its shard, and
+    the plan then had a replica save the same shard: each renamed a complete file into the same
+    place, so the file there is one of them - the same step of a replicated shard, which either
+    replica's save stands for. Its size and CRC32 say which record is its own; a file that is
+    neither (a third writer, a torn one) is never committed.
+    """
+    twice = f"shard {shard!r} was saved twice at step {step}"
+    path = os.path.join(directory, shard_file_name(shard))
+    problem = not_plain(path)
+    if problem:
+        raise CheckpointError(f"{twice}, and its file is refused: {problem}")
+    on_disk = file_checksum(path)
+    for record in saves:
+        if record.file == shard_file_name(shard) and (record.bytes, record.crc32) == on_disk:
+            return record
+    raise CheckpointError(
+        f"{twice}, and {path} is neither save ({on_disk[0]} bytes, CRC32 {on_disk[1]:08x}); "
+        "not committed"
+    )
