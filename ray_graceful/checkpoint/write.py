@@ -200,7 +200,7 @@ def commit(
 def _the_save_on_disk(
     directory: str, step: int, shard: str, saves: list[ShardRecord]
 ) -> ShardRecord:
-    """Of two saves of one shard at one step, the one whose file is on disk.
+    """Of the saves of one shard at one step, the one whose file is on disk.
 
     It happens when a rank left alone while the coordinator restarted and saved its shard, and
     the plan then had a replica save the same shard: each renamed a complete file into the same
