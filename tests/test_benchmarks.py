@@ -82,3 +82,41 @@ def test_tables_are_markdown_and_percentiles_interpolate():
     assert lines[0].replace(" ", "") == "|N|p50s|" and lines[2].replace(" ", "") == "|8|0.056|"
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert percentile([], 0.5) != percentile([], 0.5)  # NaN: no values
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "no pidfd: /proc polled"])
+def test_the_exit_watch_sees_each_process_end_as_it_happens(pidfds, monkeypatch):
+    """``bench release`` times each rank's exit by its pidfd, not by polling: a process that
+    ends is seen then (and only then), one already gone before the watch is seen at once."""
+    from ray_graceful.tools.bench.kit import ExitWatch
+
+    if not pidfds:
+        monkeypatch.delattr(os, "pidfd_open")
+
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    waiting = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    watch = ExitWatch([reaped.pid] + [p.pid for p in waiting])
+    try:
+        assert set(watch.gone) == {reaped.pid}
+        waiting[0].stdin.close()  # the first one ends now
+        waiting[0].wait(timeout=30)
+        assert watch.changed.wait(30), "the end was not seen"
+        assert waiting[0].pid in watch.gone and waiting[1].pid not in watch.gone
+        waiting[1].stdin.close()
+        waiting[1].wait(timeout=30)
+        for _ in range(300):
+            if waiting[1].pid in watch.gone:
+                break
+            watch.changed.wait(0.1)
+        assert watch.gone[waiting[1].pid] >= watch.gone[waiting[0].pid]
+    finally:
+        watch.close()
+        for p in waiting:
+            p.kill()
+            p.wait()

@@ -25,7 +25,7 @@ from typing import Any
 from ...config import GracefulConfig
 from ...worker.mixin import GracefulWorkerMixin
 from ...worker.process_groups import free_port
-from .kit import BenchRank, local_cluster, markdown_table, percentile, process_alive
+from .kit import BenchRank, ExitWatch, local_cluster, markdown_table, percentile
 
 
 class GracefulBenchRank(GracefulWorkerMixin, BenchRank):
@@ -106,6 +106,7 @@ def _release_once(
             )
         training = {r.train.remote(10**9): i for i, r in enumerate(ranks)}
         time.sleep(1.0)
+        watch = ExitWatch(pids)  # blocks in the kernel: no CPU taken from the leaving ranks
         t0 = time.time()
         if how == "sigterm":
             os.kill(pids[0], signal.SIGTERM)
@@ -113,18 +114,25 @@ def _release_once(
             drain_node(node.node_id, t0 + 30.0, "bench: drain")
         out: dict[int, float] = {}
         end = t0 + timeout_s + 30
-        while len(out) < n and time.time() < end:
-            for i, pid in enumerate(pids):
-                if i not in out and not process_alive(pid):
-                    out[i] = time.time()
-            ready, _ = ray.wait(list(training), timeout=0)
-            for ref in ready:
-                i = training.pop(ref)
-                try:
-                    out.setdefault(i, ray.get(ref)["released_at"])
-                except Exception:  # the actor died: it was out when its process went
-                    out.setdefault(i, time.time())
-            time.sleep(0.002)
+        try:
+            while len(out) < n and time.time() < end:
+                if training:  # returns as soon as one call ends, or after 20 ms
+                    ready, _ = ray.wait(list(training), num_returns=1, timeout=0.02)
+                else:
+                    ready = []
+                    watch.changed.wait(0.02)
+                watch.changed.clear()
+                for i, pid in enumerate(pids):
+                    if pid in watch.gone:
+                        out.setdefault(i, watch.gone[pid])
+                for ref in ready:
+                    i = training.pop(ref)
+                    try:
+                        out.setdefault(i, ray.get(ref)["released_at"])
+                    except Exception:  # the actor died: it was out when its process went
+                        out.setdefault(i, watch.gone.get(pids[i], time.time()))
+        finally:
+            watch.close()
         outcome_s = None
         if coordinator is not None:
             outcome = coordinator.wait_outcome(timeout=30, cycle=0)
