@@ -102,18 +102,24 @@ def test_the_exit_watch_sees_each_process_end_as_it_happens(pidfds, monkeypatch)
         for _ in range(2)
     ]
     watch = ExitWatch([reaped.pid] + [p.pid for p in waiting])
+
+    def seen(pid: int) -> bool:
+        for _ in range(300):
+            if pid in watch.gone:
+                return True
+            watch.changed.wait(0.1)
+            watch.changed.clear()
+        return False
+
     try:
         assert set(watch.gone) == {reaped.pid}
         waiting[0].stdin.close()  # the first one ends now
         waiting[0].wait(timeout=30)
-        assert watch.changed.wait(30), "the end was not seen"
-        assert waiting[0].pid in watch.gone and waiting[1].pid not in watch.gone
+        assert seen(waiting[0].pid), "the end was not seen"
+        assert waiting[1].pid not in watch.gone, "one still running is not gone"
         waiting[1].stdin.close()
         waiting[1].wait(timeout=30)
-        for _ in range(300):
-            if waiting[1].pid in watch.gone:
-                break
-            watch.changed.wait(0.1)
+        assert seen(waiting[1].pid), "the second end was not seen"
         assert watch.gone[waiting[1].pid] >= watch.gone[waiting[0].pid]
     finally:
         watch.close()

@@ -176,7 +176,7 @@ class ExitWatch:
     One thread blocks in ``poll`` until a process ends: the harness spends no CPU while it
     waits. Polling ``/proc`` for 16 ranks every 2 ms, with a ``ray.wait`` each time, took a
     share of the two cores the ranks it times were leaving on. Where there are no pidfds
-    (not Linux), the thread polls every 2 ms instead.
+    (not Linux, a kernel before 5.3), the thread polls every 2 ms instead.
     """
 
     def __init__(self, pids: list[int]) -> None:
@@ -184,23 +184,32 @@ class ExitWatch:
         self.changed = threading.Event()
         self._stop = False
         self._fds: dict[int, int] = {}
-        self._polled = [] if hasattr(os, "pidfd_open") else list(pids)
-        for pid in pids if not self._polled else ():
+        self._polled: list[int] = []
+        for pid in pids:
             try:
                 self._fds[os.pidfd_open(pid)] = pid
             except ProcessLookupError:
                 self.gone[pid] = time.time()
+            except (AttributeError, OSError):  # no pidfds here: every process is polled
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds, self._polled = {}, [p for p in pids if p not in self.gone]
+                break
+        self._poll_round()  # one already gone is seen at once, whichever way
         run = self._run if not self._polled else self._poll_proc
         self._thread = threading.Thread(target=run, name="exit-watch", daemon=True)
         self._thread.start()
 
+    def _poll_round(self) -> None:
+        for pid in [p for p in self._polled if not process_alive(p)]:
+            self._polled.remove(pid)
+            self.gone.setdefault(pid, time.time())
+            self.changed.set()
+
     def _poll_proc(self) -> None:
         while self._polled and not self._stop:
-            for pid in [p for p in self._polled if not process_alive(p)]:
-                self._polled.remove(pid)
-                self.gone.setdefault(pid, time.time())
-                self.changed.set()
             time.sleep(0.002)
+            self._poll_round()
 
     def _run(self) -> None:
         poller = select.poll()
