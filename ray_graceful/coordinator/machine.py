@@ -272,8 +272,7 @@ class CycleMachine:
         that has not registered yet is turned away or taken into the cycle this opens."""
         keys = []
         for answer in record.members.values():
-            entry = self.registry.ranks.get((answer.group, answer.rank))
-            process = self.registry.processes.get(entry[1]) if entry is not None else None
+            process = self.registry.process_of((answer.group, answer.rank))
             if process is not None and process.cycle == self.cycle.number:
                 keys.append((answer.group, answer.rank))
         return keys
