@@ -225,3 +225,19 @@ def test_forked_child_does_not_run_the_teardown(ray_cluster, exit_recorder, conf
     assert report_for(config.report_dir, pid) is None
     assert report_for(config.report_dir, child) is None
     kill_actors(actor)
+
+
+@ray.remote(num_cpus=0)
+def _core_worker_stopped_here() -> bool | None:
+    from ray_graceful import ray_adapter
+
+    check = ray_adapter.core_worker_stopped_check()
+    return None if check is None else check()
+
+
+def test_a_worker_can_tell_when_rays_core_worker_has_stopped(ray_cluster):
+    """A teardown leaves the moment Ray's core worker is down, instead of waiting while Ray's
+    destructor joins gRPC poll threads (up to 250 ms each exit, measured on Ray 2.60). That
+    needs the core worker's io thread to be found on the installed Ray, and a running worker
+    not to read as stopped; without it every exit takes the slow way again."""
+    assert ray.get(_core_worker_stopped_here.remote(), timeout=60) is False

@@ -48,7 +48,7 @@ from .. import ray_adapter
 from ..config import GracefulConfig
 from ..protocol import PhaseStatus, ReportedRank, TeardownPhase
 from .emergency_save import EmergencySave, ShardSave
-from .exit_path import hard_exit, skip_finalization, write_stderr
+from .exit_path import hard_exit, leave_without_finalization, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
 from .process_groups import GroupHandle, release
 from .report import (
@@ -349,11 +349,12 @@ class Teardown:
             # is skipped.
             gc.freeze()
             skip_finalization(0)
+            ray_stopped = ray_adapter.core_worker_stopped_check()
             try:
                 exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
             except Exception as exc:
                 write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
-            waited, stuck_s = self._wait_for_intended_exit()
+            waited, stuck_s = self._wait_for_intended_exit(ray_stopped)
             why = (
                 f"; the process was still alive after {waited:.2f}s "
                 f"(a task had not returned: {busy_threads()})"
@@ -379,8 +380,14 @@ class Teardown:
             hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
 
-    def _wait_for_intended_exit(self) -> tuple[float, float | None]:
+    def _wait_for_intended_exit(
+        self, ray_stopped: Callable[[], bool] | None
+    ) -> tuple[float, float | None]:
         """Give Ray's exit up to ``exit_grace_s`` to end the process.
+
+        Once Ray's core worker has shut down (``ray_stopped``), the process leaves at once,
+        status 0: the raylet holds the intended exit, and what Ray's destructor still does -
+        joining gRPC poll threads that wake every 250 ms - only keeps a finished process alive.
 
         Ray's exit waits for the running task to return. A task still inside a collective
         ``STUCK_IN_COLLECTIVE_S`` after the peers were released will not return (gloo can miss
@@ -393,6 +400,8 @@ class Teardown:
         limit = max(min(self.config.exit_grace_s, self.remaining()), 0.0)
         stuck_since: float | None = None
         while (waited := time.monotonic() - started) < limit:
+            if ray_stopped is not None and ray_stopped():
+                leave_without_finalization(0)
             if self.released_at is not None and thread_in_collective():
                 stuck_since = stuck_since or self.released_at
                 if (stuck_s := time.monotonic() - stuck_since) >= STUCK_IN_COLLECTIVE_S:
