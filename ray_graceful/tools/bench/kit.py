@@ -166,7 +166,7 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     for row in rows:
         grid.add_row(*(f"{c:.3f}" if isinstance(c, float) else str(c) for c in row))
     out = io.StringIO()
-    Console(file=out, width=250, color_system=None, force_terminal=False).print(grid)
+    Console(file=out, width=400, color_system=None, force_terminal=False).print(grid)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines() if line.strip())
 
 

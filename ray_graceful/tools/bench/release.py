@@ -1,10 +1,11 @@
-"""``ray-graceful bench release``: from an eviction to every rank out, against the same job
-without the plugin, on a private local cluster.
+"""``ray-graceful bench release``: from an eviction to every rank released and every process
+gone, against the same job without the plugin, on a private local cluster.
 
 N ranks all-reduce on gloo (or NCCL); rank 0 runs on a node of its own. It is evicted
 mid-collective by SIGTERM to its process, or its node is drained with a deadline. Measured:
-the first rank out, every rank out, the coordinator's outcome, how each process left (Ray's
-intended exit, a forced one, a hard exit) and what Ray recorded as crashes. In the same run, the
+the first rank and every rank released from its collective, every rank's process gone, the
+coordinator's outcome, how each process left (Ray's intended exit, a forced one, a hard exit)
+and what Ray recorded as crashes. In the same run, the
 baseline: the same job without the plugin, whose survivors wait out the collective timeout (a
 lower bound of the real 600-1800 s).
 """
@@ -62,8 +63,11 @@ def _release_once(
 ) -> dict[str, Any]:
     """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
 
-    A rank is *out* when its process is gone or, without the plugin, when its collective
-    returned an error (the process itself then lingers until someone kills it).
+    Two moments per rank. *Released*: its training call returned - out of its collective, the
+    time the rank itself took as it left (or its process's end, if that came first: a rank
+    that died inside its collective). *Gone*: its process ended, as the kernel reports it.
+    Without the plugin a released rank's process lingers until someone kills it, so the
+    baseline has no "gone".
     """
     from ...coordinator import Coordinator
     from ...ray_adapter import drain_node
@@ -112,27 +116,27 @@ def _release_once(
             os.kill(pids[0], signal.SIGTERM)
         else:
             drain_node(node.node_id, t0 + 30.0, "bench: drain")
-        out: dict[int, float] = {}
+        released: dict[int, float] = {}
         end = t0 + timeout_s + 30
         try:
-            while len(out) < n and time.time() < end:
+            while time.time() < end:
                 if training:  # returns as soon as one call ends, or after 20 ms
                     ready, _ = ray.wait(list(training), num_returns=1, timeout=0.02)
-                else:
+                elif graceful and len(watch.gone) < n:
                     ready = []
                     watch.changed.wait(0.02)
+                else:
+                    break
                 watch.changed.clear()
-                for i, pid in enumerate(pids):
-                    if pid in watch.gone:
-                        out.setdefault(i, watch.gone[pid])
                 for ref in ready:
                     i = training.pop(ref)
-                    try:
-                        out.setdefault(i, ray.get(ref)["released_at"])
-                    except Exception:  # the actor died: it was out when its process went
-                        out.setdefault(i, watch.gone.get(pids[i], time.time()))
+                    with contextlib.suppress(Exception):  # died inside it: released by its end
+                        released[i] = ray.get(ref)["released_at"]
         finally:
             watch.close()
+        gone = {i: watch.gone[pid] for i, pid in enumerate(pids) if pid in watch.gone}
+        for i, at in gone.items():
+            released[i] = min(released.get(i, at), at)
         outcome_s = None
         if coordinator is not None:
             outcome = coordinator.wait_outcome(timeout=30, cycle=0)
@@ -145,7 +149,7 @@ def _release_once(
         # From the end of each rank's teardown (its report) to its process gone: the exit path
         # (Ray's intended exit, then what the interpreter does on its way out).
         ended = {r.pid: r.started_at + (r.finished_s or 0) for r in read_reports(config.report_dir)}
-        linger = [out[i] - ended[pid] for i, pid in enumerate(pids) if i in out and pid in ended]
+        linger = [gone[i] - ended[pid] for i, pid in enumerate(pids) if i in gone and pid in ended]
         time.sleep(1.0)  # the GCS records a worker's end a moment after the process is gone
         recorded = worker_exits(set(pids))
         return {
@@ -157,9 +161,10 @@ def _release_once(
             "ray_recorded": recorded,
             "crashes": sum(kind == "SYSTEM_ERROR" for kind in recorded.values()),
             "exit_paths": dict(_exit_paths(os.path.join(work, "reports"))),
-            "first_out_s": min(out.values()) - t0 if out else None,
-            "all_out_s": max(out.values()) - t0 if len(out) == n else None,
-            "stuck": n - len(out),
+            "first_released_s": min(released.values()) - t0 if released else None,
+            "all_released_s": max(released.values()) - t0 if len(released) == n else None,
+            "all_gone_s": max(gone.values()) - t0 if graceful and len(gone) == n else None,
+            "stuck": n - len(released),
             "outcome_s": outcome_s,
         }
     finally:
@@ -210,7 +215,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     results.append({**r, "rep": rep})
                     print(
                         f"  {how} N={n} rep {rep}: joined in {r['joined_s']:.1f}s, "
-                        f"all out {r['all_out_s']}s, "
+                        f"all released {r['all_released_s']}s, all gone {r['all_gone_s']}s, "
                         f"exits {r['exit_paths']}, {r['crashes']} recorded as crashes",
                         flush=True,
                     )
@@ -220,15 +225,17 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     results.append({**b, "rep": 0})
                     print(
-                        f"  baseline {how} N={n}: all out {b['all_out_s']}s, {b['stuck']} stuck",
+                        f"  baseline {how} N={n}: all released {b['all_released_s']}s, "
+                        f"{b['stuck']} stuck",
                         flush=True,
                     )
     rows = []
     for how in hows:
         for n in sizes:
             runs = [r for r in results if (r["n"], r["how"], r["graceful"]) == (n, how, True)]
-            alls = [r["all_out_s"] for r in runs if r["all_out_s"] is not None]
-            firsts = [r["first_out_s"] for r in runs if r["first_out_s"] is not None]
+            alls = [r["all_released_s"] for r in runs if r["all_released_s"] is not None]
+            firsts = [r["first_released_s"] for r in runs if r["first_released_s"] is not None]
+            gones = [r["all_gone_s"] for r in runs if r["all_gone_s"] is not None]
             outcomes = [r["outcome_s"] for r in runs if r["outcome_s"] is not None]
             lingers = [x for r in runs for x in r["after_teardown_s"]]
             plain = how.removesuffix("+agent")
@@ -236,9 +243,11 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             waited = args.timeout + 30
             if not base:
                 base_text, speedup = "-", "-"
-            elif base[0]["all_out_s"] is not None:
-                base_text = f"{base[0]['all_out_s']:.2f}"
-                speedup = f"{base[0]['all_out_s'] / statistics.median(alls):.0f}x" if alls else "-"
+            elif base[0]["all_released_s"] is not None:
+                base_text = f"{base[0]['all_released_s']:.2f}"
+                speedup = (
+                    f"{base[0]['all_released_s'] / statistics.median(alls):.0f}x" if alls else "-"
+                )
             else:
                 base_text = f"never ({base[0]['stuck']}/{n} stuck after {waited:.0f}s)"
                 speedup = f">{waited / statistics.median(alls):.0f}x" if alls else "-"
@@ -252,6 +261,8 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     percentile(alls, 0.9),
                     percentile(alls, 0.99),
                     max(alls) if alls else float("nan"),
+                    percentile(gones, 0.5),
+                    percentile(gones, 0.99),
                     percentile(outcomes, 0.5),
                     percentile(lingers, 0.5),
                     max(lingers) if lingers else float("nan"),
@@ -266,22 +277,26 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
             "eviction",
             "N",
             "reps",
-            "first out p50 s",
-            "all out p50 s",
+            "first released p50 s",
+            "all released p50 s",
             "p90 s",
             "p99 s",
             "max s",
+            "all gone p50 s",
+            "p99 s",
             "outcome p50 s",
             "gone after teardown p50 s",
             "max s",
             "Ray-killed / hard exits",
             "Ray: crashes",
-            "baseline: all out s",
+            "baseline: all released s",
             "vs baseline",
         ],
         rows,
     )
     table += (
+        "\nreleased: a rank's training call returned (out of its collective); gone: its "
+        "process ended (pidfd)"
         f"\nbaseline: the same job without the plugin, collective timeout "
         f"{args.timeout:.0f}s (the real default is 600 s for NCCL, 1800 s for gloo)"
     )
