@@ -116,6 +116,28 @@ def test_a_notice_plans_orders_and_commits(config):
     assert coord.machine.cycle.number == 1
 
 
+@pytest.mark.parametrize("where", ["a checkpoint directory", "nowhere"])
+def test_an_order_says_whether_anyone_of_the_cycle_needs_a_step_boundary(config, where):
+    """A step boundary serves a save: with nowhere to save, nobody waits for one, and a rank
+    inside a collective releases its peers at once."""
+    if where == "nowhere":
+        config = config.replace(checkpoint_dir=None)
+
+    async def scenario():
+        coord, *_ = make(config)
+        assert (await register(coord)).accepted
+        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
+        await asyncio.sleep(0)
+        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
+        return (await poll).order
+
+    order = run(scenario())
+    if where == "nowhere":
+        assert not order.saves and not order.boundary_needed, order
+    else:
+        assert order.saves and order.boundary_needed, order
+
+
 def test_another_jobs_ranks_and_orders_are_refused(config):
     async def scenario():
         coord, *_ = make(config)

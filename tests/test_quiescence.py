@@ -108,6 +108,48 @@ def test_the_abort_order_follows_where_the_training_thread_is(tmp_path, state, o
     assert teardown.training_released.is_set(), "a parked thread is let go after the save"
 
 
+class _FinishingCollective(_Training):
+    """A thread inside a collective that finishes it and parks at its boundary a few looks
+    later (2 ms apart: well within the time a collective is given to finish)."""
+
+    def __init__(self) -> None:
+        super().__init__("in_collective")
+        self.looks = 0
+
+    def state(self) -> str:
+        self.looks += 1
+        return "in_collective" if self.looks <= 3 else "parked"
+
+
+@pytest.mark.parametrize("needed", [True, False])
+def test_a_collective_is_given_time_to_finish_only_when_a_boundary_is_needed(tmp_path, needed):
+    """Someone saves or rejoins: the collective may finish, and the rank parks at its boundary
+    (device first, then the abort). Nobody does: the peers are released at once."""
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.teardown import Teardown
+
+    config = GracefulConfig(report_dir=str(tmp_path), quiesce_timeout_s=5.0)
+    teardown = Teardown(
+        config,
+        [],
+        "test",
+        time.time() + 10,
+        training=_FinishingCollective(),
+        exit_process=False,
+        boundary_needed=needed,
+    )
+    teardown.run()
+    names = [s.name for s in teardown.report.phases]
+    if needed:
+        assert names[2:4] == ["drain_device", "release_peers"], names
+        assert teardown.quiescent and teardown.clean_step == 5
+    else:
+        assert names[2:4] == ["release_peers", "drain_device"], names
+        assert teardown.clean_step is None
+
+
 def test_a_thread_stuck_in_a_collective_is_timed_from_the_release_not_from_the_exit(
     tmp_path, monkeypatch
 ):

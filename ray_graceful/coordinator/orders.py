@@ -103,6 +103,8 @@ def _plan_and_order(
     # twice), not once per process: at 16,384 processes that was most of the fan-out's bytes.
     # One random prefix per cycle and a counter, not a uuid4 per order (0.1 s at 16,384).
     prefix = uuid.uuid4().hex[:16]
+    # A step boundary serves a save (its state is the step's) or a survivor's clean step.
+    boundary_needed = bool(rejoiners) or any(o.action is not Action.LEAVE for o in plan.orders)
     told: dict[tuple, PollAnswer] = {}
     for process_id, orders in by_process.items():
         deadline = min(o.deadline for o in orders)
@@ -128,6 +130,7 @@ def _plan_and_order(
                     skip_reason=skip_reason,
                     save_budget_s=config.save_budget_s,
                     rejoin=rejoin,
+                    boundary_needed=boundary_needed,
                 ),
             )
         state.registry.processes[process_id].order = answer.order

@@ -160,6 +160,10 @@ class TeardownOrder:
     # Warm restart: this process survives. Its teardown ends without an exit, and it waits for
     # the next cycle's ``Rendezvous`` (``worker/rejoin.py``) instead.
     rejoin: bool = False
+    # False when no process of the cycle saves, backs a save up or rejoins: then nobody needs
+    # the training thread at a step boundary, and a rank found inside a collective releases its
+    # peers at once rather than give the collective time to finish.
+    boundary_needed: bool = True
     version: int = PROTOCOL_VERSION
 
 

@@ -199,6 +199,7 @@ class ProcessRuntime:
             save_orders=save_orders,
             skip_save_reason=skip_reason or "the plan has another replica save",
             exit_process=not order.rejoin,
+            boundary_needed=order.boundary_needed,
         )
         if order.rejoin and not teardown.exit_process:
             control = self.control
@@ -323,6 +324,7 @@ class ProcessRuntime:
         save_orders: list[ShardSave] | None = None,
         skip_save_reason: str | None = None,
         exit_process: bool = True,
+        boundary_needed: bool = True,
     ) -> Teardown:
         """Start this process's teardown once; later calls return the one already running."""
         with self.lock:
@@ -346,6 +348,7 @@ class ProcessRuntime:
                 on_saved=self.control.save_result if self.control is not None else None,
                 training=self.loop,
                 exit_process=exit_process,
+                boundary_needed=boundary_needed,
             )
             self.teardown.report.last_step = self.loop.last_step
             teardown = self.teardown

@@ -9,7 +9,8 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
                           ``should_stop(step)`` *parks* it there until the save is done, so the
                           state saved is exactly the state of ``step``. A thread found inside a
                           collective is given ``IN_COLLECTIVE_S`` to finish it, no more: a
-                          collective whose peer is gone never returns.
+                          collective whose peer is gone never returns. None at all when the
+                          order says nobody of the cycle saves or rejoins (no boundary needed).
 3. ``drain_device`` and ``release_peers``, in the safe order: a rank parked at its boundary
                           drains the device first (``torch.cuda.synchronize()``, bounded) and
                           then aborts its communicators, so no abort cuts NVLink traffic in
@@ -100,6 +101,7 @@ class Teardown:
         on_saved: Callable[[list[str], list[str], str], None] | None = None,
         training: TrainingThread | None = None,
         exit_process: bool = True,
+        boundary_needed: bool = True,
     ) -> None:
         self.config = config
         self.groups = groups
@@ -108,6 +110,9 @@ class Teardown:
         self.on_report = on_report
         self.training = training
         self.exit_process = exit_process
+        # How long a collective the thread is found in may take to finish at quiesce: none
+        # when the coordinator says nobody of the cycle needs a step boundary.
+        self.in_collective_s = IN_COLLECTIVE_S if boundary_needed else 0.0
         self.quiescent = training is None  # no loop registered: nothing to wait for
         # The step this rank's state provably is: the thread is held inside should_stop(step).
         # A thread found outside its loop may have left it by an exception from a collective a
@@ -230,7 +235,7 @@ class Teardown:
                 return state
             if state == "in_collective":
                 in_collective_since = in_collective_since or now
-                if now - in_collective_since >= IN_COLLECTIVE_S:
+                if now - in_collective_since >= self.in_collective_s:
                     return state
             else:
                 in_collective_since = None
@@ -381,7 +386,7 @@ class Teardown:
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
 
     def _wait_for_intended_exit(
-        self, ray_stopped: Callable[[], bool] | None
+        self, ray_stopped: Callable[[], bool] | None = None
     ) -> tuple[float, float | None]:
         """Give Ray's exit up to ``exit_grace_s`` to end the process.
 
