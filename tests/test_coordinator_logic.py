@@ -97,14 +97,19 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))
 
 
+async def order_after_a_notice(coord):
+    """Register p0 (one rank on n0), notice n0, and return the answer to p0's poll."""
+    assert (await register(coord)).accepted
+    poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
+    await asyncio.sleep(0)
+    assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
+    return await poll
+
+
 def test_a_notice_plans_orders_and_commits(config):
     async def scenario():
         coord, *_ = make(config)
-        assert (await register(coord)).accepted
-        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
-        await asyncio.sleep(0)
-        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
-        answer = await poll
+        answer = await order_after_a_notice(coord)
         assert answer.kind == "order" and answer.order.job_id == "job-a"
         assert [s.shard_key for s in answer.order.saves] == ["g/0"]
         await coord.report_teardown("p0", saved_report(config.checkpoint_dir, 0, 7))
@@ -125,11 +130,7 @@ def test_an_order_says_whether_anyone_of_the_cycle_needs_a_step_boundary(config,
 
     async def scenario():
         coord, *_ = make(config)
-        assert (await register(coord)).accepted
-        poll = asyncio.create_task(coord.poll("p0", 0, IDLE, 10))
-        await asyncio.sleep(0)
-        assert (await coord.notify({"node_id": "n0", "reason": "test"})).accepted
-        return (await poll).order
+        return (await order_after_a_notice(coord)).order
 
     order = run(scenario())
     if where == "nowhere":
