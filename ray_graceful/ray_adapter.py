@@ -274,10 +274,10 @@ def core_worker_stopped_check() -> Callable[[], bool] | None:
     that cannot be seen (no such thread: another Ray, not Linux, not a Ray worker).
 
     Take it before requesting the intended exit. Seen on Ray 2.60: after the io thread stops,
-    the core worker's destructor joins gRPC's client poll threads, and one polling a call still
-    in flight (an actor handle's state subscription) leaves only at its next 250 ms deadline -
-    0.25 s of a rank's exit, with nothing of Ray's record left to make: the raylet already
-    holds the intended exit, the task events are flushed.
+    the core worker's destructor joins gRPC's client poll threads, and one with a call still in
+    flight (seen once the worker has called another actor) leaves only at its next 250 ms
+    deadline - 0.25 s of a rank's exit, with nothing of Ray's record left to make: the raylet
+    already holds the intended exit, the task events are flushed.
     """
     tasks = "/proc/self/task"
     try:

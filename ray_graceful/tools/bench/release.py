@@ -5,9 +5,8 @@ N ranks all-reduce on gloo (or NCCL); rank 0 runs on a node of its own. It is ev
 mid-collective by SIGTERM to its process, or its node is drained with a deadline. Measured:
 the first rank and every rank released from its collective, every rank's process gone, the
 coordinator's outcome, how each process left (Ray's intended exit, a forced one, a hard exit)
-and what Ray recorded as crashes. In the same run, the
-baseline: the same job without the plugin, whose survivors wait out the collective timeout (a
-lower bound of the real 600-1800 s).
+and what Ray recorded as crashes. In the same run, the baseline: the same job without the
+plugin, whose survivors wait out the collective timeout (a lower bound of the real 600-1800 s).
 """
 
 from __future__ import annotations
