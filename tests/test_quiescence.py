@@ -183,6 +183,38 @@ def test_a_thread_stuck_in_a_collective_is_timed_from_the_release_not_from_the_e
     assert teardown._wait_for_intended_exit()[1] is None
 
 
+def test_the_exit_wait_leaves_once_rays_core_worker_has_stopped(tmp_path, monkeypatch):
+    """Ray's exit told the raylet and stopped the core worker: the process leaves at once,
+    status 0, instead of living on while Ray's destructor joins gRPC poll threads. Until then
+    (or with no way to tell) it waits for Ray as before."""
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker import teardown as teardown_module
+
+    class Left(Exception):
+        pass
+
+    left: list[int] = []
+
+    def leave(code: int) -> None:
+        left.append(code)
+        raise Left
+
+    monkeypatch.setattr(teardown_module, "leave_without_finalization", leave)
+    config = GracefulConfig(report_dir=str(tmp_path), exit_grace_s=5.0)
+    teardown = teardown_module.Teardown(config, [], "test", time.time() + 30, exit_process=False)
+    looks = iter([False, False, True])
+    with pytest.raises(Left):
+        teardown._wait_for_intended_exit(lambda: next(looks))
+    assert left == [0]
+
+    teardown.config = GracefulConfig(report_dir=str(tmp_path), exit_grace_s=0.1)
+    assert teardown._wait_for_intended_exit(lambda: False)[1] is None
+    assert teardown._wait_for_intended_exit(None)[1] is None
+    assert left == [0], "still running: nothing to leave early for"
+
+
 def test_a_sigterm_fallback_deadline_counts_from_the_signal():
     """No order after reporting the SIGTERM: the rank goes alone, its deadline still counted
     from the signal (it was counted from the moment it gave up: 7 s after the signal for 4 s)."""
