@@ -30,8 +30,10 @@ import dataclasses
 import math
 import os
 import pickle
+import re
 import tempfile
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -324,4 +326,14 @@ def _check_coverage(fqn: str, size: list[int], boxes: list[tuple[list[int], list
 
 def dcp_directory(group: str) -> str:
     """The directory, inside a step directory, that holds ``group``'s global metadata."""
-    return DIR_PREFIX + "".join(c if c.isalnum() or c in "._-" else "_" for c in group)
+    return DIR_PREFIX + file_safe(group)
+
+
+def file_safe(name: str) -> str:
+    """``name`` as one part of a file name: ``[A-Za-z0-9._-]`` kept, any other character "_",
+    and then the CRC32 of ``name`` - so that two names differing only there ("actor ref",
+    "actor_ref") never share a file or a directory."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if safe != name or not safe:
+        safe = f"{safe}-{zlib.crc32(name.encode()):08x}"
+    return safe

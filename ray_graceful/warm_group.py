@@ -25,6 +25,7 @@ checkpoint, as without one.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from .protocol import Rejoined
 
 
 class WarmRestartFailed(RuntimeError):
-    """The group could not be re-formed in place; every rank left cleanly. ``.reason`` says why."""
+    """The group could not be re-formed in place; every rank has left or is being ended by the
+    coordinator. ``.reason`` says why."""
 
     def __init__(self, reason: str, outcome: TerminationOutcome | None = None) -> None:
         super().__init__(reason)
@@ -112,9 +114,17 @@ class WarmGroup:
             time.sleep(0.05)
 
     def restart(self, timeout: float = 60.0) -> WarmRestart:
-        """Re-form the group after an eviction; ``WarmRestartFailed`` where it cannot be."""
+        """Re-form the group after an eviction; ``WarmRestartFailed`` where it cannot be.
+
+        Members are matched by the ids the coordinator gave them: a spare whose call ended
+        without such an id (it left on its own SIGTERM, or died) leaves the pool. Where some
+        members joined and another did not, the coordinator ends those that joined through a
+        cycle of their new group; ``WarmRestartFailed`` is raised once that cycle's outcome is
+        out (or ``timeout`` is spent), never while they still run.
+        """
         import ray
 
+        until = time.monotonic() + timeout
         try:
             outcome = self.coordinator.wait_outcome(timeout=timeout)
         except ray.exceptions.RayError as exc:  # the survivors leave by themselves
@@ -126,27 +136,61 @@ class WarmGroup:
             raise WarmRestartFailed(
                 warm.get("reason") or "warm_restart is off in the coordinator's config", outcome
             )
-        expected = len(warm["members"])
-        joined: list[tuple[Rejoined, Any]] = []
+        members = {m["member"] for m in warm["members"]}
         calls = {getattr(w, self.method).remote(*self.args): w for w in self.workers}
         spares_needed = sum(1 for m in warm["members"] if m["was"].startswith("spare"))
-        ready, _ = ray.wait(list(self._spares), num_returns=spares_needed, timeout=timeout)
-        calls.update({ref: self._spares.pop(ref) for ref in ready})
-        why = []
+        why: list[str] = []
+        calls.update(self._assigned_spares(members, spares_needed, until, why))
+        joined: list[tuple[Rejoined, Any]] = []
         for ref, actor in calls.items():
             try:
-                result = ray.get(ref, timeout=timeout)
+                result = ray.get(ref, timeout=max(until - time.monotonic(), 0.1))
+            except ray.exceptions.GetTimeoutError:
+                why.append(f"no answer within {timeout}s")
+                continue
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 why.append(type(exc).__name__)  # an evicted worker: gone, as it should be
                 continue
-            if isinstance(result, Rejoined) and result.joined:
+            if isinstance(result, Rejoined) and result.joined and result.member in members:
                 joined.append((result, actor))
             elif isinstance(result, Rejoined):
                 why.append(f"{result.was or result.member}: {result.reason}")
-        if len(joined) != expected:
+        if len(joined) != len(members):
+            if joined:  # the coordinator ends them: wait for that cycle's outcome
+                left_s = max(until - time.monotonic(), 1.0)
+                with contextlib.suppress(ray.exceptions.RayError):
+                    self.coordinator.wait_outcome(timeout=left_s, cycle=warm["cycle"])
             raise WarmRestartFailed(
-                f"{len(joined)} of {expected} member(s) joined ({'; '.join(why[:3])})", outcome
+                f"{len(joined)} of {len(members)} member(s) joined ({'; '.join(why[:3])})",
+                outcome,
             )
         joined.sort(key=lambda pair: (pair[0].group, pair[0].rank))
         self.workers = [actor for _, actor in joined]
         return WarmRestart(outcome, tuple(result for result, _ in joined))
+
+    def _assigned_spares(
+        self, members: set[str], needed: int, until: float, why: list[str]
+    ) -> dict[Any, Any]:
+        """The calls of the ``needed`` spares the coordinator handed a slot, by member id.
+
+        A spare's call ends when it was handed a slot (and joined, or failed to) - or when it
+        left without one: its own SIGTERM, the job's end, its death. Those leave the pool.
+        """
+        import ray
+
+        found: dict[Any, Any] = {}
+        while len(found) < needed and self._spares:
+            left_s = max(until - time.monotonic(), 0.0)
+            ready, _ = ray.wait(list(self._spares), num_returns=1, timeout=left_s)
+            if not ready:
+                why.append(f"{needed - len(found)} assigned spare(s) did not answer in time")
+                break
+            spare = self._spares.pop(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                why.append(f"a spare: {type(exc).__name__}")
+                continue
+            if isinstance(result, Rejoined) and result.member in members:
+                found[ready[0]] = spare
+        return found

@@ -130,6 +130,34 @@ def test_an_fsdp2_emergency_save_loads_with_dcp_at_the_same_and_another_world_si
             assert (full[name] == array).all(), f"{name} at world size {world}"
 
 
+def test_groups_whose_names_differ_only_in_an_unsafe_character_load_their_own_tensors(tmp_path):
+    """"actor ref" and "actor_ref" once shared ``dcp-actor_ref``: the second group's metadata
+    overwrote the first's, and ``dcp_path("actor ref")`` loaded the other group's tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    root = str(tmp_path / "ckpt")
+    groups = {"actor ref": 1.0, "actor_ref": 2.0}
+    records = [
+        write_shard(
+            root,
+            STEP,
+            f"{group}/0",
+            dcp_saver(lambda value=value: {"w": torch.full((3,), value)}),
+            group=group,
+            rank=0,
+        )
+        for group, value in groups.items()
+    ]
+    commit(root, STEP, [f"{group}/0" for group in groups], records, cycle=0)
+    ckpt = latest_committed(root)
+    assert len(set(ckpt.manifest["dcp"].values())) == 2, ckpt.manifest["dcp"]
+    for group, value in groups.items():
+        state = {"w": torch.zeros(3)}
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(state, checkpoint_id=ckpt.dcp_path(group))
+        assert torch.equal(state["w"], torch.full((3,), value)), group
+
+
 @pytest.mark.timeout(240)
 def test_hsdp_one_saver_per_shard_is_enough(tmp_path):
     """Mesh (2 replicas x 2 shards): ranks 0 and 1 save shards 0 and 1, their replicas 2 and 3

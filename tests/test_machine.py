@@ -386,3 +386,25 @@ def test_the_machine_runs_without_ray_or_an_event_loop():
         "sorted(k for k in sys.modules if k.startswith('ray'))[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp_path):
+    """The survivor joined and registered; the spare never spoke (killed before it registered).
+    At the join deadline the record fails and the survivor's slot is ordered out through a
+    cycle of the new group - it is not left in a world whose other member is dead."""
+    m = machine(fast_config(tmp_path, warm_restart=True, rejoin_timeout_s=5.0))
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
+    spare = SpareRecord("spare-x", "spare", "n2", 9)
+    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    m.state.cycle = Cycle(record.cycle)
+    survivor = RankSpec("g", 1, 2, "1", True)
+    m.step(ev.Registration(Register("p1", "n1", 101, "h", "job-a", (survivor,))))
+    m.step(ev.RejoinedIn(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle)))
+
+    assert of(m.step(ev.JoinDeadline(record.cycle, record.join_by - 1)), ev.CycleOpened) == []
+    opened = m.step(ev.JoinDeadline(record.cycle, record.join_by))
+    assert of(opened, ev.CycleOpened) == [ev.CycleOpened(record.cycle)]
+    assert [(n.source, n.rank) for n in m.cycle.notices] == [("rejoin", ("g", 1))]
+    assert "did not join" in m.cycle.notices[0].reason
+    ordered = m.step(ev.GatheringClosed(record.cycle))
+    assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"p1"}

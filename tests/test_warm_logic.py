@@ -190,3 +190,26 @@ def test_a_word_outside_its_set_is_refused_where_the_record_is_built_and_a_plain
     ):
         with pytest.raises(ValueError, match="is not a valid"):
             build()
+
+
+def test_a_member_silent_past_the_join_deadline_fails_the_record_and_names_it():
+    """A spare killed between its assignment and its registration never says what it did: at
+    ``join_by`` (2 x rejoin_timeout_s after the decision) the record fails, naming it."""
+    part = warm({1: "model"}, world=2, rejoin_timeout_s=5.0)
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    assert record.join_by == pytest.approx(record.started_at + 10.0)
+    part.joined(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state"))
+    assert part.overdue(record.cycle, record.join_by - 0.1) is None, "not yet"
+    assert part.overdue(record.cycle, record.join_by) is record
+    assert record.result == "failed" and record.done.is_set()
+    assert "1 member(s) did not join" in record.reason and "spare for rank 0" in record.reason
+    assert part.overdue(record.cycle, record.join_by + 1) is None, "it fails once"
+
+
+def test_a_record_every_member_spoke_for_is_never_overdue():
+    part = warm({1: "model"}, world=2)
+    record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    for member, answer in record.members.items():
+        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
+    assert part.overdue(record.cycle, record.join_by + 1) is None
+    assert record.result == "rejoined"

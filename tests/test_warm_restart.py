@@ -6,77 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import uuid
 
 import pytest
 import ray
 import torch
 
-from ray_graceful import (
-    Coordinator,
-    GracefulConfig,
-    WarmGroup,
-    WarmRestartFailed,
-    latest_committed,
-)
+from ray_graceful import WarmGroup, WarmRestartFailed, latest_committed
 from ray_graceful.checkpoint import load_committed_shard
-from tests.helpers import free_port, kill_actors, wait_for
-from tests.warm_actors import WarmWorker
-
-Worker = ray.remote(num_cpus=0)(WarmWorker)
-
-
-def warm_config(tmp_path, **overrides) -> GracefulConfig:
-    values = dict(
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        report_dir=str(tmp_path / "reports"),
-        coordinator_name=f"warm-{uuid.uuid4().hex[:8]}",
-        warm_restart=True,
-        teardown_timeout_s=15.0,
-        save_budget_s=8.0,
-        expected_save_s=1.0,
-        rejoin_timeout_s=30.0,
-        health_probe="none",
-    )
-    values.update(overrides)
-    return GracefulConfig(**values)
-
-
-def start_group(config: GracefulConfig, world: int) -> list:
-    port = free_port()
-    workers = [Worker.remote(world, r, "127.0.0.1", port) for r in range(world)]
-    ray.get([w.init.remote(config) for w in workers], timeout=120)
-    return workers
-
-
-@contextlib.contextmanager
-def warm_job(tmp_path, world: int, spares: int = 0, **overrides):
-    """A coordinator with warm restart on, a trained-ready group and its spares; all ended."""
-    config = warm_config(tmp_path, **overrides)
-    coordinator = Coordinator.start(config)
-    workers, spare_actors = [], []
-    try:
-        workers = start_group(config, world)
-        spare_actors = [Worker.remote(config=config) for _ in range(spares)]
-        yield config, coordinator, workers, spare_actors
-    finally:
-        kill_actors(*workers, *spare_actors)
-        coordinator.shutdown()
-
-
-def training_until_evicted(coordinator: Coordinator, workers: list, victim: int) -> None:
-    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended."""
-    ray.get([w.train.remote(3) for w in workers], timeout=60)
-    running = [w.train.remote(10_000, 0.02) for w in workers]
-    wait_for(
-        lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
-        60,
-        "every rank past step 5",
-        every=0.1,
-    )
-    os.kill(victim, signal.SIGTERM)
-    ready, _ = ray.wait(running, num_returns=len(running), timeout=60)
-    assert len(ready) == len(running), "a rank's training call did not end after the eviction"
+from tests.helpers import wait_for
+from tests.warm_jobs import Worker, alive, gone_within, training_until_evicted, warm_job
 
 
 @pytest.mark.timeout(240)
@@ -131,15 +69,7 @@ def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluste
         with pytest.raises(WarmRestartFailed, match="no spare free"):
             group.restart(timeout=60)
         # The survivor was told to leave: it is gone, not left behind as an idle actor.
-        wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
-
-
-def _alive(actor) -> bool:
-    try:
-        ray.get(actor.pid.remote(), timeout=5)
-        return True
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return False
+        wait_for(lambda: not alive(workers[0]), 30, "the survivor to leave")
 
 
 @pytest.mark.timeout(240)
@@ -160,15 +90,11 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
         # The survivor had joined; the failure's notice ended it cleanly (cycle 1's outcome).
         outcome = coordinator.wait_outcome(timeout=60, cycle=1)
         assert outcome is not None and outcome.notices[0]["source"] == "rejoin", outcome
-        wait_for(lambda: not _alive(workers[0]), 30, "the survivor to leave")
-        wait_for(lambda: not _alive(spare), 30, "the spare to leave")
+        wait_for(lambda: not alive(workers[0]), 30, "the survivor to leave")
+        wait_for(lambda: not alive(spare), 30, "the spare to leave")
 
 
 # --- it never makes an ending worse ---------------------------------------------------------
-
-
-def _gone_within(actors: list, seconds: float, what: str) -> None:
-    wait_for(lambda: not any(_alive(a) for a in actors), seconds, what, every=0.2)
 
 
 @pytest.mark.timeout(240)
@@ -179,13 +105,13 @@ def test_a_spare_that_died_ends_the_warm_restart_and_every_rank_leaves(ray_clust
         group = WarmGroup(coordinator, w, spares=s, method="rejoin")
         pids = ray.get([x.pid.remote() for x in w])
         ray.kill(s[0], no_restart=True)
-        wait_for(lambda: not _alive(s[0]), 30, "the spare to be gone")
+        wait_for(lambda: not alive(s[0]), 30, "the spare to be gone")
         training_until_evicted(coordinator, w, pids[1])
 
         with pytest.raises(WarmRestartFailed) as failed:
             group.restart(timeout=60)
         assert failed.value.reason, "the failure says why"
-        _gone_within(w, 20, "the survivor to leave")
+        gone_within(w, 20, "the survivor to leave")
         assert latest_committed(config.checkpoint_dir) is not None, "the cold path still has it"
 
 
@@ -201,10 +127,10 @@ def test_a_second_notice_before_the_rejoin_ends_every_rank_cleanly(ray_cluster, 
         assert outcome is not None and outcome.warm["result"] == "rejoining"
 
         os.kill(pids[2], signal.SIGTERM)  # the second notice, to a survivor waiting to rejoin
-        wait_for(lambda: not _alive(w[2]), 20, "the signalled survivor to leave")
+        wait_for(lambda: not alive(w[2]), 20, "the signalled survivor to leave")
         with pytest.raises(WarmRestartFailed, match="of 3 member"):
             group.restart(timeout=60)
-        _gone_within([w[1], s[0]], 30, "the other members to leave")
+        gone_within([w[1], s[0]], 30, "the other members to leave")
 
 
 @pytest.mark.timeout(240)
@@ -218,7 +144,7 @@ def test_a_coordinator_lost_before_the_rejoin_ends_every_survivor(ray_cluster, t
         assert coordinator.wait_outcome(timeout=60, cycle=0).warm["result"] == "rejoining"
 
         ray.kill(coordinator.handle, no_restart=True)
-        _gone_within([w[0]], 20, "the survivor to leave (well before rejoin_timeout_s=60)")
+        gone_within([w[0]], 20, "the survivor to leave (well before rejoin_timeout_s=60)")
         with pytest.raises(WarmRestartFailed, match="coordinator is gone"):
             group.restart(timeout=30)
 

@@ -8,13 +8,11 @@ so two keys never share a file).
 from __future__ import annotations
 
 import os
-import re
-import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from ..dcp import dcp_directory
+from ..dcp import dcp_directory, file_safe
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -138,7 +136,4 @@ def step_dir(root: str, step: int) -> str:
 
 
 def shard_file_name(shard: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", shard)
-    if safe != shard or not safe:
-        safe = f"{safe}-{zlib.crc32(shard.encode()):08x}"
-    return f"shard-{safe}.pt"
+    return f"shard-{file_safe(shard)}.pt"

@@ -203,8 +203,10 @@ class CoordinatorActor(NodeFacingCalls):
                 self.outcomes.count_rejected()
             case ev.NoticeAccepted(source):
                 self.outcomes.count_notice(source)
-            case ev.Concluded():
+            case ev.Concluded(warm=record):
                 self._publish(decision)
+                if record is not None and record.result == "rejoining":
+                    self._spawn(self._join_deadline(record.cycle, record.join_by))
             case _:
                 pass  # Replied, HoldPoll, AwaitSaver, Commit: the caller's to act on
 
@@ -299,6 +301,11 @@ class CoordinatorActor(NodeFacingCalls):
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
         self.outcomes.publish(concluded.outcome)
         self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
+
+    async def _join_deadline(self, cycle: int, join_by: float) -> None:
+        """A warm restart's members have until ``join_by`` to say what they did."""
+        await asyncio.sleep(max(join_by - time.time(), 0.0))
+        self._step(ev.JoinDeadline(cycle, time.time()))
 
     async def _rejoin_done(self, cycle: int) -> None:
         """Until the warm restart out of ``cycle`` (if any) heard from every member."""

@@ -188,6 +188,15 @@ class RejoinedIn:
 
 
 @dataclass(frozen=True)
+class JoinDeadline:
+    """The warm restart into ``cycle`` reached its join deadline (``WarmRecord.join_by``) at
+    ``now``: a member that has not said what it did by then failed it."""
+
+    cycle: int
+    now: float
+
+
+@dataclass(frozen=True)
 class JobFinished:
     """The driver says the job is over."""
 
@@ -233,6 +242,7 @@ Event = (
     | CommitDone
     | CycleFailed
     | RejoinedIn
+    | JoinDeadline
     | JobFinished
     | SpareArrived
     | SpareWanted

@@ -133,6 +133,8 @@ class CycleMachine:
                     self._conclude(None, out, error=error)
             case ev.RejoinedIn(result):
                 self._rejoined(result, out)
+            case ev.JoinDeadline(cycle, now):
+                self._end_the_members(self.warm.overdue(cycle, now), out)
             case ev.JobFinished(success, permanent):
                 self._job_finished(success, permanent, out)
             case ev.SpareArrived(spare_id, role, node_id, pid):
@@ -258,13 +260,18 @@ class CycleMachine:
         if not isinstance(result, Rejoined):
             self.state.refuse(out, {"rejoined": short(result)}, "a result is a Rejoined")
             return
-        failed_record = self.warm.joined(result)
-        if failed_record is not None:
-            keys = self._registered_slots(failed_record)
-            reason = f"warm restart failed: {failed_record.reason}"[:500]
-            notices = [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
-            intake.take_notices(self.state, notices, out, answer=False)
+        self._end_the_members(self.warm.joined(result), out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _end_the_members(self, failed_record: WarmRecord | None, out: list[ev.Decision]) -> None:
+        """A warm restart that just failed: the members that joined are ended through a cycle
+        of their new group (source "rejoin"); the others leave by themselves."""
+        if failed_record is None:
+            return
+        keys = self._registered_slots(failed_record)
+        reason = f"warm restart failed: {failed_record.reason}"[:500]
+        notices = [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
+        intake.take_notices(self.state, notices, out, answer=False)
 
     def _registered_slots(self, record: WarmRecord) -> list[RankKey]:
         """The ranks the record's members registered in this cycle, found by the slot each was

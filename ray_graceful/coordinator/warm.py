@@ -73,6 +73,7 @@ class WarmRecord:
     results: dict[str, Rejoined] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    join_by: float = float("inf")  # every member has said what it did by then, or it failed
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,6 +225,9 @@ class WarmRestarts:
             record.finished_at = time.time()
         else:
             record.result = "rejoining"
+            # A survivor begins its rejoin within rejoin_timeout_s of this decision or leaves by
+            # itself; then the group forms within rejoin_timeout_s or every member fails.
+            record.join_by = record.started_at + 2 * self.config.rejoin_timeout_s
         self.current = record
         self.records[record.cycle] = record
         for old in [c for c in self.records if c < record.cycle - 16]:
@@ -386,6 +390,23 @@ class WarmRestarts:
         return await held(self._waiters, member, wait_s)
 
     # --- 4. what each member did -------------------------------------------------------------
+
+    def overdue(self, cycle: int, now: float) -> WarmRecord | None:
+        """At the record's ``join_by``: fail the warm restart into ``cycle`` if a member has not
+        said what it did - it died or hangs where nothing watches it (a spare killed between its
+        assignment and its registration). Returns the record if it just failed."""
+        record = self.records.get(cycle)
+        if record is None or record.result != "rejoining" or now < record.join_by:
+            return None
+        silent = [record.members[m].was for m in record.members if m not in record.results]
+        record.result = "failed"
+        record.reason = (
+            f"{len(silent)} member(s) did not join within 2 x rejoin_timeout_s="
+            f"{self.config.rejoin_timeout_s} of the decision ({', '.join(silent[:3])})"
+        )
+        record.finished_at = now
+        record.done.set()
+        return record
 
     def joined(self, result: Rejoined) -> WarmRecord | None:
         """Record one member's result; returns the record if the warm restart just failed."""

@@ -12,6 +12,7 @@ The public setup API that fills it is ``setup.py``.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -95,20 +96,26 @@ class ProcessRuntime:
     sigterm_seen: bool = False
     order: TeardownOrder | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
-    rejoining: threading.Event = field(default_factory=threading.Event)  # warm restart begun
+    rejoining: threading.Event = field(default_factory=threading.Event)  # rejoin() is running
+    rejoin_sigterm: tuple[int, float] | None = None  # (signum, time) of one that came meanwhile
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
     peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
 
     # --- signals ---------------------------------------------------------------------------
 
     def claims_signals(self) -> bool:
-        return bool(self.registrations) or self.spare_id is not None
+        """Whether a SIGTERM is ours to act on: a rank is registered, a spare waits, or a
+        rejoin is under way (a spare handed a slot holds no rank until it joined)."""
+        return bool(self.registrations) or self.spare_id is not None or self.rejoining.is_set()
+
+    def _waiting_spare(self) -> bool:
+        return not self.registrations and self.spare_id is not None
 
     def on_sigterm(self, signum: int, count: int) -> bool:
         """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
         if os.getpid() != self.pid or not self.claims_signals():
             return False
-        if not self.registrations:  # a spare or standby: nothing to save, just leave
+        if self._waiting_spare():  # nothing to save, no slot yet: just leave
             self.stop_event.set()
             return True
         if count >= 2:
@@ -124,13 +131,26 @@ class ProcessRuntime:
 
     def on_sigterm_main_thread(self, signum: int) -> None:
         """Backstop from the Python-level handler, for a signal the listener did not see."""
-        if os.getpid() == self.pid and self.registrations:
-            self._first_sigterm(signum)
-        elif os.getpid() == self.pid and self.spare_id is not None:
+        if os.getpid() != self.pid:
+            return
+        if self._waiting_spare():
             self.stop_event.set()
+        elif self.registrations or self.rejoining.is_set():
+            self._first_sigterm(signum)
 
-    def _first_sigterm(self, signum: int) -> None:
+    def _first_sigterm(self, signum: int, received_at: float | None = None) -> None:
+        received_at = time.time() if received_at is None else received_at
+        config = self.config_or_default()
+        # The wait for an order counts against this rank's deadline: the kernel timer is armed
+        # now, so that whatever the wait runs into, the process is gone by then.
+        left_s = config.teardown_timeout_s - config.watchdog_margin_s / 2
+        at = time.monotonic() + left_s - (time.time() - received_at)
         with self.lock:
+            if self.rejoining.is_set():  # rejoin() acts on it: it leaves, or it is a notice of
+                if self.rejoin_sigterm is None:  # the group it joined (``take_held_sigterm``)
+                    self.rejoin_sigterm = (signum, received_at)
+                    hard_deadline().arm(at, config.exit_code)
+                return
             if self.sigterm_seen:
                 return
             self.sigterm_seen = True
@@ -139,17 +159,45 @@ class ProcessRuntime:
         if control is None or not answers or self.teardown is not None:
             self.begin_teardown(trigger=f"signal {signum} (no coordinator reachable)")
             return
-        # The wait for an order counts against this rank's deadline: the kernel timer is armed
-        # now, so that whatever the wait runs into, the process is gone by then.
-        config = self.config_or_default()
-        at = time.monotonic() + config.teardown_timeout_s - config.watchdog_margin_s / 2
         hard_deadline().arm(at, config.exit_code)
         threading.Thread(
             target=self._await_order,
-            args=(signum, control, time.time()),
+            args=(signum, control, received_at),
             name="ray_graceful-await-order",
             daemon=True,
         ).start()
+
+    # --- a warm restart's rejoin (rejoin.py) -------------------------------------------------
+
+    def begin_rejoin(self) -> None:
+        """``rejoin()`` has begun: a survivor's watcher neither leaves nor keeps answers from
+        now on, and a SIGTERM is held for ``rejoin()`` (``rejoin_sigterm``) - including one
+        that came just before, which the watcher may not have acted on yet."""
+        with self.lock:
+            self.rejoining.set()
+            if self.sigterm_seen and self.rejoin_sigterm is None:
+                self.rejoin_sigterm = (signal.SIGTERM, time.time())
+
+    def end_rejoin(self) -> tuple[int, float] | None:
+        """``rejoin()`` is over: signals take the normal way again. The SIGTERM it held, if any.
+
+        A fresh event for the next cycle: the finished cycle's watcher holds the old one, which
+        stays set - clearing it could let the watcher, between two looks, miss the rejoin and
+        leave.
+        """
+        with self.lock:
+            self.rejoining = threading.Event()
+            held, self.rejoin_sigterm = self.rejoin_sigterm, None
+            return held
+
+    def signalled_during_rejoin(self) -> bool:
+        return self.rejoin_sigterm is not None
+
+    def take_held_sigterm(self, held: tuple[int, float]) -> None:
+        """A SIGTERM that came while this process joined its new group: the first notice of
+        that group's cycle, its deadline still counted from the signal."""
+        signum, received_at = held
+        self._first_sigterm(signum, received_at)
 
     def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
         """Report the SIGTERM, then wait for the coordinator's order (``order_wait.py``); else

@@ -24,7 +24,6 @@ process leaves. A rank never trains on after a rejoin unless it holds the commit
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +49,7 @@ from .restore import coordinator_checkpoint_dir
 from .setup import after_init_process_group
 from .spares import wait_as_spare
 
-RENDEZVOUS_POLL_S = 5.0
+RENDEZVOUS_POLL_S = 1.0  # an ask's long poll: a SIGTERM meanwhile is seen within it
 
 
 def rejoin(
@@ -80,8 +79,34 @@ def rejoin(
     coordinator = runtime.control.handle if survivor is not None else find_coordinator(config)
     if coordinator is None:
         raise SetupError("rejoin(): no coordinator runs for this job; start one on the driver")
-    with runtime.lock:  # from here on, the survivor's watcher neither leaves nor keeps answers
-        runtime.rejoining.set()
+    if runtime.registrations and survivor is None:
+        raise SetupError(
+            "rejoin(): this process holds ranks but was not ordered to rejoin (warm_restart "
+            "is off, or its rank is being evicted): nothing to rejoin"
+        )
+    runtime.begin_rejoin()
+    try:
+        result = _rejoin(
+            runtime, config, coordinator, survivor, state_dict, load_state_dict, backend
+        )
+    finally:
+        held = runtime.end_rejoin()
+    if held is not None and result.joined:
+        # Signalled while it joined: the new group's first notice evicts it, as any rank.
+        runtime.take_held_sigterm(held)
+    return result
+
+
+def _rejoin(
+    runtime: ProcessRuntime,
+    config: GracefulConfig,
+    coordinator: Any,
+    survivor: Registration | None,
+    state_dict: Callable[[], Any] | None,
+    load_state_dict: Callable[[Any], Any] | None,
+    backend: str | None,
+) -> Rejoined:
+    """``rejoin()`` from its first word to the coordinator to its result."""
     if survivor is not None:
         member = runtime.control.process_id  # type: ignore[union-attr]
         teardown = runtime.teardown
@@ -89,11 +114,6 @@ def rejoin(
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
         backend = backend or _backend_of(survivor)
     else:
-        if runtime.registrations:
-            raise SetupError(
-                "rejoin(): this process holds ranks but was not ordered to rejoin (warm_restart "
-                "is off, or its rank is being evicted): nothing to rejoin"
-            )
         waited = wait_as_spare("spare", config)
         if waited.action != SpareAction.ASSIGNED:
             return Rejoined(
@@ -102,7 +122,7 @@ def rejoin(
         member = waited.spare_id
         backend = backend or _default_backend()
     answer = runtime.rendezvous if survivor is not None else None
-    answer = answer or _ask(coordinator, member, config)
+    answer = answer or _ask(coordinator, member, config, runtime.signalled_during_rejoin)
     if answer.action != RendezvousAction.JOIN:
         leave(config, answer.reason)
         return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
@@ -146,12 +166,17 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _ask(coordinator: Any, member: str, config: GracefulConfig) -> Rendezvous:
-    """The coordinator's answer for ``member``, asked until it has one or the time is up."""
+def _ask(
+    coordinator: Any, member: str, config: GracefulConfig, signalled: Callable[[], bool]
+) -> Rendezvous:
+    """The coordinator's answer for ``member``, asked until it has one, the time is up or a
+    SIGTERM came (each ask is a long poll of at most ``RENDEZVOUS_POLL_S``)."""
     import ray
 
     until = time.monotonic() + config.rejoin_timeout_s
     while time.monotonic() < until:
+        if signalled():
+            return Rendezvous(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
         wait_s = min(RENDEZVOUS_POLL_S, max(until - time.monotonic(), 0.1))
         try:
             answer = ray.get(coordinator.rendezvous.remote(member, wait_s), timeout=wait_s + 30)
@@ -242,11 +267,8 @@ def _register_again(
             )
         }
         runtime.teardown, runtime.order, runtime.rendezvous = None, None, None
-        runtime.sigterm_seen = False
+        runtime.sigterm_seen = False  # a SIGTERM from now on is held in ``rejoin_sigterm``
         runtime.stop_event.clear()
-        # A fresh event for the next cycle: this cycle's watcher holds the old one, which stays
-        # set - clearing it could let the watcher, between two looks, miss the rejoin and leave.
-        runtime.rejoining = threading.Event()
     control = runtime.control
     assert control is not None
     control.cycle = None

@@ -1,0 +1,83 @@
+"""A warm-restart job on the session's cluster, as a test drives one: a coordinator with
+``warm_restart`` on, a group of ``WarmWorker`` ranks, its spares, and the eviction that ends a
+training run. Shared by ``tests/test_warm_restart.py`` and ``tests/faults/test_warm_faults.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import uuid
+
+import ray
+
+from ray_graceful import Coordinator, GracefulConfig
+from tests.helpers import free_port, kill_actors, wait_for
+from tests.warm_actors import WarmWorker
+
+Worker = ray.remote(num_cpus=0)(WarmWorker)
+
+
+def warm_config(tmp_path, **overrides) -> GracefulConfig:
+    values = dict(
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        report_dir=str(tmp_path / "reports"),
+        coordinator_name=f"warm-{uuid.uuid4().hex[:8]}",
+        warm_restart=True,
+        teardown_timeout_s=15.0,
+        save_budget_s=8.0,
+        expected_save_s=1.0,
+        rejoin_timeout_s=30.0,
+        health_probe="none",
+    )
+    values.update(overrides)
+    return GracefulConfig(**values)
+
+
+def start_group(config: GracefulConfig, world: int) -> list:
+    port = free_port()
+    workers = [Worker.remote(world, r, "127.0.0.1", port) for r in range(world)]
+    ray.get([w.init.remote(config) for w in workers], timeout=120)
+    return workers
+
+
+@contextlib.contextmanager
+def warm_job(tmp_path, world: int, spares: int = 0, **overrides):
+    """A coordinator with warm restart on, a trained-ready group and its spares; all ended."""
+    config = warm_config(tmp_path, **overrides)
+    coordinator = Coordinator.start(config)
+    workers, spare_actors = [], []
+    try:
+        workers = start_group(config, world)
+        spare_actors = [Worker.remote(config=config) for _ in range(spares)]
+        yield config, coordinator, workers, spare_actors
+    finally:
+        kill_actors(*workers, *spare_actors)
+        coordinator.shutdown()
+
+
+def training_until_evicted(coordinator: Coordinator, workers: list, victim: int) -> None:
+    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended."""
+    ray.get([w.train.remote(3) for w in workers], timeout=60)
+    running = [w.train.remote(10_000, 0.02) for w in workers]
+    wait_for(
+        lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
+        60,
+        "every rank past step 5",
+        every=0.1,
+    )
+    os.kill(victim, signal.SIGTERM)
+    ready, _ = ray.wait(running, num_returns=len(running), timeout=60)
+    assert len(ready) == len(running), "a rank's training call did not end after the eviction"
+
+
+def alive(actor) -> bool:
+    try:
+        ray.get(actor.pid.remote(), timeout=5)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+def gone_within(actors: list, seconds: float, what: str) -> None:
+    wait_for(lambda: not any(alive(a) for a in actors), seconds, what, every=0.2)
