@@ -131,7 +131,7 @@ def test_an_fsdp2_emergency_save_loads_with_dcp_at_the_same_and_another_world_si
 
 
 def test_groups_whose_names_differ_only_in_an_unsafe_character_load_their_own_tensors(tmp_path):
-    """"actor ref" and "actor_ref" once shared ``dcp-actor_ref``: the second group's metadata
+    """ "actor ref" and "actor_ref" once shared ``dcp-actor_ref``: the second group's metadata
     overwrote the first's, and ``dcp_path("actor ref")`` loaded the other group's tensors."""
     import torch.distributed.checkpoint as dcp
 

@@ -408,3 +408,18 @@ def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp
     assert "did not join" in m.cycle.notices[0].reason
     ordered = m.step(ev.GatheringClosed(record.cycle))
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"p1"}
+
+
+def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(config):
+    """'/' separates a group from its shard in a checkpoint's keys: "team/actor" and
+    "team/critic" were committed as one DCP checkpoint "team". Refused where it enters, with
+    the rule - on the coordinator (any client) and in ``graceful_setup`` (before any I/O)."""
+    from ray_graceful.worker.process_groups import SetupError, resolve_group
+
+    m = machine(config)
+    spec = RankSpec("team/actor", 0, 1, "0", True)
+    reply = ev.reply_of(m.step(ev.Registration(Register("p0", "n0", 1, "h", "job-a", (spec,)))))
+    assert not reply.accepted and "without '/'" in reply.reason, reply
+    assert m.registry.processes == {}
+    with pytest.raises(SetupError, match=r"'/' separates a group from its shard.*'team-actor'"):
+        resolve_group("team/actor")

@@ -6,6 +6,8 @@ cluster: extra raylets as nodes, gloo ranks, a real drain.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import ray
 import torch
@@ -22,6 +24,21 @@ from tests.memory_groups import drain_b_and_conclude, start_group, train_then_bl
 # --- pure parts ------------------------------------------------------------------------------
 
 
+def test_state_that_is_not_a_tensor_counts_its_bytes_against_the_budget():
+    """A replay buffer as a numpy array, raw bytes, an RNG state object: each counted (a keeper
+    with a 1 MiB budget once took a 64 MiB numpy shard and booked 0 bytes)."""
+    import random
+
+    import numpy as np
+
+    buffer = np.zeros((1024, 1024), dtype=np.float32)
+    rng = random.Random(0)
+    tree = to_tree({"replay": buffer, "raw": b"x" * 1000, "rng": rng, "ids": [1, 2, 3]})
+    counted = tree_bytes(tree)
+    assert counted >= buffer.nbytes + 1000 + 3 * 8 + 2000  # an RNG state pickles to ~2.5 kB
+    assert tree_bytes({"rng": rng}) == len(pickle.dumps(rng, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def test_a_state_dict_survives_the_tree_bit_for_bit():
     state = {
         "model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
@@ -31,7 +48,8 @@ def test_a_state_dict_survives_the_tree_bit_for_bit():
         "note": "text",
     }
     tree = to_tree(state)
-    assert tree_bytes(tree) == 4 * 3 * 4 + 3 * 2 + 6 * 8 + 4
+    # tensors' bytes, then "lr" and "step" (8 each) and "text" (4)
+    assert tree_bytes(tree) == 4 * 3 * 4 + 3 * 2 + 6 * 8 + 4 + 8 + 8 + 4
     back = from_tree(tree)
     assert torch.equal(back["model"]["w"], state["model"]["w"])
     assert back["model"]["b"].dtype == torch.bfloat16 and back["model"]["b"].shape == (3,)
@@ -155,3 +173,26 @@ def test_holders_are_the_spares_nodes_first_where_a_warm_restart_will_load_there
     # An evicted saver's node is not a survivor; a preferred node that is not either is skipped.
     assert choose_holders("g/0", "a", ["a", "b"], 1, preferred=["gone", "b"]) == ("b",)
     assert choose_holders("g/0", "a", ["a", "b", "c"], 2, preferred=["c"]) == ("c", "a")
+
+
+def test_a_keeper_measures_what_it_holds_not_what_it_is_told(ray_cluster):
+    """A 4 MiB numpy shard announced as 0 bytes (what a state_dict without tensors used to
+    count) is refused by a 1 MiB keeper, saying both sizes; one that fits is booked at its
+    measured size."""
+    import numpy as np
+
+    from ray_graceful.memory.keeper import Keeper
+
+    keeper = ray.remote(Keeper).options(num_cpus=0).remote("j", "n", 1 << 20)
+    try:
+        big = ray.put(to_tree({"step": 3, "state": {"replay": np.zeros(1 << 20, np.float32)}}))
+        refused = ray.get(keeper.hold.remote(0, 3, "trainer/0", [big], 0), timeout=60)
+        assert not refused.accepted
+        assert "holds 4 MiB (announced as 0 MiB)" in refused.reason, refused.reason
+        small = {"step": 3, "state": {"replay": np.zeros(1000, np.float32), "raw": b"x" * 100}}
+        kept = ray.get(keeper.hold.remote(0, 3, "trainer/1", [ray.put(small)], 0), timeout=60)
+        assert kept.accepted and kept.nbytes == 8 + 4000 + 100
+        stats = ray.get(keeper.stats.remote(), timeout=10)
+        assert (stats["used_bytes"], stats["reserved_bytes"]) == (4108, 0), stats
+    finally:
+        ray.kill(keeper)

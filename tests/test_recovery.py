@@ -8,6 +8,7 @@ with real ranks and a SIGKILLed coordinator, is ``tests/faults/test_coordinator_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -121,11 +122,22 @@ def test_next_cycle_and_open_cycles_come_from_the_records(tmp_path):
     opened = left(tmp_path, cycle=2)
     recovery.record_in_flight(report_dir, opened)
     assert recovery.next_cycle(report_dir, "job") == 3
-    assert recovery.left_open(report_dir, "job") == [opened]
+    assert recovery.left_open(report_dir, "job", str(tmp_path / "ckpt")) == [opened]
     assert recovery.read_outcome(report_dir, "job", 1).result == Result.ABANDONED
     recovery.clear_in_flight(report_dir, "job", 2)
-    assert recovery.left_open(report_dir, "job") == []
+    assert recovery.left_open(report_dir, "job", str(tmp_path / "ckpt")) == []
     assert recovery.next_cycle(report_dir, "other-job") == 0  # job-scoped
+
+
+def test_a_record_naming_another_root_is_concluded_under_the_configured_one(tmp_path, caplog):
+    """Anyone who can write the report directory could have steered the manifest of a cycle
+    left open to any directory: the restarted coordinator commits only under its own root."""
+    report_dir = str(tmp_path / "reports")
+    steered = dataclasses.replace(left(tmp_path, cycle=2), root=str(tmp_path / "elsewhere"))
+    recovery.record_in_flight(report_dir, steered)
+    [cycle] = recovery.left_open(report_dir, "job", str(tmp_path / "ckpt"))
+    assert cycle.root == str(tmp_path / "ckpt")
+    assert "names checkpoint root" in caplog.text
 
 
 def test_an_unreadable_record_is_reported_not_raised(tmp_path, caplog):
@@ -133,7 +145,7 @@ def test_an_unreadable_record_is_reported_not_raised(tmp_path, caplog):
     os.makedirs(os.path.join(report_dir, "job"))
     with open(os.path.join(report_dir, "job", "inflight-cycle-4.json"), "w") as f:
         f.write("{not json")
-    assert recovery.left_open(report_dir, "job") == []
+    assert recovery.left_open(report_dir, "job", str(tmp_path / "ckpt")) == []
     assert "unreadable record" in caplog.text
     assert recovery.next_cycle(report_dir, "job") == 5  # its number is still never reused
 

@@ -348,8 +348,8 @@ class CoordinatorActor(NodeFacingCalls):
         return self._take(ev.SpareArrived(spare_id, role, node_id, pid))
 
     async def poll_spare(self, spare_id: str, wait_s: float) -> SpareAnswer | None:
-        if spare_id not in self.spares.spares:
-            return SpareAnswer(SpareAction.EXIT, "this spare is not registered")
+        if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
+            return SpareAnswer(SpareAction.REGISTER, "this coordinator does not know the spare")
         if not self.spares.has_word(spare_id):
             await self.fanout.hold_spare(spare_id, wait_s)
         return self.spares.take(spare_id)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -168,7 +169,8 @@ def predecessor(config: GracefulConfig, job_id: str, restarted: bool) -> tuple[i
     """
     if not restarted:
         return 0, []
-    return next_cycle(config.report_dir, job_id), left_open(config.report_dir, job_id)
+    first = next_cycle(config.report_dir, job_id)
+    return first, left_open(config.report_dir, job_id, config.checkpoint_dir)
 
 
 def next_cycle(report_dir: str, job_id: str) -> int:
@@ -197,14 +199,29 @@ def read_outcome(report_dir: str, job_id: str, cycle: int) -> TerminationOutcome
     return _read_record(report_dir, job_id, f"outcome-cycle-{cycle}", parse)
 
 
-def left_open(report_dir: str, job_id: str) -> list[InFlight]:
-    """The cycles a previous coordinator of this job opened and never concluded."""
+def left_open(report_dir: str, job_id: str, checkpoint_dir: str | None) -> list[InFlight]:
+    """The cycles a previous coordinator of this job opened and never concluded, each to be
+    concluded under ``checkpoint_dir`` - this coordinator's own, never the root a record names:
+    whoever can write the report directory could otherwise steer a manifest anywhere."""
     found = _records(report_dir, job_id)
     read = (
         _read_record(report_dir, job_id, f"inflight-cycle-{number}", InFlight.from_dict)
         for number in sorted(found["inflight"] - found["outcome"])
     )
-    return [cycle for cycle in read if cycle is not None]
+    return [_confined(cycle, checkpoint_dir) for cycle in read if cycle is not None]
+
+
+def _confined(cycle: InFlight, checkpoint_dir: str | None) -> InFlight:
+    if cycle.root == checkpoint_dir:
+        return cycle
+    logger.error(
+        "ray_graceful coordinator: the record of cycle %s names checkpoint root %r, not this "
+        "coordinator's checkpoint_dir %r: it is concluded under the configured one",
+        cycle.cycle,
+        cycle.root,
+        checkpoint_dir,
+    )
+    return dataclasses.replace(cycle, root=checkpoint_dir)
 
 
 def memory_checkpoints(report_dir: str, job_id: str) -> list[MemoryCheckpoint]:

@@ -34,7 +34,7 @@ from ..checkpoint import ShardRecord, save_state_dict, write_shard
 from ..config import GracefulConfig
 from ..dcp import is_shard_files, write_shard_files
 from ..leave_with import leave_with_coordinator
-from .tree import from_tree
+from .tree import from_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,17 @@ class Keeper:
             self.reserved += nbytes
         try:
             value = ray.get(ref_in_list[0], timeout=timeout_s)
+            measured = tree_bytes(value)  # what it holds, not what the sender said
+            with self.lock:
+                over = self.used() + self.reserved - nbytes + measured > self.budget_bytes
+            if over:
+                return ShardKept(
+                    False,
+                    self.node_id,
+                    reason=f"keeper on node {self.node_id[:12]} is over its budget: the shard "
+                    f"holds {measured >> 20} MiB (announced as {nbytes >> 20} MiB); it holds "
+                    f"{self.used() >> 20} MiB of {self.budget_bytes >> 20} MiB (memory_budget_mb)",
+                )
             own = ray.put(value)  # owned by the keeper: outlives the saver and its node
             del value
         finally:
@@ -147,9 +158,9 @@ class Keeper:
                 self.reserved -= nbytes
         with self.lock:
             self.held[(step, shard_key)] = Held(
-                shard_key, step, cycle, nbytes, own, time.time(), group, rank, dcp_chunks
+                shard_key, step, cycle, measured, own, time.time(), group, rank, dcp_chunks
             )
-        return ShardKept(True, self.node_id, nbytes)
+        return ShardKept(True, self.node_id, measured)
 
     def fetch(self, step: int, shard_key: str) -> list[Any] | None:
         """The shard's ObjectRef inside a list, so Ray passes it on unresolved.

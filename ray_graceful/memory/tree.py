@@ -10,6 +10,7 @@ tensors back as views of those bytes, without a copy.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +67,27 @@ def from_tree(obj: Any) -> Any:
 
 
 def tree_bytes(obj: Any) -> int:
-    """How many tensor bytes a tree holds (what a keeper's budget counts)."""
+    """How many bytes a tree holds: what a keeper's budget counts, every leaf included.
+
+    Tensors and numpy arrays count their buffers, bytes-like values their length, strings their
+    UTF-8 length, numbers 8 bytes; containers the sum of their values. Anything else (a replay
+    buffer object, an RNG state) counts its pickled size - never 0 bytes.
+    """
     if isinstance(obj, TensorLeaf):
         return int(obj.data.nbytes)
     if isinstance(obj, dict):
         return sum(tree_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(tree_bytes(v) for v in obj)
-    return 0
+    if obj is None:
+        return 0
+    if isinstance(obj, (int, float, complex)):
+        return 8
+    if isinstance(obj, str):
+        return len(obj.encode("utf-8", "surrogatepass"))
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    nbytes = getattr(obj, "nbytes", None)  # numpy arrays, memoryviews, tensors
+    if isinstance(nbytes, int):
+        return nbytes
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

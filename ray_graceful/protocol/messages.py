@@ -53,8 +53,11 @@ class RankSpec:
 
     def check(self) -> None:
         check_text(self.group, "group")
-        if not self.group:
-            raise ProtocolError("group must not be empty")
+        if not self.group or "/" in self.group:
+            raise ProtocolError(
+                f"group {self.group!r} is not allowed: a non-empty name without '/' (it "
+                "separates a group from its shard in a checkpoint's keys)"
+            )
         check_count(self.rank, "rank")
         check_count(self.world_size, "world_size")
         if self.world_size and self.rank >= self.world_size:

@@ -60,6 +60,7 @@ class SpareAction(Word):
     EXIT = "exit"  # the job is over, or this spare is leaving: exit
     ASSIGNED = "assigned"  # take the slot named in the order
     TIMEOUT = "timeout"  # (the worker side only) no word within the wait's timeout
+    REGISTER = "register"  # this coordinator does not know the spare (it restarted): register
 
 
 class RendezvousAction(Word):

@@ -9,7 +9,9 @@ end the process in time.
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 
 from .. import ray_adapter
 
@@ -66,3 +68,22 @@ def request_ray_intended_exit(detail: str) -> bool:
         write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
         return False
     return True
+
+
+def exit_when_idle(detail: str, grace_s: float) -> None:
+    """End this process with status 0 once the running actor method returned: Ray's intended
+    exit, and ``os._exit(0)`` after ``grace_s`` if that never ends it (a method that does not
+    return). For a process that leaves without a teardown: a spare, a survivor not rejoining.
+
+    As after a teardown, the interpreter's finalization is skipped: a reference cycle holding an
+    ObjectRef (the traceback of a call that met a restarting coordinator, say) collected after
+    Ray's core worker shut down would make the exit status 1.
+    """
+    gc.freeze()
+    skip_finalization(0)
+    if request_ray_intended_exit(detail):
+        timer = threading.Timer(grace_s, hard_exit, args=(0, detail))
+        timer.daemon = True
+        timer.start()
+    else:
+        hard_exit(0, f"{detail} (outside a Ray worker)")

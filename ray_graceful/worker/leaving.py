@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ..config import GracefulConfig
 from ..protocol import Rendezvous
-from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
+from .exit_path import exit_when_idle, write_stderr
 
 ASK_WAIT_S = 0.5  # one ask's long poll: short, so a rejoin or a SIGTERM is seen within it
 
@@ -30,12 +30,7 @@ class _Finished(Protocol):
 def leave(config: GracefulConfig, reason: str) -> None:
     """Leave as a torn-down rank does: Ray's intended exit, a hard exit if that never ends it."""
     write_stderr(f"ray_graceful: leaving instead of rejoining: {reason}\n")
-    if request_ray_intended_exit(f"ray_graceful: {reason}"):
-        timer = threading.Timer(config.exit_grace_s + 5.0, hard_exit, args=(0, reason))
-        timer.daemon = True
-        timer.start()
-    else:
-        hard_exit(0, reason)
+    exit_when_idle(f"ray_graceful: {reason}", config.exit_grace_s + 5.0)
 
 
 def leave_unless_rejoined(

@@ -92,6 +92,12 @@ def resolve_group(
     """Resolve (rank, world size, group) for ``graceful_setup``; raise SetupError if wrong."""
     if not isinstance(name, str) or not name.strip():
         raise SetupError(f"group name {name!r} is not allowed: give a non-empty string.")
+    if "/" in name:
+        raise SetupError(
+            f"group name {name!r} is not allowed: '/' separates a group from its shard in a "
+            f"checkpoint's keys ('group/shard'); give a name without it, e.g. "
+            f"{name.replace('/', '-')!r}."
+        )
     for label, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise SetupError(f"{label}={value!r} is not allowed: give an int or leave it out.")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
-from .exit_path import hard_exit, request_ray_intended_exit, write_stderr
+from .exit_path import exit_when_idle, write_stderr
 from .process_groups import SetupError
 from .process_runtime import process_runtime
 from .setup import listener_status
@@ -70,26 +70,44 @@ def wait_as_spare(
     spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
     runtime.spare_id = spare_id
     listener_status(config, "wait_as_spare on the main thread", warn=False)
-    answer = ray.get(
-        handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()), timeout=30
-    )
-    if not answer.accepted:
-        raise SetupError(f"the coordinator refused this {role}: {answer.reason}")
 
+    def register() -> None:
+        answer = ray.get(
+            handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()),
+            timeout=30,
+        )
+        if not answer.accepted:
+            raise SetupError(f"the coordinator refused this {role}: {answer.reason}")
+
+    register()
     box: dict[str, SpareResult] = {}
     done = threading.Event()
 
     def poll() -> None:
         failures = 0
+        unavailable_since: float | None = None
         while not done.is_set():
             try:
                 order = ray.get(
                     handle.poll_spare.remote(spare_id, config.health_interval_s),
                     timeout=config.health_interval_s + 30,
                 )
-                failures = 0
+                failures, unavailable_since = 0, None
+                if isinstance(order, SpareAnswer) and order.action == SpareAction.REGISTER:
+                    register()  # Ray restarted the coordinator: its pool starts empty
+                    continue
             except ray.exceptions.GetTimeoutError:
                 continue
+            except ray.exceptions.ActorUnavailableError as exc:  # restarting: as ranks, wait
+                now = time.monotonic()
+                unavailable_since = unavailable_since or now
+                if now - unavailable_since < config.coordinator_reconnect_s:
+                    time.sleep(0.2)
+                    continue
+                order = SpareAnswer(
+                    SpareAction.EXIT,
+                    f"the coordinator was not back within coordinator_reconnect_s ({exc})",
+                )
             except ray.exceptions.RayActorError as exc:
                 order = SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({exc})")
             except Exception as exc:  # anything else: retry a few times, then leave
@@ -143,10 +161,4 @@ def wait_as_spare(
 def _exit_when_idle(config: GracefulConfig, reason: str) -> None:
     """End this process with status 0 once the current actor method returned."""
     write_stderr(f"ray_graceful: spare/standby exiting: {reason}\n")
-    if request_ray_intended_exit(f"ray_graceful spare exit ({reason})"):
-        # Ray exits once the running method returned; if it never does, leave anyway.
-        timer = threading.Timer(config.exit_grace_s + 5.0, hard_exit, args=(0, "spare exit"))
-        timer.daemon = True
-        timer.start()
-    else:
-        hard_exit(0, "spare exit outside a Ray worker")
+    exit_when_idle(f"ray_graceful spare exit ({reason})", config.exit_grace_s + 5.0)

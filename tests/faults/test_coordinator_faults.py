@@ -217,3 +217,49 @@ def test_gone_for_good_one_sigterm_releases_every_peer(
             assert report["trigger"].startswith("released by a peer"), report["trigger"]
     finally:
         kill_actors(coord.handle)
+
+
+def test_spares_waiting_ride_out_a_restart_and_are_pooled_again(
+    rep, fault_log, coordinator, config, exit_recorder
+):
+    """Two spares wait; the coordinator's process is SIGKILLed and Ray restarts it. Neither
+    spare leaves (a restarting coordinator is unavailable, not gone), each registers again
+    when the new one does not know it, and both are listed and told when the job is over."""
+    import ray
+
+    from tests import actors
+
+    worker = ray.remote(actors.SpareWorker).options(
+        num_cpus=0, runtime_env=exit_recorder.runtime_env()
+    )
+    spares = [worker.remote() for _ in range(2)]
+    pids = ray.get([s.pid.remote() for s in spares], timeout=60)
+    waits = [s.wait.remote("spare", config) for s in spares]
+    wait_for(lambda: len(coordinator.status()["spares"]) == 2, 30, "both spares to register")
+    old_pid = kill_coordinator(coordinator)
+
+    def pooled_again() -> bool:
+        try:
+            stats, status = coordinator.stats(timeout=3), coordinator.status(timeout=3)
+        except Exception:
+            return False  # still restarting
+        return stats["pid"] != old_pid and sorted(s["pid"] for s in status["spares"]) == sorted(
+            pids
+        )
+
+    wait_for(pooled_again, 40, "the restarted coordinator to list both spares again", every=0.2)
+    ready, _ = ray.wait(waits, timeout=0)
+    assert not ready, [ray.get(r) for r in ready]
+    assert coordinator.job_finished(success=True).spares_told == 2
+    words = ray.get(waits, timeout=30)
+    assert [w["action"] for w in words] == ["exit", "exit"], words
+    codes = [exit_recorder.wait(pid, 15) for pid in pids]
+    fault_log.record(
+        "spares waiting while the coordinator restarts",
+        2,
+        sum(c == 0 for c in codes),
+        0,
+        "n/a",
+        pids,
+    )
+    assert codes == [0, 0], codes
