@@ -45,12 +45,14 @@ WAYS = ("warm", "cold-memory", "cold-disk")
 class RestartRank(GracefulWorkerMixin, BenchRank):
     """A rank whose whole state is ``mb`` MB of tensors, allocated (and touched) at start."""
 
-    def __init__(self, mb: int, config: Any) -> None:
+    def __init__(self, mb: int, config: Any, backend: str = "gloo") -> None:
         import torch
         import torch.distributed
 
         per = max(mb * (1 << 20) // 4 // STATE_TENSORS, 1)
-        self.state = {f"layer{i}": torch.ones(per) for i in range(STATE_TENSORS)}
+        device = "cuda" if backend == "nccl" else "cpu"
+        self.state = {f"layer{i}": torch.ones(per, device=device) for i in range(STATE_TENSORS)}
+        self.backend = backend
         self.config = config
         self.marks: dict[str, float] = {"constructed_at": time.time()}
 
@@ -58,7 +60,7 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
 
     def join(self, rank: int, world: int, port: int) -> int:
         """``init_process_group``, then the plugin's one call (with the loader a rejoin uses)."""
-        self.join_group(rank, world, port)
+        self.join_group(rank, world, port, self.backend)
         for tensor in self.state.values():
             tensor.fill_(float(rank + 1))
         self.graceful_setup(
@@ -94,6 +96,8 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
 
         total = torch.stack([t.sum() for t in self.state.values()]).sum().reshape(1)
         dist.all_reduce(total)
+        if total.is_cuda:
+            torch.cuda.synchronize()  # NCCL's all-reduce returns before it ran
         return {**self.marks, "stepped_at": time.time()}
 
     # --- cold: a new group ---------------------------------------------------------------------
@@ -105,7 +109,7 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
         from ray_graceful.worker.restore import load_latest
 
         self.marks["called_at"] = time.time()
-        self.join_group(rank, world, port)
+        self.join_group(rank, world, port, self.backend)
         self.marks["joined_at"] = time.time()
         if tier == "memory":
             loaded = load_latest("bench", rank, self.config)
@@ -123,7 +127,7 @@ def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
     """Warm against cold (memory tier, disk), N ranks, per-rank shard sizes; see the module."""
     import ray
 
-    from ray_graceful.tools.bench.kit import local_cluster
+    from ray_graceful.tools.bench.kit import gpu_count, local_cluster
 
     # At its peak a node's store holds every shard twice: each saver's own put and its
     # keeper's copy (a saver's copy is dropped once held). Smaller, and Ray spills the
@@ -132,7 +136,11 @@ def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
     store = 2 * largest * max(args.ranks) + (512 << 20)
     ways = [w for w in args.ways.split(",") if w]
     runs: list[dict[str, Any]] = []
-    with local_cluster(extra_nodes=1, head_cpus=2, object_store_bytes=store) as (cluster, nodes):
+    gpus = gpu_count() if args.backend == "nccl" else 0
+    with local_cluster(extra_nodes=1, head_cpus=2, object_store_bytes=store, num_gpus=gpus) as (
+        cluster,
+        nodes,
+    ):
         node_a = nodes[0].node_id
         head = ray.get_runtime_context().get_node_id()
         for n in args.ranks:
@@ -179,6 +187,7 @@ def _restart_once(
     from ray_graceful.config import GracefulConfig
     from ray_graceful.coordinator import Coordinator
     from ray_graceful.ray_adapter import drain_node
+    from ray_graceful.tools.bench.kit import gpu_count, rank_gpus, start_ranks
     from ray_graceful.warm_group import WarmGroup
     from ray_graceful.worker.process_groups import free_port
 
@@ -196,26 +205,32 @@ def _restart_once(
         drain_poll_interval_s=args.drain_poll,
         health_probe="none",
     )
-    node_b = cluster.add_node(num_cpus=2, object_store_memory=store)
+    machine_gpus = gpu_count() if args.backend == "nccl" else 0
+    node_b = cluster.add_node(num_cpus=2, num_gpus=machine_gpus, object_store_memory=store)
     cluster.wait_for_nodes()
+    # Up to 2N rank actors live at once (the old group's, leaving, and the new one's).
+    gpus = rank_gpus(args.backend, 2 * n, machine_gpus)
 
     def on(node_id: str) -> Any:
         return ray.remote(RestartRank).options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+            num_cpus=0,
+            num_gpus=gpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
 
     coordinator = Coordinator.start(config, node_id=head)
     actors: list[Any] = []
     try:
         workers = [
-            on(node_b.node_id if i < evicted else node_a).remote(mb, config) for i in range(n)
+            on(node_b.node_id if i < evicted else node_a).remote(mb, config, args.backend)
+            for i in range(n)
         ]
         actors += workers
         port = free_port()
-        ray.get([w.join.remote(i, n, port) for i, w in enumerate(workers)], timeout=300)
+        start_ranks(ray, workers, lambda i, w: w.join.remote(i, n, port), f"num_gpus={gpus}")
         group = None
         if way == "warm":
-            spares = [on(node_a).remote(mb, config) for _ in range(evicted)]
+            spares = [on(node_a).remote(mb, config, args.backend) for _ in range(evicted)]
             actors += spares
             ray.get([s.__ray_ready__.remote() for s in spares], timeout=300)  # imports done
             group = WarmGroup(coordinator, workers, spares=spares, method="rejoin")
@@ -240,7 +255,7 @@ def _restart_once(
         else:
             if way == "cold-disk":
                 _drop_from_page_cache(outcome.committed.get("path") or "")
-            new = [on(node_a).remote(mb, config) for _ in range(n)]
+            new = [on(node_a).remote(mb, config, args.backend) for _ in range(n)]
             actors += new
             port = free_port()
             tier = "memory" if way == "cold-memory" else "disk"
@@ -418,6 +433,13 @@ def add_restart_parser(names: Any) -> Any:
         "--sizes", type=positive_ints, default="64,1024", help="MB per rank (default 64,1024)"
     )
     restart.add_argument("--reps", type=positive_int, default=5, help="repetitions (default 5)")
+    restart.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="nccl: every rank's state on its GPU (a share of one where there are fewer GPUs "
+        "than ranks); the warm group's communicator is formed in its rendezvous",
+    )
     restart.add_argument(
         "--ways",
         type=comma_choices(*WAYS),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -126,3 +127,97 @@ def test_the_exit_watch_sees_each_process_end_as_it_happens(pidfds, monkeypatch)
         for p in waiting:
             p.kill()
             p.wait()
+
+
+# --- the harnesses on NCCL: what can be checked without a GPU -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "ranks", "gpus", "asks"),
+    [
+        ("gloo", 4, 0, 0.0),
+        ("nccl", 4, 8, 1.0),  # a GPU per rank
+        ("nccl", 4, 1, 0.25),  # GPU_SHARE: four ranks on one GPU
+        ("nccl", 3, 1, 0.3333),  # Ray counts in 1/10,000ths: three shares fit on one GPU
+        ("nccl", 8, 2, 0.25),
+    ],
+)
+def test_an_nccl_rank_asks_for_a_gpu_or_its_share_of_one(backend, ranks, gpus, asks):
+    from ray_graceful.tools.bench.kit import rank_gpus
+
+    assert rank_gpus(backend, ranks, gpus) == asks
+    assert rank_gpus(backend, ranks, gpus) * ranks <= max(gpus, 0)
+
+
+def test_nccl_without_a_gpu_is_refused_with_the_reason():
+    from ray_graceful.tools.bench.kit import BenchError, rank_gpus
+
+    with pytest.raises(BenchError, match="needs a GPU, and torch sees none"):
+        rank_gpus("nccl", 2, 0)
+
+
+def test_each_rank_process_has_its_own_nccl_host_id():
+    """Inherited from the driver through the raylet, one id was every rank's: NCCL then
+    refused two ranks on one GPU ("Duplicate GPU detected")."""
+    from ray_graceful.tools.bench.kit import nccl_host_id
+
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ray_graceful.tools.bench.kit import nccl_host_id as h; print(h())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() != nccl_host_id()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_be_placed_is_named_within_the_limit(ray_cluster):
+    """The NCCL release benchmark waited 600 s without a word for ranks asking a GPU of a
+    cluster started with none. Now each stage names the rank and why within its limit."""
+    import ray
+
+    from ray_graceful.tools.bench.kit import BenchError, BenchRank, start_ranks
+
+    placeable = ray.remote(BenchRank).options(num_cpus=0).remote()
+    unplaceable = ray.remote(BenchRank).options(num_cpus=0, num_gpus=0.25).remote()
+    try:
+        with pytest.raises(BenchError) as caught:
+            start_ranks(
+                ray,
+                [placeable, unplaceable],
+                lambda i, r: r.__ray_ready__.remote(),
+                "0.25 GPU",
+                limit_s=3,
+            )
+        said = str(caught.value)
+        assert said.startswith("rank(s) [1] not placed within 3s: each asks 0.25 GPU"), said
+        assert "the cluster has {" in said and "free of {" in said  # what it does offer
+        joined = start_ranks(ray, [placeable], lambda i, r: r.__ray_ready__.remote(), "-", 10)
+        assert joined == [True]
+    finally:
+        ray.kill(placeable)
+        ray.kill(unplaceable)
+
+
+def test_a_gpu_stage_past_its_limit_is_ended_named_and_counted(tmp_path):
+    """``tests/gpu/run.sh`` has a short lend to run in: a stage that stalls (the NCCL release
+    benchmark once printed nothing for 200 s) is ended at its limit, says so, and the next
+    stage still runs; the script's status keeps the failure."""
+    script = (
+        f"out={tmp_path}; source tests/gpu/stage.sh; "
+        "stage stalls 1 sleep 30; stage next 5 echo next-ran; echo status=$status"
+    )
+    started = time.monotonic()
+    ran = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert time.monotonic() - started < 20, "the stalled stage was waited out"
+    assert "== stalls: ran past its 1s limit" in ran.stdout
+    assert "next-ran" in ran.stdout and ran.stdout.strip().endswith("status=124"), ran.stdout
+    assert (tmp_path / "next.log").read_text().strip() == "next-ran"

@@ -201,3 +201,63 @@ def test_every_backend_that_can_abort_is_aborted_whatever_its_name(monkeypatch, 
     handle = process_groups.GroupHandle("g", 0, 2, object(), (name,))
     done = process_groups.release(handle)
     assert calls == ["backend.abort"] and name in done[0], done
+
+
+class _SharedBarrierBackend:
+    """An NCCL-like backend whose abort returns only once every other abort is running too."""
+
+    def __init__(self, barrier, calls):
+        self.barrier, self.calls = barrier, calls
+
+    def name(self):
+        return "nccl"
+
+    def abort(self):
+        self.calls.append("abort")
+        self.barrier.wait()  # BrokenBarrierError when the aborts run one after another
+
+
+class _GroupWith:
+    _device_types = ("cuda",)
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+def test_a_ranks_groups_have_their_communicators_aborted_at_the_same_time():
+    """A training group and a weight-sync group: ``ProcessGroupNCCL.abort()`` costs about 0.5 s
+    each on an H200, and they were aborted one after the other. Both aborts must be in flight
+    together: run in turn, the first one's barrier breaks and the release says so."""
+    from ray_graceful.worker.process_groups import GroupHandle, release_all
+
+    barrier, calls = threading.Barrier(2, timeout=5), []
+    handles = [
+        GroupHandle(name, 0, 2, _GroupWith(_SharedBarrierBackend(barrier, calls)), ("nccl",))
+        for name in ("train", "weight-sync")
+    ]
+    done = release_all(handles)
+    assert calls == ["abort", "abort"]
+    assert sorted(done) == [
+        "train: _SharedBarrierBackend.abort() (nccl, cuda)",
+        "weight-sync: _SharedBarrierBackend.abort() (nccl, cuda)",
+    ]
+
+
+def test_an_abort_that_raises_is_reported_after_every_other_group_was_released():
+    from ray_graceful.worker.process_groups import GroupHandle, release_all
+
+    class Failing(_SharedBarrierBackend):
+        def abort(self):
+            raise RuntimeError("NCCL error: unhandled system error")
+
+    calls = []
+    ok = GroupHandle("ok", 0, 2, _GroupWith(_SharedBarrierBackend(threading.Barrier(1), calls)))
+    bad = GroupHandle("bad", 0, 2, _GroupWith(Failing(None, calls)))
+    with pytest.raises(RuntimeError) as caught:
+        release_all([bad, ok])
+    assert calls == ["abort"], "the failing group kept the other from being released"
+    assert "bad: Failing.abort() (nccl, cuda): RuntimeError: NCCL error" in str(caught.value)
+    assert "ok: _SharedBarrierBackend.abort() (nccl, cuda)" in str(caught.value)

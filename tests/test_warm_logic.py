@@ -213,3 +213,30 @@ def test_a_record_every_member_spoke_for_is_never_overdue():
         part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
     assert part.overdue(record.cycle, record.join_by + 1) is None
     assert record.result == "rejoined"
+
+
+class _Cuda:
+    def __init__(self, available: bool, device: int = 0) -> None:
+        self.available, self.device = available, device
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def current_device(self) -> int:
+        return self.device
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "device"),
+    [
+        ("nccl", _Cuda(True, 3), "cuda:3"),  # built in the rendezvous, not at the first step
+        ("cpu:gloo,cuda:nccl", _Cuda(True, 0), "cuda:0"),
+        ("gloo", _Cuda(True, 0), None),  # gloo connects in init_process_group already
+        ("nccl", _Cuda(False), None),
+    ],
+)
+def test_a_warm_restarts_nccl_group_is_formed_eagerly_on_the_ranks_device(backend, cuda, device):
+    from ray_graceful.rendezvous import eager_device
+
+    found = eager_device(backend, cuda)
+    assert (str(found) if found is not None else None) == device

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU path in one command (README, "On a GPU"), on a machine with CUDA torch and NVML:
 #   bash tests/gpu/run.sh
+# Sized for one short lend: every stage has its own time limit (about 9.5 minutes if every one
+# ran to its limit; 6-8 minutes seen as planned), prints as it goes, and runs even when the one
+# before it failed; the script's status is the worst of them. Results go to $OUT (default
+# bench-output/), beside each stage's log.
 # Where Ray is not installed, build .gpu/ first with ../shared/tools/gpu-bundle: this script
-# sources its setup. GPU_SHARE=1 (the default here) lets several NCCL ranks share one GPU.
-# RELEASE_ARGS sizes the NCCL release benchmark (default: 2, 4 and 8 ranks, 5 repetitions, the
-# baseline waiting out a 30 s collective timeout); a short lease wants fewer, e.g.
-#   RELEASE_ARGS="--sizes 2,4 --reps 3 --how sigterm --timeout 10" bash tests/gpu/run.sh
-# Each stage runs even when the one before it failed; the script's status is the worst of them.
+# sources its setup. GPU_SHARE=1 (the default here) lets several NCCL ranks share one GPU; the
+# harnesses give each rank its own NCCL_HOSTID themselves.
+# Override a stage's arguments: RELEASE_ARGS, RESTART_ARGS, ABORT_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export GPU_SHARE="${GPU_SHARE:-1}" PYTHONUNBUFFERED=1
@@ -19,19 +21,24 @@ fi
 out="${OUT:-bench-output}"
 mkdir -p "$out"
 status=0
-stage() {  # stage NAME COMMAND...: run it, log it under $out, remember a failure
-  local name=$1
-  shift
-  echo "== $name: $*"
-  "$@" 2>&1 | tee "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc"
-  [ "$rc" -eq 0 ] || status=$rc
-}
-stage gpu sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader && python3 -c \
-  \"import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())\""
-stage gpu-tests python3 -m pytest -q -s -rA -p no:cacheprovider --durations=10 tests/gpu
-# shellcheck disable=SC2086  # RELEASE_ARGS is a list of arguments
-stage release-nccl python3 -m ray_graceful.tools.cli bench release --backend nccl \
-  ${RELEASE_ARGS:---sizes 2,4,8 --reps 5 --timeout 30} --json "$out/release-nccl.json"
+started=$SECONDS
+source tests/gpu/stage.sh
+stage versions 60 sh -c "nvidia-smi --query-gpu=name,driver_version --format=csv,noheader && \
+  python3 -c \"import torch, ray; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+  'nccl', torch.cuda.nccl.version(), 'ray', ray.__version__)\""
+stage gpu-tests 90 python3 -m pytest -q -s -rA -p no:cacheprovider --durations=10 tests/gpu
+# Two groups per rank (a training and a weight-sync group), SIGTERM; the baseline is the same
+# job without the plugin, waiting out a 10 s NCCL timeout.
+# shellcheck disable=SC2086  # the *_ARGS are lists of arguments
+stage release-nccl 180 python3 -m ray_graceful.tools.cli bench release --backend nccl \
+  ${RELEASE_ARGS:---sizes 2,4 --reps 3 --how sigterm --groups 2 --timeout 10} \
+  --json "$out/release-nccl.json"
+# shellcheck disable=SC2086
+stage restart-nccl 150 python3 -m benchmarks restart --backend nccl \
+  ${RESTART_ARGS:---ranks 4 --sizes 64 --reps 2 --ways warm,cold-memory} \
+  --json "$out/restart-nccl.json"
+# shellcheck disable=SC2086
+stage abort-variants 120 python3 tests/gpu/abort_variants.py \
+  ${ABORT_ARGS:---ranks 3 --reps 2} --json "$out/abort-variants.json"
+echo "== all stages done in $((SECONDS - started))s, status $status"
 exit "$status"

@@ -60,7 +60,17 @@ def add_release_arguments(release: argparse.ArgumentParser) -> None:
         help="skip the runs without the plugin",
     )
     release.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl needs a GPU per rank"
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="nccl needs a GPU: a whole one per rank where there are enough, else a share",
+    )
+    release.add_argument(
+        "--groups",
+        type=positive_int,
+        default=1,
+        help="process groups per rank, each all-reduced every step (2: a training and a "
+        "weight-sync group, as verl and OpenRLHF have); all are released (default 1)",
     )
     release.add_argument(
         "--drain-poll",

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import io
 import json
+import math
 import os
 import platform
 import select
@@ -39,16 +40,86 @@ def machine() -> dict[str, Any]:
     }
 
 
+class BenchError(RuntimeError):
+    """A benchmark stage that cannot go on: the message says which rank and why."""
+
+
+START_LIMIT_S = 60.0  # a rank not placed, or not in its group, by then is named, not waited on
+
+
+def gpu_count() -> int:
+    """The CUDA devices torch sees on this machine (0 without CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def rank_gpus(backend: str, ranks: int, gpus: int) -> float:
+    """What each rank asks Ray for: nothing on gloo; on NCCL a whole GPU where the node has one
+    per rank, else an equal share of them (several ranks on one GPU, ``GPU_SHARE``)."""
+    if backend != "nccl":
+        return 0.0
+    if gpus <= 0:
+        raise BenchError("--backend nccl needs a GPU, and torch sees none on this machine")
+    if gpus >= ranks:
+        return 1.0
+    return math.floor(10_000 * gpus / ranks) / 10_000  # Ray counts in 1/10,000ths
+
+
+def start_ranks(
+    ray: Any,
+    ranks: list[Any],
+    join: Callable[[int, Any], Any],
+    asks: str,
+    limit_s: float = START_LIMIT_S,
+) -> list[Any]:
+    """Wait until every rank actor is placed, then for ``join(i, rank)`` of each; their results.
+
+    Each wait is bounded by ``limit_s``: a rank that cannot be placed (it ``asks`` for what no
+    node offers: a GPU on a cluster started without one) or does not join its group is named
+    with the reason (``BenchError``), instead of a ``ray.get`` waiting out its 600 s.
+    """
+    ready = {r.__ray_ready__.remote(): i for i, r in enumerate(ranks)}
+    _, pending = ray.wait(list(ready), num_returns=len(ready), timeout=limit_s)
+    if pending:
+        raise BenchError(
+            f"rank(s) {sorted(ready[p] for p in pending)} not placed within {limit_s:.0f}s: each "
+            f"asks {asks}; the cluster has {ray.available_resources()} free of "
+            f"{ray.cluster_resources()}"
+        )
+    joins = [join(i, r) for i, r in enumerate(ranks)]
+    _, pending = ray.wait(joins, num_returns=len(joins), timeout=limit_s)
+    if pending:
+        late = sorted(joins.index(p) for p in pending)
+        raise BenchError(f"rank(s) {late} did not join the group within {limit_s:.0f}s")
+    results = []
+    for i, ref in enumerate(joins):
+        try:
+            results.append(ray.get(ref))
+        except Exception as exc:
+            raise BenchError(f"rank {i} could not join the group: {exc}") from exc
+    return results
+
+
 @contextlib.contextmanager
 def local_cluster(
     extra_nodes: int = 0,
     head_cpus: int = 4,
     node_resources: dict[str, float] | None = None,
     object_store_bytes: int | None = None,
+    num_gpus: int = 0,
 ) -> Iterator[tuple[Any, list[Any]]]:
     """A private multi-node Ray cluster on this machine, in its own temp directory, with the
     driver attached. The head carries the resource ``bench_head``, extra node ``i`` carries
-    ``bench_n<i>`` (and ``node_resources``), so a benchmark can place each actor."""
+    ``bench_n<i>`` (and ``node_resources``), so a benchmark can place each actor.
+
+    ``num_gpus``: what every node offers (the machine's GPUs: the nodes share them). Ray's
+    ``Cluster`` starts every node, the head included, with none unless told: an NCCL rank that
+    asks for a GPU could never be placed.
+    """
     work = tempfile.mkdtemp(prefix="ray-graceful-bench-")
     os.environ["RAY_TMPDIR"] = work
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -62,11 +133,13 @@ def local_cluster(
             "include_dashboard": False,
             "resources": {"bench_head": 1000},
             "object_store_memory": object_store_bytes,
+            "num_gpus": num_gpus,
         },
     )
     nodes = [
         cluster.add_node(
             num_cpus=2,
+            num_gpus=num_gpus,
             resources={f"bench_n{i}": 1000, **(node_resources or {})},
             object_store_memory=object_store_bytes,
         )
@@ -81,6 +154,11 @@ def local_cluster(
         cluster.shutdown()
 
 
+def nccl_host_id() -> str:
+    """This process's own NCCL host id (``BenchRank.join_group``)."""
+    return f"bench-{os.uname().nodename}-{os.getpid()}"
+
+
 class BenchRank:
     """The base of every benchmark's rank actor: joins one process group and trains by
     all-reduces, asking ``should_stop`` at each step boundary.
@@ -91,6 +169,7 @@ class BenchRank:
 
     step = 0
     backend = "gloo"
+    extra_groups: tuple[Any, ...] = ()  # of every rank, all-reduced with the default each step
 
     def should_stop(self, step: int | None = None) -> bool:
         return False
@@ -103,15 +182,24 @@ class BenchRank:
         backend: str = "gloo",
         timeout_s: float = 120.0,
         imports: tuple[str, ...] = (),
+        groups: int = 1,
     ) -> int:
         """``imports`` first (a real training process's import graph, e.g. transformers), then
-        ``init_process_group`` over TCP on this host; returns the process id."""
+        ``init_process_group`` over TCP on this host; returns the process id.
+
+        On NCCL each rank takes its own ``NCCL_HOSTID`` first: every rank of a benchmark runs
+        on this one machine, several raylets sharing its GPUs, and NCCL refuses two ranks of one
+        "host" on one device ("Duplicate GPU detected"). An id inherited from the driver (the
+        raylet passes its environment on) would be shared by every rank.
+        """
         import importlib
 
         import torch.distributed as dist
 
         for module in imports:
             importlib.import_module(module)
+        if backend == "nccl":
+            os.environ["NCCL_HOSTID"] = nccl_host_id()
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -120,6 +208,10 @@ class BenchRank:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.backend = backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.extra_groups = tuple(
+            dist.new_group(backend=backend, timeout=timeout) for _ in range(groups - 1)
+        )
         return os.getpid()
 
     def train(self, steps: int, elements: int = 1 << 18, pause_s: float = 0.0) -> dict[str, Any]:
@@ -133,6 +225,8 @@ class BenchRank:
         try:
             for _ in range(steps):
                 dist.all_reduce(tensor)
+                for group in self.extra_groups:
+                    dist.all_reduce(tensor, group=group)
                 self.step += 1
                 if self.should_stop(self.step):
                     break

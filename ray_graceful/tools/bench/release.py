@@ -25,11 +25,25 @@ from typing import Any
 from ...config import GracefulConfig
 from ...worker.mixin import GracefulWorkerMixin
 from ...worker.process_groups import free_port
-from .kit import BenchRank, ExitWatch, local_cluster, markdown_table, percentile
+from .kit import (
+    BenchRank,
+    ExitWatch,
+    gpu_count,
+    local_cluster,
+    markdown_table,
+    percentile,
+    rank_gpus,
+    start_ranks,
+)
 
 
 class GracefulBenchRank(GracefulWorkerMixin, BenchRank):
     """The same rank with the plugin adopted."""
+
+    def register_extra_groups(self) -> None:
+        """The weight-sync groups: released with the default one (``graceful_add_group``)."""
+        for i, group in enumerate(self.extra_groups):
+            self.graceful_add_group(group, f"extra-{i}")
 
 
 def _exit_paths(report_dir: str) -> collections.Counter[str]:
@@ -59,6 +73,7 @@ def _release_once(
     imports: tuple[str, ...] = (),
     drain_poll_s: float = 1.0,
     node_agent: str = "off",
+    groups: int = 1,
 ) -> dict[str, Any]:
     """One run: rank 0 on a fresh node (drained, or its process signalled), the rest on the head.
 
@@ -79,8 +94,9 @@ def _release_once(
     )
     coordinator = Coordinator.start(config) if graceful else None
     cls = GracefulBenchRank if graceful else BenchRank
-    gpus = 1.0 / n if backend == "nccl" else 0
-    node = cluster.add_node(num_cpus=2, resources={"bench_evicted": 1000})
+    machine_gpus = gpu_count() if backend == "nccl" else 0
+    gpus = rank_gpus(backend, n, machine_gpus)
+    node = cluster.add_node(num_cpus=2, num_gpus=machine_gpus, resources={"bench_evicted": 1000})
     cluster.wait_for_nodes()
     ranks: list[Any] = []
     try:
@@ -91,12 +107,11 @@ def _release_once(
             ranks.append(
                 ray.remote(cls).options(num_cpus=0, num_gpus=gpus, resources=where).remote()
             )
-        pids = ray.get(
-            [
-                r.join_group.remote(i, n, port, backend, timeout_s, imports)
-                for i, r in enumerate(ranks)
-            ],
-            timeout=600,
+        pids = start_ranks(
+            ray,
+            ranks,
+            lambda i, r: r.join_group.remote(i, n, port, backend, timeout_s, imports, groups),
+            f"num_gpus={gpus} (rank 0 on the node to be evicted, the others on the head)",
         )
         joined_s = time.monotonic() - joining
         if graceful:
@@ -107,6 +122,8 @@ def _release_once(
                 ],
                 timeout=120,
             )
+            if groups > 1:
+                ray.get([r.register_extra_groups.remote() for r in ranks], timeout=120)
         training = {r.train.remote(10**9): i for i, r in enumerate(ranks)}
         time.sleep(1.0)
         watch = ExitWatch(pids)  # blocks in the kernel: no CPU taken from the leaving ranks
@@ -188,7 +205,8 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
     imports = tuple(m for m in (args.imports or "").split(",") if m)
     poll_cost = None
     starting = time.monotonic()
-    with local_cluster(head_cpus=max(4, *sizes)) as (cluster, _nodes):
+    gpus = gpu_count() if args.backend == "nccl" else 0
+    with local_cluster(head_cpus=max(4, *sizes), num_gpus=gpus) as (cluster, _nodes):
         # Progress before the first repetition: where a run stalls (a GPU machine's first NCCL
         # run printed nothing for minutes) shows which stage it stalled in.
         print(f"  local cluster up in {time.monotonic() - starting:.1f}s", flush=True)
@@ -209,6 +227,7 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                         imports,
                         args.drain_poll,
                         "on" if how.endswith("+agent") else "off",
+                        args.groups,
                     )
                     r["how"] = how
                     results.append({**r, "rep": rep})
@@ -220,7 +239,15 @@ def bench_release(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 if args.baseline and not how.endswith("+agent"):
                     b = _release_once(
-                        ray, cluster, n, False, how, args.timeout, args.backend, imports
+                        ray,
+                        cluster,
+                        n,
+                        False,
+                        how,
+                        args.timeout,
+                        args.backend,
+                        imports,
+                        groups=args.groups,
                     )
                     results.append({**b, "rep": 0})
                     print(
