@@ -52,7 +52,7 @@ from .worker.setup import (
 )
 from .worker.spares import SpareResult, wait_as_spare
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _default_logging() -> None:

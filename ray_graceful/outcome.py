@@ -139,33 +139,3 @@ def publish_record(report_dir: str, job_id: str, name: str, record: dict[str, An
         os.replace(tmp, os.path.join(directory, f"{name}.json"))
     except OSError as exc:
         logger.error("ray_graceful: could not write %s under %s: %s", name, report_dir, exc)
-
-
-class OutcomeMetrics:
-    """Ray metrics for outcomes and notices (exported where Ray's metrics agent runs)."""
-
-    def __init__(self) -> None:
-        from ray.util import metrics
-
-        self.teardowns = metrics.Counter(
-            "ray_graceful_teardowns", "Termination cycles, by result", tag_keys=("result",)
-        )
-        self.notices = metrics.Counter(
-            "ray_graceful_notices", "Eviction notices accepted, by source", tag_keys=("source",)
-        )
-        self.rejected = metrics.Counter("ray_graceful_rejected_notices", "Notices rejected")
-        self.seconds = metrics.Histogram(
-            "ray_graceful_teardown_seconds",
-            "From the first notice to the last report",
-            boundaries=[0.5, 1, 2, 5, 10, 20, 30, 60, 120],
-        )
-        self.committed_step = metrics.Gauge(
-            "ray_graceful_committed_step", "Step of the last committed emergency checkpoint"
-        )
-
-    def record(self, outcome: TerminationOutcome) -> None:
-        self.teardowns.inc(tags={"result": outcome.result})
-        if "last_report" in outcome.timings:
-            self.seconds.observe(outcome.timings["last_report"])
-        if outcome.committed:
-            self.committed_step.set(outcome.committed["step"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -24,6 +25,25 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] == "save"}
     assert savers.isdisjoint({0, 1}), "ranks on the FAULTY node A never save"
     assert (tmp_path / "timeline.png").stat().st_size > 0
+    # The picture continues past the teardown: every rank of the new group re-forms,
+    # registers and loads (a survivor holds the step itself: its load is drawn skipped), then
+    # the first step, then the step durable in the background.
+    drawn = json.loads((tmp_path / "timeline.json").read_text())
+    by_rank: dict[int, list] = {}
+    for segment in drawn["segments"]:
+        by_rank.setdefault(segment["row"], []).append(segment)
+    assert sorted(by_rank) == [0, 1, 2, 3, 4, 5]
+    for rank, segments in by_rank.items():
+        assert [s["name"] for s in segments] == ["rendezvous", "register", "load"], rank
+        assert segments[2]["status"] == ("skipped" if rank in (4, 5) else "ran"), rank
+        for before, after in itertools.pairwise(segments):
+            assert after["start"] == pytest.approx(before["start"] + before["duration"])
+    back = max(s["start"] + s["duration"] for s in drawn["segments"])
+    released = max(r["started_at"] + r["finished_s"] for r in outcome["reports"])
+    first_notice = min(n["received_at"] for n in outcome["notices"])
+    assert min(s["start"] for s in drawn["segments"]) >= released - first_notice - 0.05
+    assert drawn["lines"]["first step"] >= back
+    assert drawn["lines"]["durable"] > 0
 
 
 def test_every_step_the_timeline_draws_has_its_own_legend_entry():
@@ -52,3 +72,38 @@ def test_every_step_the_timeline_draws_has_its_own_legend_entry():
     ]
     assert kinds["save skipped"] == ("save", "skipped")
     assert "quiesce" in STEP_ORDER
+
+
+def test_the_way_back_is_drawn_from_each_members_record():
+    """Each member's rendezvous, registration and load, in that order from when its rejoin
+    began, as the coordinator's record of the warm restart says; nothing for one that left."""
+    from ray_graceful.tools.timeline import WayBack
+
+    record = {
+        "members": [
+            {
+                "rank": 0,
+                "started_at": 110.0,
+                "loaded_from": "memory-local",
+                "seconds": {"rendezvous": 0.5, "register": 0.25, "load": 1.0},
+            },
+            {
+                "rank": 1,
+                "started_at": 110.5,
+                "loaded_from": "own state",
+                "seconds": {"rendezvous": 0.125, "register": 0.125, "load": 0.0},
+            },
+            {"rank": 2, "action": "left", "seconds": {}},
+        ]
+    }
+    back = WayBack(record, first_step_at=112.5, durable_at=115.0)
+    drawn = [(s.row, s.name, s.status, s.start, s.duration) for s in back.segments(t0=100.0)]
+    assert drawn == [
+        (0, "rendezvous", "ran", 10.0, 0.5),
+        (0, "register", "ran", 10.5, 0.25),
+        (0, "load", "ran", 10.75, 1.0),
+        (1, "rendezvous", "ran", 10.5, 0.125),
+        (1, "register", "ran", 10.625, 0.125),
+        (1, "load", "skipped", 10.75, 0.0),
+    ]
+    assert back.lines(t0=100.0) == {"first step": 12.5, "durable": 15.0}

@@ -65,8 +65,8 @@ def test_a_sigterm_seen_just_before_the_rejoin_began_is_held_for_it(runtime):
 def test_the_held_sigterm_is_the_new_groups_notice_with_its_deadline_from_the_signal(runtime):
     runtime.begin_rejoin()
     received = time.time() - 2.0
-    runtime._first_sigterm(signal.SIGTERM, received)
-    runtime._first_sigterm(signal.SIGTERM, time.time())  # the main-thread backstop: same signal
+    runtime.take_sigterm(signal.SIGTERM, received)
+    runtime.take_sigterm(signal.SIGTERM, time.time())  # the main-thread backstop: same signal
     held = runtime.end_rejoin()
     assert held == (signal.SIGTERM, received)
 
@@ -79,7 +79,7 @@ def test_the_held_sigterm_is_the_new_groups_notice_with_its_deadline_from_the_si
 
     runtime._await_order = await_order  # type: ignore[method-assign]
     runtime.control = ConnectedControl()  # type: ignore[assignment]
-    runtime.take_held_sigterm(held)
+    runtime.take_sigterm(*held)
     assert reported.wait(5), "the held SIGTERM was not reported to the coordinator"
     assert seen == {"signum": signal.SIGTERM, "received_at": received}
     assert runtime.sigterm_seen

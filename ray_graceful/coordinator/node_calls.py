@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..metrics import NODE_AGENT_POLLS
 from ..notices import short
 from ..protocol import Ack, PollState, Register, TeardownReport, wire
 from . import events as ev
 from .fanout import MAX_PER_NODE, Fanout
 from .groups import GroupAgents
+from .outcomes import OutcomeBoard
 
 MAX_REPORTS = 65_536  # reports one call may carry: a group agent's, every rank of its nodes
 
@@ -29,6 +31,7 @@ class NodeFacingCalls:
 
     fanout: Fanout
     groups: GroupAgents
+    outcomes: OutcomeBoard
     _take: Callable[[ev.Event], Any]
     _wake: Callable[[], None]
     reports_relayed = 0  # reports that came gathered (the fan-out harness reads it)
@@ -56,6 +59,7 @@ class NodeFacingCalls:
     ) -> bytes:
         """A node agent's one long poll: every process's state in, every answer out at once."""
         self._wake()
+        self.outcomes.count(NODE_AGENT_POLLS)
         if not isinstance(states, dict) or len(states) > MAX_PER_NODE:
             why = f"a node polls with a mapping of at most {MAX_PER_NODE} process states"
             self._take(ev.Malformed({"node": short(node_key)}, why))

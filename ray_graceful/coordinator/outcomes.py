@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..outcome import OutcomeMetrics, TerminationOutcome
+from ..metrics import NOTICES, REJECTED, MetricDef, Metrics
+from ..outcome import TerminationOutcome
 from . import recovery
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class OutcomeBoard:
         self.published: set[int] = set()  # by this coordinator: kept, or on disk
         self.events: dict[int, asyncio.Event] = {}
         try:
-            self.metrics: OutcomeMetrics | None = OutcomeMetrics()
+            self.metrics: Metrics | None = Metrics()
         except Exception:  # metrics are a courtesy (and need Ray); it works without them
             self.metrics = None
 
@@ -48,7 +49,7 @@ class OutcomeBoard:
             logger.exception("ray_graceful coordinator: could not publish the outcome")
         if self.metrics is not None:
             try:
-                self.metrics.record(outcome)
+                self.metrics.outcome(outcome)
             except Exception:
                 logger.warning("ray_graceful coordinator: could not record metrics", exc_info=True)
         recovery.clear_in_flight(self.report_dir, self.job_id, outcome.cycle)
@@ -96,10 +97,13 @@ class OutcomeBoard:
             return None
         return self.get(cycle)
 
-    def count_rejected(self) -> None:
+    def count(self, spec: MetricDef, tags: dict[str, str] | None = None) -> None:
+        """One more of ``spec`` (a counter of ``metrics.py``), where metrics are recorded."""
         if self.metrics is not None:
-            self.metrics.rejected.inc()
+            self.metrics.inc(spec, tags)
+
+    def count_rejected(self) -> None:
+        self.count(REJECTED)
 
     def count_notice(self, source: str) -> None:
-        if self.metrics is not None:
-            self.metrics.notices.inc(tags={"source": source})
+        self.count(NOTICES, {"source": source})

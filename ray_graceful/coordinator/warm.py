@@ -108,6 +108,7 @@ def _result_fields(result: Rejoined | None) -> dict[str, Any]:
         "action": result.action,
         "loaded_from": result.loaded_from,
         "seconds": dict(result.seconds),
+        "started_at": result.started_at,
         "pid": result.pid,
         "node_id": result.node_id,
         "reason": result.reason,

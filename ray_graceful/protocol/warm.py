@@ -53,6 +53,7 @@ class Rejoined:
     pid: int = 0
     node_id: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0  # when its rejoin began forming the group (time.time())
     version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ Commands:
   anyscale   switch the plugin on in an Anyscale job YAML
   bench      measure release and save on this machine, against their baselines
   config     the effective configuration, or its reference table
+  dashboard  the Grafana dashboard of ray_graceful's metrics, beside Ray's own
 
 Exit statuses: 0 done; 2 bad arguments or configuration; 3 no Ray cluster reachable; 4 no
 coordinator running; 5 the coordinator rejected the notice.
@@ -211,6 +212,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import dashboard_json
+
+    if args.output is None:
+        sys.stdout.write(dashboard_json())
+        return 0
+    try:
+        with open(args.output, "w") as f:
+            f.write(dashboard_json())
+    except OSError as exc:
+        raise CliError(f"{args.output}: {exc.strerror or exc}") from exc
+    print(f"ray-graceful dashboard: wrote {args.output}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -256,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit statuses: 0 done; 2 bad arguments or configuration; 3 no Ray cluster; "
         "4 no coordinator; 5 notice rejected.",
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"ray-graceful {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     notify = sub.add_parser(
@@ -387,6 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("--markdown", action="store_true", help="print the reference table")
     config.set_defaults(func=_cmd_config)
+
+    dashboard = sub.add_parser(
+        "dashboard",
+        help="the Grafana dashboard of ray_graceful's metrics",
+        description="Print (or write, -o) the Grafana dashboard for ray_graceful's metrics, in "
+        "the shape of Ray's own: load it beside them (docs/metrics.md).",
+    )
+    dashboard.add_argument(
+        "-o", "--output", type=writable_file, help="the file to write (default: standard output)"
+    )
+    dashboard.set_defaults(func=_cmd_dashboard)
     return parser
 
 

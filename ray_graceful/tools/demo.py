@@ -34,7 +34,7 @@ from ..checkpoint import latest_committed
 from ..config import GracefulConfig
 from ..worker.mixin import GracefulWorkerMixin
 from ..worker.process_groups import free_port
-from .timeline import timeline_png
+from .timeline import WayBack, timeline_png, way_back_json
 
 PLACEMENT = ["A", "A", "B", "B", "C", "C"]
 SPARES = ["C", "H", "C", "H"]  # started ahead on nodes that get no notice
@@ -260,7 +260,10 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
                 f"    rank {member.rank} ({where}, pid {member.pid}): {member.was}, shard "
                 f"{SHARDS[member.rank]}, loaded from {member.loaded_from}"
             )
-        steps = ray.get([r.train.remote(2) for r in group.workers], timeout=120)
+        record = coordinator.wait_rejoined(outcome.cycle + 1, timeout=30) or {}
+        ray.get([r.train.remote(1) for r in group.workers], timeout=120)
+        first_step_at = time.time()  # every rank of the new group has taken its first step
+        steps = ray.get([r.train.remote(1) for r in group.workers], timeout=120)
         clock.say(
             f"resumed at step {restart.step} in the same group, re-formed in place, trained to "
             f"step {steps[0]}: {lost} step(s) lost"
@@ -285,7 +288,11 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         path = os.path.join(output, "outcome.json")
         with open(path, "w") as f:
             json.dump(outcome.to_dict(), f, indent=2, sort_keys=True)
-        png = timeline_png(outcome, os.path.join(output, "timeline.png"), PLACEMENT)
+        way_back = WayBack(record, first_step_at, durable["at"])
+        t0 = min(n["received_at"] for n in outcome.notices)
+        with open(os.path.join(output, "timeline.json"), "w") as f:
+            json.dump(way_back_json(way_back, t0), f, indent=2)
+        png = timeline_png(outcome, os.path.join(output, "timeline.png"), PLACEMENT, way_back)
         print()
         print("SUMMARY")
         print("  eviction:   node B drained with a 12 s deadline; node A FAULTY (XID 79)")

@@ -1,19 +1,70 @@
-"""The demo's timeline picture: one bar per rank, one coloured segment per teardown step.
+"""The demo's timeline picture: one bar per rank, one coloured segment per teardown step, and
+for a warm restart the way back: the group re-formed, each rank's load (or its own state), the
+first step, and the moment the step was durable.
 
 Every step has its own colour and its own legend entry; a step that did not do its work (a
-parked backup's save) is drawn pale and hatched, a failed one with a black edge, so only a real
-save is green. matplotlib is optional: without it, no picture and a line that says so.
+parked backup's save, a survivor that loaded nothing) is drawn pale and hatched, a failed one
+with a black edge, so only a real save is green. matplotlib is optional: without it, no picture
+and a line that says so.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..protocol import TeardownPhase
 
 STEP_ORDER = tuple(step.value for step in TeardownPhase)
+WAY_BACK = ("rendezvous", "register", "load")  # a warm member's steps, ``Rejoined.seconds``
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One drawn step of the way back: ``row`` is the member's new rank."""
+
+    row: int
+    name: str
+    status: str  # "ran"; "skipped": a survivor that held the step itself loaded nothing
+    start: float  # seconds since the first notice
+    duration: float
+
+
+@dataclass(frozen=True)
+class WayBack:
+    """What the picture shows past the teardown of a warm cycle.
+
+    ``record``: ``Coordinator.wait_rejoined()``'s record (each member's ``started_at`` and
+    ``seconds``); ``first_step_at`` when the new group's first step had finished on every rank;
+    ``durable_at`` when the step was durable (the memory tier's copy landed, or the commit on
+    disk). Times are ``time.time()``.
+    """
+
+    record: dict[str, Any]
+    first_step_at: float | None = None
+    durable_at: float | None = None
+
+    def segments(self, t0: float) -> list[Segment]:
+        """Each member's rendezvous, registration and load, in that order, from its start."""
+        out = []
+        for member in self.record.get("members") or ():
+            at = member.get("started_at") or 0.0
+            if not at:
+                continue  # it did not join: nothing to draw on the way back
+            at -= t0
+            for name in WAY_BACK:
+                seconds = (member.get("seconds") or {}).get(name, 0.0)
+                own = name == "load" and member.get("loaded_from") == "own state"
+                out.append(Segment(member["rank"], name, "skipped" if own else "ran", at, seconds))
+                at += seconds
+        return out
+
+    def lines(self, t0: float) -> dict[str, float]:
+        """The vertical lines: the first step, and the step durable (seconds since t0)."""
+        found = {"first step": self.first_step_at, "durable": self.durable_at}
+        return {label: at - t0 for label, at in found.items() if at is not None}
 
 
 def legend_kinds(reports: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
@@ -44,8 +95,12 @@ def bar_style(status: str) -> dict[str, Any]:
     }
 
 
-def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | None:
-    """One bar per rank, one segment per teardown step, from the first notice.
+def timeline_png(
+    outcome: Any, path: str, placement: Sequence[str], way_back: WayBack | None = None
+) -> str | None:
+    """One bar per rank, one segment per teardown step, from the first notice; for a warm
+    restart (``way_back``) each rank's way back after it, and the first step and durable
+    lines.
 
     ``placement[rank]`` names the node each rank ran on; None when matplotlib is missing.
     """
@@ -68,6 +123,9 @@ def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | Non
         "save": "#2ca02c",
         "destroy_process_group": "#1f77b4",
         "exit": "#ff7f0e",
+        "rendezvous": "#17becf",
+        "register": "#8c564b",
+        "load": "#e377c2",
     }
     t0 = min(n["received_at"] for n in outcome.notices)
     reports = sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"])
@@ -89,13 +147,26 @@ def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | Non
                 linewidth=0.8,
                 **bar_style(status),
             )
-        ax.text(
-            base + (report["finished_s"] or 0) + 0.01,
-            row,
-            " saved " + report["saved"][0]["shard"] if report["saved"] else " left",
-            va="center",
-            fontsize=8,
+        if report["saved"]:
+            said = " saved " + report["saved"][0]["shard"]
+        else:
+            said = " left" if report.get("exit_path") else " stays"  # a survivor keeps its process
+        ax.text(base + (report["finished_s"] or 0) + 0.01, row, said, va="center", fontsize=8)
+    segments = way_back.segments(t0) if way_back is not None else []
+    for segment in segments:
+        ax.barh(
+            segment.row,
+            max(segment.duration, 0.004),
+            left=segment.start,
+            color=colors[segment.name],
+            linewidth=0.8,
+            **bar_style(segment.status),
         )
+    for label, at in (way_back.lines(t0) if way_back is not None else {}).items():
+        ax.axvline(at, color="#2ca02c" if label == "durable" else "#d62728", linewidth=1.2)
+        ax.text(at, len(reports) - 0.55, f" {label}", fontsize=7, va="bottom")
+    for kind in dict.fromkeys((s.name, s.status) for s in segments):
+        drawn.setdefault(kind[0] if kind[1] == "ran" else f"{kind[0]} {kind[1]}", kind)
     for i, notice in enumerate(notices):
         at = notice["received_at"] - t0
         ax.axvline(at, color="#444444", linestyle="--", linewidth=0.8)
@@ -111,9 +182,13 @@ def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | Non
     )
     ax.set_xlabel(
         "seconds since the first eviction notice (dashed: notices; dotted: the plan, "
-        "after the gathering window)"
+        "after the gathering window"
+        + ("; then each rank's way back, the first step and the step durable)" if segments else ")")
     )
-    ax.set_title("ray_graceful teardown timeline", pad=10)
+    ax.set_title(
+        "ray_graceful: teardown and warm restart" if segments else "ray_graceful teardown timeline",
+        pad=10,
+    )
     kinds = list(drawn)
     handles = [
         plt.Rectangle(
@@ -138,3 +213,11 @@ def timeline_png(outcome: Any, path: str, placement: Sequence[str]) -> str | Non
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def way_back_json(way_back: WayBack, t0: float) -> dict[str, Any]:
+    """What the picture draws past the teardown, as data (the demo writes it beside the PNG)."""
+    return {
+        "segments": [asdict(segment) for segment in way_back.segments(t0)],
+        "lines": way_back.lines(t0),
+    }

@@ -104,8 +104,7 @@ class ProcessRuntime:
     # --- signals ---------------------------------------------------------------------------
 
     def claims_signals(self) -> bool:
-        """Whether a SIGTERM is ours to act on: a rank is registered, a spare waits, or a
-        rejoin is under way (a spare handed a slot holds no rank until it joined)."""
+        """Whether a SIGTERM is ours: a rank registered, a spare waiting, or a rejoin under way."""
         return bool(self.registrations) or self.spare_id is not None or self.rejoining.is_set()
 
     def _waiting_spare(self) -> bool:
@@ -126,7 +125,7 @@ class ProcessRuntime:
                 running.report.exit_code = config.exit_code
                 write_report_file(running.report, config.report_dir)
             hard_exit(config.exit_code, "second SIGTERM")
-        self._first_sigterm(signum)
+        self.take_sigterm(signum)
         return True
 
     def on_sigterm_main_thread(self, signum: int) -> None:
@@ -136,18 +135,19 @@ class ProcessRuntime:
         if self._waiting_spare():
             self.stop_event.set()
         elif self.registrations or self.rejoining.is_set():
-            self._first_sigterm(signum)
+            self.take_sigterm(signum)
 
-    def _first_sigterm(self, signum: int, received_at: float | None = None) -> None:
+    def take_sigterm(self, signum: int, received_at: float | None = None) -> None:
+        """A first SIGTERM (received at ``received_at``, default now): held while ``rejoin()``
+        runs, else reported to the coordinator for its order, or the teardown starts alone."""
         received_at = time.time() if received_at is None else received_at
         config = self.config_or_default()
-        # The wait for an order counts against this rank's deadline: the kernel timer is armed
-        # now, so that whatever the wait runs into, the process is gone by then.
+        # Armed now: whatever the wait for an order runs into, the process is gone by its deadline.
         left_s = config.teardown_timeout_s - config.watchdog_margin_s / 2
         at = time.monotonic() + left_s - (time.time() - received_at)
         with self.lock:
             if self.rejoining.is_set():  # rejoin() acts on it: it leaves, or it is a notice of
-                if self.rejoin_sigterm is None:  # the group it joined (``take_held_sigterm``)
+                if self.rejoin_sigterm is None:  # the group it joined (rejoin.py)
                     self.rejoin_sigterm = (signum, received_at)
                     hard_deadline().arm(at, config.exit_code)
                 return
@@ -179,12 +179,9 @@ class ProcessRuntime:
                 self.rejoin_sigterm = (signal.SIGTERM, time.time())
 
     def end_rejoin(self) -> tuple[int, float] | None:
-        """``rejoin()`` is over: signals take the normal way again. The SIGTERM it held, if any.
-
-        A fresh event for the next cycle: the finished cycle's watcher holds the old one, which
-        stays set - clearing it could let the watcher, between two looks, miss the rejoin and
-        leave.
-        """
+        """``rejoin()`` is over: signals take the normal way again; the SIGTERM it held, if any
+        (``take_sigterm`` it once joined). A fresh event: the last cycle's watcher holds the old
+        one, which stays set - cleared, the watcher could miss the rejoin and leave."""
         with self.lock:
             self.rejoining = threading.Event()
             held, self.rejoin_sigterm = self.rejoin_sigterm, None
@@ -192,12 +189,6 @@ class ProcessRuntime:
 
     def signalled_during_rejoin(self) -> bool:
         return self.rejoin_sigterm is not None
-
-    def take_held_sigterm(self, held: tuple[int, float]) -> None:
-        """A SIGTERM that came while this process joined its new group: the first notice of
-        that group's cycle, its deadline still counted from the signal."""
-        signum, received_at = held
-        self._first_sigterm(signum, received_at)
 
     def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
         """Report the SIGTERM, then wait for the coordinator's order (``order_wait.py``); else

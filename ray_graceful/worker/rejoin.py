@@ -93,7 +93,7 @@ def rejoin(
         held = runtime.end_rejoin()
     if held is not None and result.joined:
         # Signalled while it joined: the new group's first notice evicts it, as any rank.
-        runtime.take_held_sigterm(held)
+        runtime.take_sigterm(*held)
     return result
 
 
@@ -202,7 +202,7 @@ def _join(
     state_dict: Callable[[], Any] | None,
     load_state_dict: Callable[[Any], Any] | None,
 ) -> Rejoined:
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     clean_step = runtime.teardown.clean_step if runtime.teardown is not None else None
     old_shard = survivor.shard if survivor is not None else None
     store.form_group(answer, backend)
@@ -236,6 +236,7 @@ def _join(
         member,
         RejoinResult.JOINED,
         loaded_from=loaded_from,
+        started_at=started_at,
         seconds={
             "rendezvous": formed - started,
             "register": registered - formed,
