@@ -209,10 +209,9 @@ def worker_exit_details(pids: set[int]) -> dict[int, tuple[str | None, str]]:
     try:
         from ray.core.generated import common_pb2, gcs_pb2
 
-        accessor = ray._private.state.state._connect_and_get_accessor()
-        rows = accessor.get_worker_table()
+        rows = _gcs_state_accessor(ray._private.state.state).get_worker_table()
     except Exception as exc:
-        raise _moved("GCS worker table (state._connect_and_get_accessor)", exc) from exc
+        raise _moved("GCS worker table (ray._private.state's accessor)", exc) from exc
     out: dict[int, tuple[str | None, str]] = {}
     for raw in rows:
         worker = gcs_pb2.WorkerTableData.FromString(raw)
@@ -224,6 +223,16 @@ def worker_exit_details(pids: set[int]) -> dict[int, tuple[str | None, str]]:
             )
             out[worker.pid] = (kind, worker.exit_detail)
     return out
+
+
+def _gcs_state_accessor(state: Any) -> Any:
+    """The GCS accessor of ``ray._private.state.state``: ``_connect_and_get_accessor()`` in
+    Ray 2.60, ``_check_connected()`` then ``global_state_accessor`` in Ray 2.48 - 2.5x."""
+    connect = getattr(state, "_connect_and_get_accessor", None)
+    if callable(connect):
+        return connect()
+    state._check_connected()
+    return state.global_state_accessor
 
 
 def available_resources_per_node() -> dict[str, dict[str, float]]:
