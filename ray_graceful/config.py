@@ -10,8 +10,8 @@ value, or a ``RAY_GRACEFUL_*`` variable that is not ours and not Ray's, raises `
 naming the variable, the value and what is allowed.
 
 The prefix is shared with Ray itself: Ray reads ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` and
-``RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S`` (``ray/_private/ray_constants.py``, checked in Ray
-2.48-2.60), and KubeRay users set them. Those, and the whole ``RAY_GRACEFUL_SHUTDOWN_`` family
+``RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S`` (``ray/_private/ray_constants.py`` in Ray 2.60; Ray
+2.51 reads none), and KubeRay users set them. Those, and the whole ``RAY_GRACEFUL_SHUTDOWN_`` family
 (no field of ours starts with ``shutdown_``), are Ray's and are left alone. The plugin's own
 process markers never use the prefix (they start with ``_RAY_GRACEFUL``), so a job-wide
 environment that reaches the plugin's own actors never trips over them.
@@ -43,7 +43,7 @@ from .notices import short
 
 ENV_PREFIX = "RAY_GRACEFUL_"
 
-# Ray's own variables that share our prefix (Ray 2.48-2.60, ray_constants.py). They are Ray's to
+# Ray's own variables that share our prefix (Ray 2.60's ray_constants.py). They are Ray's to
 # read; from_env leaves them be, and the whole RAY_GRACEFUL_SHUTDOWN_ family with them.
 RAY_OWN_VARIABLES = frozenset(
     {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "RAY_GRACEFUL_SHUTDOWN_POLL_INTERVAL_S"}

@@ -7,7 +7,8 @@ callbacks. Each is reached here and nowhere else, so that when Ray moves one the
 ``RayInternalsMoved`` naming the internal and the versions it was checked against - not an
 ``AttributeError`` deep in a teardown.
 
-Checked against Ray 2.48 - 2.60 (the range ``pyproject.toml`` allows); measured on 2.60.0.
+Checked against Ray 2.51 - 2.60 (the range ``pyproject.toml`` allows): CI runs on both ends
+(``.ci/versions.sh``); measured on 2.60.0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-CHECKED_RAY_VERSIONS = "2.48 - 2.60"
+CHECKED_RAY_VERSIONS = "2.51 - 2.60"
 
 # Ray reads this variable (``ray/_private/worker.py``) for the job-wide worker setup hook; it is
 # what an Anyscale job can set through env_vars (its JobConfig has no runtime_env).
@@ -227,7 +228,7 @@ def worker_exit_details(pids: set[int]) -> dict[int, tuple[str | None, str]]:
 
 def _gcs_state_accessor(state: Any) -> Any:
     """The GCS accessor of ``ray._private.state.state``: ``_connect_and_get_accessor()`` in
-    Ray 2.60, ``_check_connected()`` then ``global_state_accessor`` in Ray 2.48 - 2.5x."""
+    Ray 2.60, ``_check_connected()`` then ``global_state_accessor`` in Ray 2.51 - 2.5x."""
     connect = getattr(state, "_connect_and_get_accessor", None)
     if callable(connect):
         return connect()
