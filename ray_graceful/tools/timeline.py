@@ -180,11 +180,10 @@ def timeline_png(
     ax.set_yticklabels(
         [f"rank {r['ranks'][0]['rank']} ({placement[r['ranks'][0]['rank']]})" for r in reports]
     )
-    ax.set_xlabel(
-        "seconds since the first eviction notice (dashed: notices; dotted: the plan, "
-        "after the gathering window"
-        + ("; then each rank's way back, the first step and the step durable)" if segments else ")")
-    )
+    label = "seconds since the first eviction notice (dashed: notices; dotted: the plan"
+    if segments:  # two lines: one would run off the picture
+        label += ";\nthen each rank's way back; red: the new group's first step; green: durable)"
+    ax.set_xlabel(label + ("" if segments else ", after the gathering window)"))
     ax.set_title(
         "ray_graceful: teardown and warm restart" if segments else "ray_graceful teardown timeline",
         pad=10,
