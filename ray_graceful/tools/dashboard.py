@@ -37,6 +37,8 @@ UID = "rayGracefulDashboard"
 
 @dataclass(frozen=True)
 class PanelSpec:
+    """One panel: what it shows, its unit, and the metrics it queries (``queries``)."""
+
     title: str
     description: str
     unit: str
