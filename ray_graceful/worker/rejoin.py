@@ -19,6 +19,12 @@ coordinator hands it an evicted rank's slot, then does the same, always loading.
 Every failure on the way (the group does not form in time, the load fails, the registration is
 refused) is reported to the coordinator - which then ends the other members cleanly - and the
 process leaves. A rank never trains on after a rejoin unless it holds the committed step.
+
+A SIGTERM while ``rejoin()`` runs is claimed and held (``ProcessRuntime.begin_rejoin``): a
+member without its answer yet leaves; one with its answer finishes joining - the group forms as
+soon as every member is there, where leaving would hold the others in the rendezvous until its
+timeout - and the held signal is then the first notice of the new group's cycle, its deadline
+counted from the signal.
 """
 
 from __future__ import annotations
