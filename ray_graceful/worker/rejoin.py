@@ -98,9 +98,34 @@ def rejoin(
     finally:
         held = runtime.end_rejoin()
     if held is not None and result.joined:
-        # Signalled while it joined: the new group's first notice evicts it, as any rank.
+        # Signalled while it joined: the new group's first notice evicts it, as any rank -
+        # once the others have joined too (a member still registering when the notice's cycle
+        # opens is refused, and leaves, where the group could have gone on without this one).
+        _until_the_group_joined(coordinator, result.cycle, config, signalled_at=held[1])
         runtime.take_sigterm(*held)
     return result
+
+
+def _until_the_group_joined(
+    coordinator: Any, cycle: int, config: GracefulConfig, signalled_at: float
+) -> None:
+    """Until every member of the warm restart into ``cycle`` has said what it did, for as long
+    as this rank's own teardown, with its save, still fits before its deadline."""
+    import ray
+
+    wait_s = min(
+        config.rejoin_timeout_s,
+        config.teardown_timeout_s
+        - config.save_budget_s
+        - config.watchdog_margin_s
+        - (time.time() - signalled_at),
+    )
+    if wait_s <= 0:
+        return
+    try:
+        ray.get(coordinator.wait_rejoined.remote(cycle, wait_s), timeout=wait_s + REPORT_TIMEOUT_S)
+    except Exception as exc:  # the notice goes out all the same
+        write_stderr(f"ray_graceful: the new group's record could not be awaited: {exc!r}\n")
 
 
 def _rejoin(
