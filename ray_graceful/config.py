@@ -93,8 +93,8 @@ class GracefulConfig:
     cuda_sync_timeout_s: float = _setting(
         5.0,
         allowed.seconds,
-        "Bound on torch.cuda.synchronize() during teardown (runs on a helper thread; a wedged "
-        "device does not hold the rank).",
+        "Bound on waiting for the device's queued work during teardown (polled, so a wedged "
+        "device or a collective a departed peer never joins does not hold the rank).",
     )
     destroy_timeout_s: float = _setting(
         2.0,

@@ -241,3 +241,42 @@ def test_a_worker_can_tell_when_rays_core_worker_has_stopped(ray_cluster):
     needs the core worker's io thread to be found on the installed Ray, and a running worker
     not to read as stopped; without it every exit takes the slow way again."""
     assert ray.get(_core_worker_stopped_here.remote(), timeout=60) is False
+
+
+class _Event:
+    """A CUDA event stand-in whose queue finishes after ``polls`` queries (never, for None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls = polls
+        self.recorded = False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        assert self.recorded, "queried before it was recorded"
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls <= 0
+
+
+def _torch_with(event: _Event):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cuda=SimpleNamespace(Event=lambda: event))
+
+
+def test_a_device_queue_that_finishes_is_seen_without_a_synchronize():
+    from ray_graceful.worker.device import device_queue_finished
+
+    assert device_queue_finished(_torch_with(_Event(polls=3)), timeout=5.0)
+
+
+def test_a_device_queue_that_never_finishes_is_given_up_at_its_bound():
+    """A collective a departed peer never joins: the drain says so at its bound, not later."""
+    from ray_graceful.worker.device import device_queue_finished
+
+    started = time.monotonic()
+    assert not device_queue_finished(_torch_with(_Event(polls=None)), timeout=0.2)
+    assert time.monotonic() - started < 2.0

@@ -12,11 +12,14 @@ works, and each recorded in the ``TeardownReport`` as ran / skipped (with the re
                           collective whose peer is gone never returns. None at all when the
                           order says nobody of the cycle saves or rejoins (no boundary needed).
 3. ``drain_device`` and ``release_peers``, in the safe order: a rank parked at its boundary
-                          drains the device first (``torch.cuda.synchronize()``, bounded) and
-                          then aborts its communicators, so no abort cuts NVLink traffic in
+                          drains the device first (its queue polled through an event, bounded)
+                          and then aborts its communicators, so no abort cuts NVLink traffic in
                           flight (ai2cm/ace #1438); a rank stuck in a collective aborts first
-                          (a sync would never return) and drains after. Release = abort NCCL
-                          communicators, shut gloo connections down; no collective is issued.
+                          (a sync would never return) and drains after. A parked rank whose
+                          queue does not drain (the host ran ahead into a collective a departed
+                          peer never joins) is released anyway and saves nothing. Release =
+                          abort every NCCL communicator at once, shut gloo connections down; no
+                          collective is issued.
 4. ``save``             - only if this rank was ordered to and is quiescent: its own shards,
                           then those it backs up (``emergency_save.py``), labelled with the
                           step the training thread parked at.
@@ -48,6 +51,7 @@ from typing import Protocol
 from .. import ray_adapter
 from ..config import GracefulConfig
 from ..protocol import PhaseStatus, ReportedRank, TeardownPhase
+from .device import device_queue_finished
 from .emergency_save import EmergencySave, ShardSave
 from .exit_path import hard_exit, leave_without_finalization, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
@@ -119,6 +123,7 @@ class Teardown:
         # peer's release broke, its update half-applied: not proof (warm restart: such a rank
         # loads the committed step instead of trusting its own state).
         self.clean_step: int | None = None
+        self.device_behind = False  # the drain found work of the parked step not yet run
         # Set once the training thread may leave should_stop (parked there until the save).
         self.training_released = threading.Event()
         self.released_at: float | None = None  # monotonic, once release_peers ran
@@ -213,8 +218,18 @@ class Teardown:
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             raise Skip("CUDA not in use in this process")
         timeout = min(self.config.cuda_sync_timeout_s, max(self.remaining(), 0.0))
-        run_bounded(torch.cuda.synchronize, timeout, "cuda-synchronize")
-        return "torch.cuda.synchronize() returned"
+        if device_queue_finished(torch, timeout):
+            return "the device's queued work finished"
+        # The queue holds a collective a peer that left will never join: the host ran ahead of
+        # the device (NCCL returns at enqueue), so the thread parked at a step whose work has not
+        # run. Its state is not that step; the release ends the collective, and nothing is saved.
+        self.clean_step = None
+        self.device_behind = True
+        raise TimeoutError(
+            f"the device's queued work had not finished after {timeout:.1f}s (a collective "
+            "waiting for a peer that left): released without it, and this rank's state is not "
+            "the step it parked at"
+        )
 
     def _wait_for_boundary(self, limit: float) -> str:
         """Poll the training thread until it is at a boundary, in a collective, or ``limit``."""
@@ -276,6 +291,11 @@ class Teardown:
         if not self.saving.orders:
             raise Skip(self.skip_save_reason or "not ordered to save")
         self._await_quiescent_after_release()
+        if self.device_behind:
+            raise RuntimeError(
+                "the device had not run the work of the step the training thread parked at when "
+                "its communicators were aborted: that state is not a step, so none was saved"
+            )
         step = self.training.step() if self.training is not None else None
         if step is None:
             raise Skip(

@@ -90,7 +90,9 @@ def _rank(rank: int, world: int, port: int, variant: str, queue) -> None:
     os._exit(0)
 
 
-def run(variant: str, ranks: int) -> list[tuple]:
+def run(variant: str, ranks: int, give_up_s: float) -> list[tuple]:
+    """Every rank's ``(rank, variant, seconds, detail)``; a rank silent after ``give_up_s``
+    (its release hung, or the watchdog ended it) is reported as hung, not waited on."""
     import torch.multiprocessing as mp
 
     from ray_graceful.worker.process_groups import free_port
@@ -101,18 +103,25 @@ def run(variant: str, ranks: int) -> list[tuple]:
     procs = [ctx.Process(target=_rank, args=(r, ranks, port, variant, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    results, give_up = [], time.monotonic() + 120
+    results, give_up = [], time.monotonic() + give_up_s
     while len(results) < ranks and time.monotonic() < give_up:
-        if any(p.exitcode not in (None, 0) for p in procs):
-            break
         if not queue.empty():
             results.append(queue.get())
+        elif all(p.exitcode is not None for p in procs):
+            break
         else:
             time.sleep(0.05)
     for p in procs:
-        p.join(5)
+        p.join(1)
         if p.is_alive():
             p.kill()
+    answered = {r[0] for r in results}
+    for rank, p in enumerate(procs):
+        if rank not in answered:
+            how = f"exit {p.exitcode}" if p.exitcode is not None else "killed"
+            results.append(
+                (rank, variant, None, f"rank {rank} hung: no answer in {give_up_s:.0f} s ({how})")
+            )
     return results
 
 
@@ -121,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--give-up", type=float, default=20.0, help="seconds per run")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     import torch
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[str]] = {}
     for rep in range(args.reps):
         for variant in args.variants.split(","):
-            results = run(variant, args.ranks)
+            results = run(variant, args.ranks, args.give_up)
             timed = [r[2] for r in results if r[0] != 0 and r[2] is not None]
             said = sorted({r[3] for r in results if r[0] != 0 and r[3]})
             rows.setdefault(variant, []).extend(timed)

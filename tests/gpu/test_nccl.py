@@ -138,6 +138,61 @@ def test_teardown_on_a_gpu_aborts_nccl_and_drains_cuda():
     assert names.index("drain_device") < names.index("release_peers"), names
 
 
+def _parked_ahead_rank(rank: int, world: int, port: int, queue) -> None:
+    """Rank 1's host runs ahead of its device into all-reduces rank 0 never joins, then its
+    teardown runs as at a step boundary (no training loop registered: quiescent)."""
+    import torch.distributed as dist
+
+    import ray_graceful
+    from ray_graceful import GracefulConfig
+
+    _init_nccl(rank, world, port)
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[_device(rank)])
+    if rank == 0:
+        time.sleep(40)  # present, but in no collective: rank 1's queue never drains
+        os._exit(0)
+    for _ in range(8):
+        dist.all_reduce(x)  # returns at enqueue: the host is ahead of the device
+    config = GracefulConfig(report_dir="/tmp/rg-gpu", cuda_sync_timeout_s=1.0)
+    ray_graceful.after_init_process_group("parked", config=config)
+    started = time.monotonic()
+    teardown = ray_graceful.teardown_now("test", exit_process=False)
+    finished = teardown.done.wait(30)
+    queue.put((finished, time.monotonic() - started, teardown.report.to_dict()))
+    os._exit(0)
+
+
+@pytest.mark.skipif(not RANKS_FIT, reason="multi-rank NCCL needs two GPUs or GPU_SHARE=1")
+@pytest.mark.timeout(120)
+def test_a_rank_parked_ahead_of_its_device_is_released_within_the_drain_bound():
+    """A loop that never waits on the device parks with collectives still queued that a
+    departed peer never joins: the drain gives up at its bound, every communicator is aborted,
+    and the teardown ends - it neither hangs nor waits for the watchdog."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_parked_ahead_rank, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        finished, seconds, report = queue.get(timeout=100)
+    finally:
+        for p in procs:
+            p.join(1)
+            if p.is_alive():
+                p.kill()
+    steps = {s["name"]: s for s in report["phases"]}
+    print("parked ahead:", seconds, {n: (s["status"], s["detail"][:90]) for n, s in steps.items()})
+    assert finished, report
+    assert steps["drain_device"]["status"] == "failed", steps["drain_device"]
+    assert "had not finished" in steps["drain_device"]["detail"], steps["drain_device"]
+    assert steps["release_peers"]["status"] == "ran", steps["release_peers"]
+    assert seconds < 6.0, "1 s of drain, then the abort: well inside the teardown's deadline"
+
+
 def test_our_own_abort_never_makes_the_gpu_faulty():
     """Every NCCL abort logs XID 45; the probe, registered before, must not call it a fault."""
     from ray_graceful.config import GracefulConfig
