@@ -22,6 +22,7 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --hosts tests/hosts
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -20,6 +20,21 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--hosts",
+        action="store_true",
+        help="run tests/hosts: a Ray cluster across network namespaces, in a session of its own",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/hosts only in a session of its own (`--hosts`): one Ray cluster at a time."""
+    if collection_path.name == "hosts" and collection_path.is_dir():
+        return not config.getoption("--hosts")
+    return None
+
+
 def pytest_collection_modifyitems(items):
     """Mark each test by what it needs: `-m unit` runs the fast bulk, `-m cluster` the rest."""
     for item in items:
