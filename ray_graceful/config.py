@@ -275,6 +275,25 @@ class GracefulConfig:
         "Train's own preemption handling see the same event.",
     )
 
+    host_watch: bool = _setting(
+        False,
+        allowed.boolean,
+        "Detect a host lost without a word (crash, power loss, cut link) in about a second: node "
+        "agents send heartbeats; a silent host's raylet is probed (docs/concepts.md).",
+    )
+    host_heartbeat_s: float = _setting(
+        0.1, allowed.between(0.01, 10.0, low_open=False), "Host watch: the heartbeat's period."
+    )
+    host_suspect_s: float = _setting(
+        0.5,
+        allowed.between(0.05, 60.0, low_open=False),
+        "Host watch: silence after which a host's raylet is probed (> host_heartbeat_s).",
+    )
+    host_confirm_s: float = _setting(
+        0.5,
+        allowed.between(0.05, 60.0, low_open=False),
+        "Host watch: the probe's bound; a host whose kernel accepts in time is not lost.",
+    )
     memory_replicas: int = _setting(
         0,
         allowed.count(0, 8, "a number of nodes"),
@@ -319,6 +338,11 @@ class GracefulConfig:
                 raise ConfigError(
                     f"GracefulConfig.{f.name} = {shown} is not allowed: must be {allowed}."
                 )
+        if self.host_suspect_s <= self.host_heartbeat_s:
+            raise ConfigError(
+                f"GracefulConfig.host_suspect_s = {self.host_suspect_s} must be longer than "
+                f"host_heartbeat_s = {self.host_heartbeat_s} (suspected after missed heartbeats)."
+            )
         if self.watchdog_margin_s >= self.teardown_timeout_s:
             raise ConfigError(
                 f"GracefulConfig.watchdog_margin_s = {self.watchdog_margin_s} must be smaller "

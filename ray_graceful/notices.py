@@ -3,8 +3,9 @@
 Sources: Ray's drain state (with the node's deadline), a SIGTERM seen by a worker's listener,
 an explicit ``notify`` (the CLI: Kubernetes preStop, SLURM ``--signal``), a health verdict
 turning FAULTY, a registered rank's process found dead without any notice ("lost": SIGKILL,
-OOM, a crash - its peers would otherwise sit in their collective until the watchdog), and the
-Python API. A notice targets a node or one (group, rank); it carries a
+OOM, a crash - its peers would otherwise sit in their collective until the watchdog), a host
+gone silent ("host_lost": the coordinator's host watch, about a second after it went quiet),
+and the Python API. A notice targets a node or one (group, rank); it carries a
 deadline (Unix seconds; 0 when the source gives none) and the cycle it belongs to.
 
 ``EvictionNotice.parse`` takes untrusted input (CLI, JSON) and raises ``NoticeError`` with what
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SOURCES = ("drain", "sigterm", "cli", "health", "lost", "api", "cloud", "rejoin")
+SOURCES = ("drain", "sigterm", "cli", "health", "lost", "host_lost", "api", "cloud", "rejoin")
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
 MAX_NAME = 200  # a node id or group name: Ray's node ids are 56 hex digits
 MAX_RANK = 1 << 24  # 16,777,216 ranks in one group

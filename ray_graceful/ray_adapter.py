@@ -84,6 +84,16 @@ def drain_node(node_id: str, deadline_s: float, reason: str = "ray_graceful") ->
         raise RuntimeError(f"the GCS refused to drain {node_id}: {message}")
 
 
+def raylet_address(node_id: str) -> tuple[str, int] | None:
+    """The address and port of ``node_id``'s raylet while Ray lists it alive (``ray.nodes()``)."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("Alive"):
+            return str(node["NodeManagerAddress"]), int(node["NodeManagerPort"])
+    return None
+
+
 def current_node_id() -> str:
     """This process's Ray node id ("" outside Ray)."""
     try:

@@ -158,7 +158,8 @@ class HostCluster:
                 "resources": self.head_resources,
             },
         )
-        ray.init(address=self.cluster.address, include_dashboard=False, logging_level="WARNING")
+        # Not the workers' logs: every host's log monitor would send the head's again.
+        ray.init(address=self.cluster.address, logging_level="WARNING", log_to_driver=False)
 
     def add_host(
         self, num_cpus: int = 2, resources: dict[str, float] | None = None, timeout: float = 60
@@ -184,9 +185,13 @@ class HostCluster:
             "--num-cpus", str(num_cpus), "--resources", json.dumps(resources or {}),
             "--disable-usage-stats",
         ]  # fmt: skip
+        # A temp dir of its own: sharing the head's, its log monitor would republish the
+        # head's workers' logs as its own (every line twice, with the wrong address).
+        env = {**os.environ, "RAY_TMPDIR": os.path.join(self.temp_dir, namespace)}
+        os.makedirs(env["RAY_TMPDIR"])
         with open(log_path, "w") as log:
             raylet = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         host = Host(index, namespace, veth, ip, raylet, log_path, dict(resources or {}))
         self.hosts.append(host)

@@ -246,6 +246,23 @@ def test_a_drain_is_planned_at_once_and_a_fault_or_cli_notice_keeps_the_window(c
     assert not of(took, ev.Gathered), "a fault in the cycle keeps the window for the drain too"
 
 
+def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(config):
+    """The host watch's verdict: the ranks on the host are lost (no order, no report awaited)
+    and a replica elsewhere saves their shard; a host with no rank of the job opens nothing."""
+    m = registered(config, ranks=3)
+    assert not m.step(ev.HostLost("elsewhere", "no heartbeat")), "no rank there: nothing"
+    took = m.step(ev.HostLost("n1", "no heartbeat for 0.50s; no answer in 0.5s"))
+    assert of(took, ev.CycleOpened) == [ev.CycleOpened(0)]
+    (notice,) = m.cycle.notices
+    assert notice.source == "host_lost" and notice.rank == ("g", 1)
+    assert "no answer in 0.5s" in notice.reason
+    assert not m.step(ev.HostLost("n1", "again")), "declared once"
+    orders = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    assert not orders["p1"].saves, "the lost host's rank saves nothing"
+    savers = [pid for pid, o in orders.items() for save in o.saves if not save.is_backup]
+    assert len(savers) == 1 and savers[0] in ("p0", "p2"), orders
+
+
 def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
     m = CycleMachine(
         config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"

@@ -56,6 +56,7 @@ from .backups import BackupTurns
 from .conclusion import carry_out
 from .fanout import Fanout
 from .groups import GroupAgents
+from .host_watch import HostWatch
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
 from .node_calls import NodeFacingCalls
@@ -122,6 +123,10 @@ class CoordinatorActor(NodeFacingCalls):
             self.machine.watched_actors,
             self._take,
         )
+        self.host_watch = None  # heartbeats from node agents: hosts lost without a word
+        if config.host_watch:
+            timing = (config.host_heartbeat_s, config.host_suspect_s, config.host_confirm_s)
+            self.host_watch = HostWatch(*timing, on_lost=self._host_lost)
         self.backups = BackupTurns()
         self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
         self.groups = GroupAgents(
@@ -395,6 +400,7 @@ class CoordinatorActor(NodeFacingCalls):
             "node_agents": self.fanout.describe(),
             "group_agents": self.groups.describe(),
             "failures": list(self.watcher.failures),
+            "host_watch": self.host_watch.describe() if self.host_watch else None,
             "last_outcome": last.to_dict() if last else None,
         }
 
@@ -423,6 +429,18 @@ class CoordinatorActor(NodeFacingCalls):
     async def checkpoint_dir(self) -> str | None:
         """Where this job's checkpoints are committed (a restart reads them there)."""
         return self.config.checkpoint_dir
+
+    def _host_lost(self, node_id: str, evidence: str) -> None:
+        self._step(ev.HostLost(node_id, evidence))
+
+    async def host_watch_address(self) -> tuple[str, int] | None:
+        """Where node agents send their heartbeats (None: ``host_watch`` is off)."""
+        self._wake()
+        if self.host_watch is None:
+            return None
+        import ray
+
+        return await self.host_watch.start(ray.util.get_node_ip_address())
 
     async def ping(self) -> str:
         self._wake()

@@ -113,6 +113,14 @@ class RanksLost:
 
 
 @dataclass(frozen=True)
+class HostLost:
+    """A host went silent and did not answer the probe (``host_watch.py``): with the evidence."""
+
+    node_id: str
+    evidence: str
+
+
+@dataclass(frozen=True)
 class RestartSettled:
     """A restarted coordinator's ranks had ``settle_s`` to register again (``recovery.py``)."""
 
@@ -232,6 +240,7 @@ Event = (
     | DrainsSeen
     | DrainUnreadable
     | RanksLost
+    | HostLost
     | RestartSettled
     | GatheringClosed
     | ReportIn

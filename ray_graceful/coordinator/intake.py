@@ -9,9 +9,9 @@ Functions of the machine's ``CoordinatorState``, each appending its decisions to
 - ``take_notices`` - the first notice opens the cycle (IDLE -> GATHERING); gathering ends early
   once every node the notices touched is covered (``Cycle.cover``); later ones are recorded as
   late;
-- ``sigterm``, ``drains``, ``lost`` - the notices of a SIGTERM, of Ray's drain state and of
-  ranks that died without one; ``not_back`` - of ranks that did not register again after the
-  coordinator's restart.
+- ``sigterm``, ``drains``, ``lost``, ``host_lost`` - the notices of a SIGTERM, of Ray's drain
+  state, of ranks that died without one and of a host gone silent; ``not_back`` - of ranks
+  that did not register again after the coordinator's restart.
 """
 
 from __future__ import annotations
@@ -287,6 +287,31 @@ def _the_job_ends_with(
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
     # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
     notices = [EvictionNotice("drain", reason, number, deadline, node_id=n) for n in nodes]
+    take_notices(state, notices, out, answer=False)
+
+
+def host_lost(state: CoordinatorState, node_id: str, evidence: str, out: list[ev.Decision]) -> None:
+    """A host silent past the host watch's bounds (``host_watch.py``): every rank on it is lost.
+
+    As for a rank that died (``lost``): none of them saves or reports, their peers are released
+    and a replica elsewhere saves each of their shards. Ray's own verdict comes later (13-65 s)
+    and finds them already marked.
+    """
+    dead = [p for p in state.active() if p.node_id == node_id and not p.lost]
+    if not dead:
+        return  # a host with no live rank of this job, or one already counted
+    for process in dead:
+        state.registry.mark_lost(process)
+        state.resolve_saves(process, set(), "its host was lost", out)
+    state.check_all_reported(out)
+    if state.cycle.phase is Phase.TEARING_DOWN:
+        return  # orders are out: the lost ranks' peers were released with them
+    why = f"the rank's host was lost: {evidence}"[:500]
+    notices = [
+        EvictionNotice("host_lost", why, state.cycle.number, time.time(), rank=k)
+        for process in dead
+        for k in process.keys
+    ]
     take_notices(state, notices, out, answer=False)
 
 

@@ -107,6 +107,8 @@ class CycleMachine:
                 state.reject(out, {"source": "drain"}, f"could not read Ray's drain state: {error}")
             case ev.RanksLost(actor_ids):
                 intake.lost(state, actor_ids, out)
+            case ev.HostLost(node_id, evidence):
+                intake.host_lost(state, node_id, evidence, out)
             case ev.RestartSettled(settle_s):
                 intake.not_back(state, settle_s, out)
             case ev.GatheringClosed(cycle):

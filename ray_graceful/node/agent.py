@@ -9,7 +9,8 @@ did alone:
   poll, one NVML probe per set of GPUs - when ``node_agent`` is on (``uses_agent``); past
   ``node_group_size`` nodes, through the group agent the coordinator names (``group.py``;
   the choice: ``upstream.py``);
-- polls the cloud's metadata service (``cloud_poller.py``), when ``cloud_notices`` is not off.
+- polls the cloud's metadata service (``cloud_poller.py``), when ``cloud_notices`` is not off;
+- sends the coordinator's host watch a heartbeat (``heartbeat.py``), when ``host_watch`` is on.
 
 Its processes still hold their long polls here, on their own node, from their control threads:
 an order reaches a rank blocked in a collective exactly as a direct poll does, one local hop
@@ -42,6 +43,7 @@ from ..health import HealthProbe, NullProbe, make_probe
 from ..leave_with import leave_with_coordinator
 from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply, TeardownReport
 from .cloud_poller import CloudWatch
+from .heartbeat import Heartbeat
 from .relay import NodeRelay
 from .upstream import TieredUpstream
 
@@ -82,6 +84,9 @@ class NodeAgent:
             config.health_interval_s,
             self._probe_for,
         )
+        self.heartbeat = None
+        if config.host_watch:  # the coordinator hears this host go silent within about 1 s
+            self.heartbeat = Heartbeat(coordinator, node_id, config.host_heartbeat_s)
         self.cloud = None
         if config.cloud_notices != "off":
             self.cloud = CloudWatch(config, node_id, coordinator)
@@ -135,6 +140,7 @@ class NodeAgent:
             "job_id": self.job_id,
             "pid": os.getpid(),
             "cloud": self.cloud.seen() if self.cloud else None,
+            "heartbeats": self.heartbeat.beats if self.heartbeat else None,
         }
 
     async def seen(self) -> dict:

@@ -45,8 +45,9 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
 
 
 def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any, relayed: bool) -> tuple:
-    """This node's agent, if this process relays through it or cloud notices are on."""
-    if not relayed and config.cloud_notices == "off":
+    """This node's agent, if this process relays through it, or cloud notices or the host
+    watch are on."""
+    if not relayed and config.cloud_notices == "off" and not config.host_watch:
         return None, ""
     try:
         runtime.node_agent = ensure_agent(config, coordinator)

@@ -1,0 +1,229 @@
+"""The coordinator's detector of hosts lost without a word: heartbeats, then one probe.
+
+Ray declares a host dead late: 13-15 s after every process of it was killed (its kernel still
+answers), about 64 s after it fell silent or was cut off (``../shared/RAY_FACTS.md``); until
+then the survivors sit in their collective. So each node agent (``node/heartbeat.py``) holds
+one TCP connection to this watch and writes a byte every ``host_heartbeat_s``. A host is
+
+1. **suspected** after ``host_suspect_s`` without a heartbeat, or at once when its connection
+   closes (its agent's process died: the kernel said so);
+2. **confirmed lost** by one TCP connect to its raylet's port, bounded by ``host_confirm_s``:
+
+   - *accepted*: the host's kernel and the raylet's socket answer - a slow link, a stalled or
+     paused host, a garbage-collection pause, an agent that died alone. Not lost; a host still
+     silent is probed again after another ``host_suspect_s``;
+   - *refused*: the kernel answers and nothing listens - every process of the host is gone;
+   - *no answer* within ``host_confirm_s`` (or no route): the host is silent or cut off.
+
+So a host is never declared lost while its kernel accepts a connection within
+``host_confirm_s`` (0.5 s by default: 200 ms of added latency, a stall of any length); a silent
+or cut-off host is declared lost ``host_suspect_s + host_confirm_s`` after its last heartbeat
+(about 1 s), a crashed one with its kernel alive within milliseconds. A host declared lost stays
+lost: if it comes back its agent's connection is refused here, and its ranks, fenced by the
+cycle prefix, never rejoin the group that moved on. Ray's own verdict remains the backstop
+(``watch.py``).
+
+The connections and probes are the actor's I/O; what they conclude goes to the cycle machine
+as ``HostLost`` through ``on_lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 5.0  # an agent says who it is at once; a connection that does not is closed
+MAX_HELLO = 4096
+
+
+@dataclass
+class WatchedHost:
+    """One host as the watch sees it: its node, its raylet's address, when it was last heard."""
+
+    node_id: str
+    raylet: tuple[str, int]
+    last_heard: float
+    probing: bool = False
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one TCP connect to a host's raylet said."""
+
+    alive: bool
+    evidence: str
+
+
+async def probe_raylet(address: tuple[str, int], timeout_s: float) -> Probe:
+    """One TCP connect to ``address``, bounded by ``timeout_s``: does the host answer?"""
+    ip, port = address
+    started = time.monotonic()
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        return Probe(
+            False,
+            f"a TCP connect to its raylet at {ip}:{port} had no answer in {timeout_s:g}s: the "
+            "host is silent or cut off",
+        )
+    except ConnectionRefusedError:
+        return Probe(
+            False,
+            f"its raylet's port {ip}:{port} refused a TCP connect: the host's kernel answers, "
+            "its processes are gone",
+        )
+    except OSError as exc:
+        return Probe(False, f"its raylet at {ip}:{port} is unreachable ({exc})")
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    took = time.monotonic() - started
+    return Probe(True, f"its raylet at {ip}:{port} accepted a TCP connect in {took * 1000:.0f}ms")
+
+
+class HostWatch:
+    """The listening side of the node agents' heartbeats, and the probe of a silent host."""
+
+    def __init__(
+        self,
+        heartbeat_s: float,
+        suspect_s: float,
+        confirm_s: float,
+        on_lost: Callable[[str, str], object],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.heartbeat_s, self.suspect_s, self.confirm_s = heartbeat_s, suspect_s, confirm_s
+        self.on_lost = on_lost
+        self.clock = clock
+        self.hosts: dict[str, WatchedHost] = {}
+        self.lost: dict[str, str] = {}  # node id -> the evidence it was declared lost on
+        self.alive_after_suspicion = 0  # probes a suspected host answered (not lost)
+        self.address: tuple[str, int] | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._checker: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host_ip: str) -> tuple[str, int]:
+        """Listen on ``host_ip`` (an ephemeral port) and start checking; the address agents use."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._serve, host=host_ip, port=0)
+            port = self._server.sockets[0].getsockname()[1]
+            self.address = (host_ip, port)
+            self._checker = asyncio.get_running_loop().create_task(self._check_forever())
+        assert self.address is not None
+        return self.address
+
+    def describe(self) -> dict:
+        now = self.clock()
+        return {
+            "address": list(self.address) if self.address else None,
+            "hosts": {
+                h.node_id: {"silent_s": round(now - h.last_heard, 3), "lost": h.lost}
+                for h in self.hosts.values()
+            },
+            "lost": dict(self.lost),
+            "alive_after_suspicion": self.alive_after_suspicion,
+        }
+
+    # --- the connections -------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host = None
+        try:
+            host = await self._hello(reader)
+            if host is None:
+                return
+            while True:
+                data = await reader.read(256)
+                if not data:
+                    break
+                host.last_heard = self.clock()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            if host is not None and self.hosts.get(host.node_id) is host and not host.lost:
+                self._probe_soon(host, "its agent's heartbeat connection closed", closed=True)
+
+    async def _hello(self, reader: asyncio.StreamReader) -> WatchedHost | None:
+        """The agent's first line: ``{"node_id", "raylet_ip", "raylet_port"}``."""
+        try:
+            line = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
+            hello = json.loads(line[:MAX_HELLO])
+            node_id = str(hello["node_id"])
+            raylet = (str(hello["raylet_ip"]), int(hello["raylet_port"]))
+        except (asyncio.TimeoutError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ray_graceful host watch: a connection without a valid hello: %r", exc)
+            return None
+        if node_id in self.lost:
+            logger.warning(
+                "ray_graceful host watch: host %s is back after it was declared lost (%s); its "
+                "ranks are fenced by the cycle and leave - it is not watched again",
+                node_id[:12],
+                self.lost[node_id],
+            )
+            return None
+        host = WatchedHost(node_id, raylet, self.clock())
+        self.hosts[node_id] = host  # an agent that connects again replaces its old connection
+        return host
+
+    # --- suspicion and probe ---------------------------------------------------------------
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                self.check()
+            except Exception:  # never let the detector die silently: log and go on
+                logger.exception("ray_graceful host watch: check failed")
+
+    def check(self) -> None:
+        """Probe every host silent for ``suspect_s`` that is not being probed already."""
+        now = self.clock()
+        for host in list(self.hosts.values()):
+            silent = now - host.last_heard
+            if not host.lost and not host.probing and silent >= self.suspect_s:
+                self._probe_soon(host, f"no heartbeat for {silent:.2f}s")
+
+    def _probe_soon(self, host: WatchedHost, why: str, closed: bool = False) -> None:
+        if host.probing or host.lost:
+            return
+        host.probing = True
+        task = asyncio.get_running_loop().create_task(self._probe(host, why, closed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, host: WatchedHost, why: str, closed: bool) -> None:
+        try:
+            probe = await probe_raylet(host.raylet, self.confirm_s)
+        finally:
+            host.probing = False
+        if probe.alive:
+            self.alive_after_suspicion += 1
+            logger.info("ray_graceful host watch: %s suspected (%s); %s: not lost",
+                        host.node_id[:12], why, probe.evidence)  # fmt: skip
+            if closed and self.hosts.get(host.node_id) is host:
+                del self.hosts[host.node_id]  # its agent is gone, the host is not: Ray's watch
+            else:
+                host.last_heard = self.clock()  # silent still: probed again after suspect_s
+            return
+        host.lost = True
+        evidence = f"{why}; {probe.evidence}"
+        self.lost[host.node_id] = evidence
+        logger.warning("ray_graceful host watch: host %s lost: %s", host.node_id[:12], evidence)
+        self.on_lost(host.node_id, evidence)
+
+    async def close(self) -> None:
+        for task in [self._checker, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        if self._server is not None:
+            self._server.close()

@@ -1,0 +1,174 @@
+"""The host watch on its own: heartbeats over real local sockets, and the probe's verdicts.
+
+A host is lost only when it went silent *and* its raylet's port refused or did not answer;
+a silent host whose kernel still accepts (a stall, a GC pause, a slow link) is not. The
+timeout verdict needs a host that drops packets: ``tests/hosts`` (a partitioned namespace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from ray_graceful.config import ConfigError, GracefulConfig
+from ray_graceful.coordinator.host_watch import HostWatch, probe_raylet
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+def listening() -> socket.socket:
+    """A socket that accepts connections (its kernel answers), as a live raylet's port does."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+def closed_port() -> int:
+    """A port nothing listens on: a connect is refused, as on a host whose processes died."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+async def agent(address, node_id: str, raylet_port: int, beats: int, interval: float = 0.05):
+    """An agent's heartbeat: the hello, ``beats`` bytes, then its writer (still open)."""
+    _, writer = await asyncio.open_connection(*address)
+    hello = {"node_id": node_id, "raylet_ip": "127.0.0.1", "raylet_port": raylet_port}
+    writer.write(json.dumps(hello).encode() + b"\n")
+    for _ in range(beats):
+        writer.write(b".")
+        await writer.drain()
+        await asyncio.sleep(interval)
+    return writer
+
+
+def watch(lost: list, suspect_s: float = 0.3) -> HostWatch:
+    return HostWatch(0.05, suspect_s, 0.5, on_lost=lambda node, why: lost.append((node, why)))
+
+
+def test_a_beating_host_is_never_suspected():
+    async def scenario():
+        lost: list = []
+        w = watch(lost)
+        address = await w.start("127.0.0.1")
+        writer = await agent(address, "n1", closed_port(), beats=30, interval=0.05)  # 1.5 s
+        seen = (list(lost), w.alive_after_suspicion, w.describe()["hosts"]["n1"]["silent_s"])
+        writer.close()
+        await w.close()
+        return seen
+
+    lost, probed, silent_s = asyncio.run(scenario())
+    assert lost == [] and probed == 0, "five suspicion windows of beats: never probed"
+    assert silent_s < 0.3
+
+
+def test_a_silent_host_whose_kernel_accepts_is_not_lost():
+    """A stall or a GC pause: no heartbeat for 1 s, but the raylet's port accepts."""
+    raylet = listening()
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost)
+        address = await w.start("127.0.0.1")
+        writer = await agent(address, "n1", raylet.getsockname()[1], beats=2)
+        await asyncio.sleep(1.2)  # silent: suspected, probed, alive - more than once
+        described = w.describe()
+        writer.close()
+        await w.close()
+        return lost, w.alive_after_suspicion, described
+
+    lost, probed_alive, described = asyncio.run(scenario())
+    raylet.close()
+    assert lost == [], lost
+    assert probed_alive >= 2, "suspected and probed again while still silent"
+    assert described["hosts"]["n1"]["lost"] is False
+
+
+def test_a_host_whose_processes_died_is_lost_at_once_with_the_evidence():
+    """Its agent's connection closes (the kernel says so) and its raylet's port refuses."""
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost, suspect_s=5.0)  # the close alone must be enough, long before 5 s
+        address = await w.start("127.0.0.1")
+        writer = await agent(address, "n1", closed_port(), beats=2)
+        started = time.monotonic()
+        writer.close()
+        while not lost and time.monotonic() - started < 3:
+            await asyncio.sleep(0.01)
+        return lost, time.monotonic() - started
+
+    lost, took = asyncio.run(scenario())
+    assert [node for node, _ in lost] == ["n1"]
+    assert "connection closed" in lost[0][1] and "refused" in lost[0][1], lost
+    assert took < 1.0
+
+
+def test_an_agent_that_died_alone_leaves_its_live_host_unwatched_not_lost():
+    raylet = listening()
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost)
+        address = await w.start("127.0.0.1")
+        writer = await agent(address, "n1", raylet.getsockname()[1], beats=2)
+        writer.close()
+        await asyncio.sleep(0.8)
+        return lost, w.describe()["hosts"]
+
+    lost, hosts = asyncio.run(scenario())
+    raylet.close()
+    assert lost == [] and "n1" not in hosts
+
+
+def test_a_host_declared_lost_that_comes_back_is_not_watched_again():
+    async def scenario():
+        lost: list = []
+        w = watch(lost, suspect_s=5.0)
+        address = await w.start("127.0.0.1")
+        port = closed_port()
+        (await agent(address, "n1", port, beats=1)).close()
+        while not lost:
+            await asyncio.sleep(0.01)
+        back = await agent(address, "n1", port, beats=0)
+        await asyncio.sleep(0.2)
+        return lost, w.describe()["hosts"], back
+
+    lost, hosts, _ = asyncio.run(scenario())
+    assert len(lost) == 1, "declared once"
+    assert hosts["n1"]["lost"] is True, "the old record stays: the host is not watched again"
+
+
+def test_a_malformed_hello_is_closed_without_a_record():
+    async def scenario():
+        w = watch([])
+        address = await w.start("127.0.0.1")
+        reader, writer = await asyncio.open_connection(*address)
+        writer.write(b"not json\n")
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 5)
+        return closed, w.describe()["hosts"]
+
+    closed, hosts = asyncio.run(scenario())
+    assert closed == b"" and hosts == {}
+
+
+def test_the_probe_tells_accepted_from_refused():
+    raylet = listening()
+    alive = asyncio.run(probe_raylet(("127.0.0.1", raylet.getsockname()[1]), 1.0))
+    gone = asyncio.run(probe_raylet(("127.0.0.1", closed_port()), 1.0))
+    raylet.close()
+    assert alive.alive and "accepted" in alive.evidence
+    assert not gone.alive and "refused" in gone.evidence
+
+
+def test_a_suspicion_no_longer_than_the_heartbeat_is_refused():
+    with pytest.raises(ConfigError, match=r"host_suspect_s = 0\.1 must be longer"):
+        GracefulConfig(host_heartbeat_s=0.1, host_suspect_s=0.1)
