@@ -154,3 +154,51 @@ def test_a_host_stalled_for_two_seconds_is_not_declared_lost(hosts: HostCluster,
         assert not ray.wait(job.training, timeout=0)[0], "all four still training"
     finally:
         end_job(hosts, job)
+
+
+def test_a_crashed_hosts_slot_is_taken_by_a_spare_and_the_group_trains_again(
+    hosts: HostCluster, tmp_path
+):
+    """The way back without a notice: rank 0's host crashes, the host watch declares it lost,
+    rank 1 (on host B) saves the replicated state, a spare on host C takes slot 0 and the group
+    trains again warm, rank 1 in the same process."""
+    from ray_graceful import WarmGroup
+    from tests.warm_jobs import Worker, warm_config
+
+    tag = uuid.uuid4().hex[:8]
+    a, b, c = (hosts.add_host(num_cpus=2, resources={f"{h}-{tag}": 1}) for h in "ABC")
+    config = warm_config(tmp_path, host_watch=True, coordinator_namespace=f"rg-{tag}")
+    coordinator = Coordinator.start(config)
+    env = {"env_vars": {"GLOO_SOCKET_IFNAME": "eth0"}}
+    place = lambda h: Worker.options(resources={f"{h}-{tag}": 0.1}, runtime_env=env)  # noqa: E731
+    port = random.randint(20000, 40000)
+    workers = [place(h).remote(2, r, a.ip, port) for r, h in enumerate("AB")]
+    spare = place("C").remote(config=config)
+    try:
+        ray.get([w.init.remote(config) for w in workers], timeout=120)
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        survivor_pid = ray.get(workers[1].pid.remote())
+        ray.get([w.train.remote(3) for w in workers], timeout=60)
+        deadline = time.monotonic() + 30
+        while len(coordinator.status()["host_watch"]["hosts"]) < 2:  # the ranks' hosts
+            assert time.monotonic() < deadline, coordinator.status()["host_watch"]
+            time.sleep(0.1)
+        running = [w.train.remote(10_000, 0.02) for w in workers]
+        assert not ray.wait(running, timeout=1.0)[0]
+        started = time.monotonic()
+        hosts.crash(a)
+        restart = group.restart(timeout=60)
+        back = time.monotonic() - started
+        steps = ray.get([w.train.remote(1) for w in group.workers], timeout=60)
+        trained = time.monotonic() - started
+        print(f"crash -> restart returned {back:.2f} s, first step done {trained:.2f} s")
+        assert restart.outcome.notices[0]["source"] == "host_lost", restart.outcome.notices
+        assert [m.was for m in restart.members] == ["spare for rank 0", "survivor of rank 1"]
+        assert ray.get(group.workers[1].pid.remote()) == survivor_pid, "kept its process"
+        assert steps == [restart.step + 1] * 2, "both train from the committed step"
+    finally:
+        for actor in [*workers, spare]:
+            ray.kill(actor)
+        coordinator.shutdown()
+        for host in (a, b, c):
+            hosts.remove_host(host)
