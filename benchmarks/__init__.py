@@ -17,7 +17,9 @@ install: ``python -m benchmarks NAME [options]`` (``--help`` lists them).
   (``replies.py``);
 - ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``);
 - ``watcher``: one round of the lost-rank watcher in the GCS, per actor and per job
-  (``watcher.py``).
+  (``watcher.py``);
+- ``host-loss``: a host crashed or cut off, on real hosts (network namespaces, ``hosts.py``):
+  the host watch against Ray's own detection, and false alarms under stalls (``host_loss.py``).
 
 Every one shares ``ray_graceful.tools.bench.kit``: the local cluster, the rank-actor base,
 the Markdown table, the results file (default ``bench-output/<name>.json``).

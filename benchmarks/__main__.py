@@ -28,6 +28,7 @@ from ray_graceful.tools.bench import (
 from ray_graceful.tools.bench.kit import run_and_write
 
 from .fanout import add_fanout_parser
+from .host_loss import add_host_loss_parser
 from .replies import add_replies_parser
 from .restart import add_restart_parser
 from .soak import add_soak_parser
@@ -149,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     restart = add_restart_parser(names)
     soak = add_soak_parser(names)
     watcher = add_watcher_parser(names)
-    harnesses = (release, save, plan, overhead, recovery, fanout, replies, restart, soak, watcher)
+    host_loss = add_host_loss_parser(names)
+    harnesses = (
+        release, save, plan, overhead, recovery, fanout, replies, restart, soak, watcher, host_loss
+    )  # fmt: skip
     for p in harnesses:
         add_json_argument(p)
     return parser
@@ -176,7 +180,8 @@ def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], dict[str
         return bench_soak_warm
     if args.bench in DIAGNOSTICS:
         return diagnostic(args.bench)
-    return getattr(importlib.import_module(f".{args.bench}", __package__), f"bench_{args.bench}")
+    module = args.bench.replace("-", "_")
+    return getattr(importlib.import_module(f".{module}", __package__), f"bench_{module}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hosts_cluster import HostCluster, unavailable
+from benchmarks.hosts import HostCluster, unavailable
 
 REASON = unavailable()
 

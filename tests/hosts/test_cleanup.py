@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.hosts_cluster import BRIDGE, HostCluster
+from benchmarks.hosts import BRIDGE, HostCluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import ray
 
+from benchmarks.hosts import Host, HostCluster
 from ray_graceful import GracefulConfig, latest_committed
 from ray_graceful.coordinator import Coordinator
 from tests import actors
-from tests.hosts_cluster import Host, HostCluster
 
 pytestmark = pytest.mark.timeout(180)
 SHARDS = ["0", "1", "0", "1"]

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from tests.hosts_cluster import HostCluster, netem_unavailable
+from benchmarks.hosts import HostCluster, netem_unavailable
 
 pytestmark = pytest.mark.timeout(120)
 

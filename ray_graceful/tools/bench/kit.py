@@ -183,9 +183,11 @@ class BenchRank:
         timeout_s: float = 120.0,
         imports: tuple[str, ...] = (),
         groups: int = 1,
+        addr: str = "127.0.0.1",
     ) -> int:
         """``imports`` first (a real training process's import graph, e.g. transformers), then
-        ``init_process_group`` over TCP on this host; returns the process id.
+        ``init_process_group`` over TCP at rank 0's ``addr`` (this host unless the ranks are on
+        several, as on ``benchmarks/hosts.py``'s); returns the process id.
 
         On NCCL each rank takes its own ``NCCL_HOSTID`` first: every rank of a benchmark runs
         on this one machine, several raylets sharing its GPUs, and NCCL refuses two ranks of one
@@ -202,7 +204,7 @@ class BenchRank:
             os.environ["NCCL_HOSTID"] = nccl_host_id()
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{addr}:{port}",
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),

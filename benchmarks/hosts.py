@@ -1,5 +1,7 @@
 """Real hosts on one machine: a Ray cluster whose nodes are Linux network namespaces.
 
+Used by ``tests/hosts/`` (its own pytest session) and ``python -m benchmarks host-loss``.
+
 Every other multi-node test runs its raylets on 127.0.0.1: a node can be drained or have one
 process killed, but it cannot vanish, be cut off or slow down. Here each extra host is a network
 namespace with its own veth, its own IP and its own raylet (``ray start --block`` inside it), so

@@ -1,0 +1,218 @@
+"""``python -m benchmarks host-loss``: a host lost without a word, from the fault to the outcome.
+
+**Real:** a Ray cluster whose hosts are network namespaces on this machine
+(``benchmarks/hosts.py``: own veth, IP and raylet each; needs root and iproute2), real gloo
+ranks adopting the plugin, a real coordinator, real faults: a **crash** (every process of the
+host SIGKILLed, its kernel - this machine's - still answering), a **partition** (its link down,
+its processes alive), a **stall** (every process SIGSTOPped for ``--stall-s``, then SIGCONT).
+Every host shares this machine's 2 cores, so the times include CPU contention a real cluster
+does not have.
+
+Per repetition: two fresh hosts, ranks 0 and 1 on host A, their replicas 2 and 3 on host B
+(``--ranks 4``; two shards), the coordinator on the head; host A fails mid-training. Timed from
+the fault: host B's ranks out of their training loop (released), and the cycle's outcome
+(committed or not, at which step), for each way:
+
+- ``watch``: the plugin with ``host_watch=True`` (heartbeats, then a probe of the raylet);
+- ``ray``: the plugin without it - the coordinator hears of the loss when Ray declares the
+  host's actors dead (Ray's own detection, in the same run);
+- no plugin at all is not run: its survivors wait out the collective's timeout (gloo: 30 min).
+
+``--stalls N`` then keeps one job training and stalls host A N times: each stall the host
+watch declares lost is a false alarm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import uuid
+from typing import Any
+
+from ray_graceful import GracefulConfig, GracefulWorkerMixin
+from ray_graceful.tools.bench.kit import BenchRank
+
+SHARDS = ("0", "1", "0", "1")
+FAULTS = ("crash", "partition")
+WAYS = ("watch", "ray")
+
+
+class HostLossRank(GracefulWorkerMixin, BenchRank):
+    """A rank holding its shard's weights (64 KiB), saved when ordered."""
+
+    def setup(self, rank: int, world: int, addr: str, port: int, config: Any) -> int:
+        import torch
+
+        shard = SHARDS[rank % len(SHARDS)]
+        self.weights = torch.full((1 << 14,), float(shard))
+        pid = self.join_group(rank, world, port, timeout_s=600.0, addr=addr)
+        self.graceful_setup("hostloss", shard=shard, config=config, state_dict=self._state)
+        return pid
+
+    def _state(self) -> dict[str, Any]:
+        return {"weights": self.weights, "step": self.step}
+
+
+def add_host_loss_parser(names: Any) -> Any:
+    from ray_graceful.tools.arguments import comma_choices, positive_int, positive_seconds
+
+    p = names.add_parser("host-loss", help="a host lost without a word: watch vs Ray's verdict")
+    p.add_argument("--reps", type=positive_int, default=5, help="per fault and way (default 5)")
+    p.add_argument("--faults", type=comma_choices(*FAULTS), default=",".join(FAULTS))
+    p.add_argument("--ways", type=comma_choices(*WAYS), default=",".join(WAYS))
+    p.add_argument("--stalls", type=int, default=20, help="stalls for false alarms (default 20)")
+    p.add_argument("--stall-s", type=positive_seconds, default=2.0, help="each stall (default 2)")
+    return p
+
+
+def _config(tmp: str, tag: str, watch: bool) -> GracefulConfig:
+    return GracefulConfig(
+        report_dir=f"{tmp}/reports-{tag}",
+        checkpoint_dir=f"{tmp}/ckpt-{tag}",
+        health_probe="none",
+        teardown_timeout_s=90.0,  # past Ray's verdict on a partitioned host (about 64 s)
+        save_budget_s=10.0,
+        host_watch=watch,
+        coordinator_namespace=f"rg-{tag}",
+    )
+
+
+class _Job:
+    """Two fresh hosts, a coordinator, four ranks training; ``end`` removes all of it."""
+
+    def __init__(self, hosts: Any, tmp: str, watch: bool) -> None:
+        import ray
+
+        from ray_graceful import Coordinator
+
+        tag = uuid.uuid4().hex[:8]
+        self.hosts = hosts
+        self.a = hosts.add_host(num_cpus=2, resources={f"A-{tag}": 1})
+        self.b = hosts.add_host(num_cpus=2, resources={f"B-{tag}": 1})
+        self.config = _config(tmp, tag, watch)
+        self.coordinator = Coordinator.start(self.config)
+        actor = ray.remote(num_cpus=0)(HostLossRank)
+        env = {"env_vars": {"GLOO_SOCKET_IFNAME": "eth0"}}
+        on = [f"A-{tag}", f"A-{tag}", f"B-{tag}", f"B-{tag}"]
+        self.ranks = [actor.options(resources={r: 0.1}, runtime_env=env).remote() for r in on]
+        port = random.randint(20000, 40000)
+        ray.get(
+            [r.setup.remote(i, 4, self.a.ip, port, self.config) for i, r in enumerate(self.ranks)],
+            timeout=120,
+        )
+        ray.get([r.train.remote(3, 1 << 10) for r in self.ranks], timeout=60)
+        if watch:
+            deadline = time.monotonic() + 30
+            while len(self.coordinator.status()["host_watch"]["hosts"]) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the host watch did not hear both hosts within 30 s")
+                time.sleep(0.1)
+        self.training = [r.train.remote(10**7, 1 << 10, 0.01) for r in self.ranks]
+
+    def end(self) -> None:
+        import ray
+
+        for rank in self.ranks:
+            ray.kill(rank)
+        self.coordinator.shutdown()
+        self.hosts.remove_host(self.a)
+        self.hosts.remove_host(self.b)
+
+
+def _one(hosts: Any, tmp: str, fault: str, way: str) -> dict[str, Any]:
+    import ray
+
+    job = _Job(hosts, tmp, watch=way == "watch")
+    try:
+        started = time.monotonic()
+        if fault == "crash":
+            hosts.crash(job.a)
+        else:
+            hosts.partition(job.a)
+        released_s = None
+        done, _ = ray.wait(job.training[2:], num_returns=2, timeout=120)
+        if len(done) == 2:
+            released_s = time.monotonic() - started
+        outcome = job.coordinator.wait_outcome(timeout=120, cycle=0)
+        outcome_s = time.monotonic() - started
+        return {
+            "fault": fault,
+            "way": way,
+            "released_s": released_s,
+            "outcome_s": outcome_s if outcome is not None else None,
+            "result": outcome.result if outcome else None,
+            "step": (outcome.committed or {}).get("step") if outcome else None,
+            "source": outcome.notices[0]["source"] if outcome and outcome.notices else None,
+        }
+    finally:
+        job.end()
+
+
+def _false_alarms(hosts: Any, tmp: str, stalls: int, stall_s: float) -> dict[str, Any]:
+    import ray
+
+    job = _Job(hosts, tmp, watch=True)
+    try:
+        for _ in range(stalls):
+            hosts.stall(job.a, seconds=stall_s)
+            time.sleep(stall_s + 2 * (job.config.host_suspect_s + job.config.host_confirm_s))
+        watch = job.coordinator.status()["host_watch"]
+        still_training = not ray.wait(job.training, timeout=0)[0]
+        return {
+            "stalls": stalls,
+            "stall_s": stall_s,
+            "false_alarms": len(watch["lost"]),
+            "probed_alive": watch["alive_after_suspicion"],
+            "still_training": still_training,
+        }
+    finally:
+        job.end()
+
+
+def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from benchmarks.hosts import HostCluster, netem_unavailable, unavailable
+    from ray_graceful.tools.bench.kit import markdown_table, percentile
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"host-loss needs network namespaces: {reason}")
+    runs, alarms = [], None
+    with tempfile.TemporaryDirectory(prefix="rg-host-loss-") as tmp, HostCluster() as hosts:
+        for rep in range(args.reps):
+            for fault in args.faults.split(","):
+                for way in args.ways.split(","):
+                    run = _one(hosts, tmp, fault, way)
+                    print(f"  rep {rep} {fault} {way}: {run}", flush=True)
+                    runs.append(run)
+        if args.stalls:
+            alarms = _false_alarms(hosts, tmp, args.stalls, args.stall_s)
+            print(f"  stalls: {alarms}", flush=True)
+    rows = []
+    for fault in args.faults.split(","):
+        for way in args.ways.split(","):
+            mine = [r for r in runs if r["fault"] == fault and r["way"] == way]
+            rel = [r["released_s"] for r in mine if r["released_s"] is not None]
+            out = [r["outcome_s"] for r in mine if r["outcome_s"] is not None]
+            committed = sum(r["result"] == "committed" for r in mine)
+            rows.append([
+                fault, way, len(mine),
+                f"{percentile(rel, 0.5):.2f} / {max(rel):.2f}" if rel else "-",
+                f"{percentile(out, 0.5):.2f} / {max(out):.2f}" if out else "-",
+                f"{committed}/{len(mine)}",
+                ", ".join(sorted({str(r["source"]) for r in mine})),
+            ])  # fmt: skip
+    header = ["fault", "way", "runs", "released p50 / max s", "outcome p50 / max s",
+              "committed", "noticed by"]  # fmt: skip
+    table = markdown_table(header, rows)
+    if alarms is not None:
+        table += (
+            f"\n\nStalls of {alarms['stall_s']:g} s: {alarms['false_alarms']} false alarms in "
+            f"{alarms['stalls']}; probed and found alive {alarms['probed_alive']} times; the "
+            f"ranks {'still training' if alarms['still_training'] else 'NOT training'} after."
+        )
+    slow = netem_unavailable()
+    table += "\n\nSlow link (200 ms): " + (f"not run - {slow}" if slow else "not in this harness")
+    return {"table": table, "runs": runs, "false_alarms": alarms}
