@@ -278,8 +278,8 @@ class GracefulConfig:
     host_watch: bool = _setting(
         False,
         allowed.boolean,
-        "Detect a host lost without a word (crash, power loss, cut link) in about a second: node "
-        "agents send heartbeats; a silent host's raylet is probed (docs/concepts.md).",
+        "Detect a host lost without a word (crash, power loss, cut link) in about a second: "
+        "ranks relay through node agents, which beat; a silent host is probed (docs/concepts).",
     )
     host_heartbeat_s: float = _setting(
         0.1, allowed.between(0.01, 10.0, low_open=False), "Host watch: the heartbeat's period."

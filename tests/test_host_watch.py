@@ -172,3 +172,15 @@ def test_the_probe_tells_accepted_from_refused():
 def test_a_suspicion_no_longer_than_the_heartbeat_is_refused():
     with pytest.raises(ConfigError, match=r"host_suspect_s = 0\.1 must be longer"):
         GracefulConfig(host_heartbeat_s=0.1, host_suspect_s=0.1)
+
+
+def test_an_agent_whose_coordinator_is_slow_is_not_cut_off_and_one_gone_is_reconnected():
+    """The agent's side of the same probe: a silent coordinator whose port accepts is slow (no
+    cut-off); one whose port refuses is gone and restarting (raised: connect anew)."""
+    from ray_graceful.node.heartbeat import cut_off_evidence
+
+    coordinator = listening()
+    assert cut_off_evidence(("127.0.0.1", coordinator.getsockname()[1]), 0.5, 0.6) is None
+    coordinator.close()
+    with pytest.raises(ConnectionRefusedError):
+        cut_off_evidence(("127.0.0.1", closed_port()), 0.5, 0.6)

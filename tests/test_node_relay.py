@@ -4,6 +4,7 @@ the relay's ``Upstream`` seam, the real ``Fanout`` behind the fake."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -357,3 +358,27 @@ def test_an_agent_leaves_once_its_coordinator_is_gone_for_good_and_asks_only_whe
     assert left.wait(5), "an idle agent leaves once its coordinator is gone for good"
     watch.join(5)
     assert asked == ["c0ffee"] * 3 and not watch.is_alive(), asked
+
+
+def test_a_host_cut_off_orders_every_relayed_process_out_held_poll_or_not():
+    """The agent's own order (``NodeRelay.order_out``): a process holding its poll gets it at
+    once, one between two polls at its next; each order says why and saves nothing."""
+
+    def cut_off(cycle: int) -> TeardownOrder:
+        return TeardownOrder("job", cycle, f"cut-off-{cycle}", time.time() + 25, "cut off: test")
+
+    async def scenario():
+        relay = NodeRelay("node-a-1", FakeCoordinator(), wait_s=30.0)
+        await relay.register(register(0))
+        await relay.register(register(1))
+        held = asyncio.ensure_future(relay.poll("p0", 0, PollState(), 30.0))
+        await until(lambda: relay.members["p0"].waiting is not None)
+        assert relay.order_out(cut_off) == 2
+        first = await asyncio.wait_for(held, 1)
+        second = await asyncio.wait_for(relay.poll("p1", 0, PollState(), 30.0), 1)
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    for answer in (first, second):
+        assert answer.kind is PollKind.ORDER and answer.order.trigger == "cut off: test"
+        assert answer.order.saves == () and answer.order.cycle == 0

@@ -24,7 +24,8 @@ cycle prefix, never rejoin the group that moved on. Ray's own verdict remains th
 (``watch.py``).
 
 The connections and probes are the actor's I/O; what they conclude goes to the cycle machine
-as ``HostLost`` through ``on_lost``.
+as ``HostLost`` through ``on_lost``. The watch also beats back to every agent, so that a host
+cut off from the coordinator ends its own ranks in the same bound (``node/heartbeat.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class WatchedHost:
     node_id: str
     raylet: tuple[str, int]
     last_heard: float
+    writer: asyncio.StreamWriter | None = None  # the coordinator's beat back, to the agent
     probing: bool = False
     lost: bool = False
 
@@ -141,6 +143,7 @@ class HostWatch:
             host = await self._hello(reader)
             if host is None:
                 return
+            host.writer = writer
             while True:
                 data = await reader.read(256)
                 if not data:
@@ -186,9 +189,14 @@ class HostWatch:
                 logger.exception("ray_graceful host watch: check failed")
 
     def check(self) -> None:
-        """Probe every host silent for ``suspect_s`` that is not being probed already."""
+        """Beat back to every agent (its side of the watch: a host cut off from the coordinator
+        ends its own ranks, ``node/heartbeat.py``); probe every host silent for ``suspect_s``
+        that is not being probed already."""
         now = self.clock()
         for host in list(self.hosts.values()):
+            if host.writer is not None and not host.lost:
+                with contextlib.suppress(Exception):  # a closed one is the reader's to see
+                    host.writer.write(b".")
             silent = now - host.last_heard
             if not host.lost and not host.probing and silent >= self.suspect_s:
                 self._probe_soon(host, f"no heartbeat for {silent:.2f}s")

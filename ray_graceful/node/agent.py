@@ -32,8 +32,10 @@ a checkpoint down with it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -41,7 +43,16 @@ from .. import ray_adapter
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
 from ..leave_with import leave_with_coordinator
-from ..protocol import Ack, PollAnswer, PollState, RankSpec, Register, Reply, TeardownReport
+from ..protocol import (
+    Ack,
+    PollAnswer,
+    PollState,
+    RankSpec,
+    Register,
+    Reply,
+    TeardownOrder,
+    TeardownReport,
+)
 from .cloud_poller import CloudWatch
 from .heartbeat import Heartbeat
 from .relay import NodeRelay
@@ -55,6 +66,10 @@ MAX_CONCURRENCY = 10_000  # held polls and calls one agent serves at once
 
 def uses_agent(config: GracefulConfig, ranks: tuple[RankSpec, ...]) -> bool:
     """Whether a process holding ``ranks`` relays through its node's agent."""
+    if config.node_agent == "off":
+        return False
+    if config.host_watch:
+        return True  # a host cut off from the coordinator orders its ranks out through here
     if config.node_agent == "auto":
         return any(spec.world_size >= AUTO_MIN_WORLD_SIZE for spec in ranks)
     return config.node_agent == "on"
@@ -85,14 +100,38 @@ class NodeAgent:
             self._probe_for,
         )
         self.heartbeat = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the actor's, from its first call
         if config.host_watch:  # the coordinator hears this host go silent within about 1 s
-            self.heartbeat = Heartbeat(coordinator, node_id, config.host_heartbeat_s)
+            timing = (config.host_heartbeat_s, config.host_suspect_s, config.host_confirm_s)
+            self.heartbeat = Heartbeat(coordinator, node_id, *timing, on_cut_off=self._cut_off)
         self.cloud = None
         if config.cloud_notices != "off":
             self.cloud = CloudWatch(config, node_id, coordinator)
         # Busy while it relays: its processes' polls would fail and leave it, were the
         # coordinator gone; the GCS is asked only once nobody is relayed.
         leave_with_coordinator(coordinator_id, "node agent", busy=self.relay.relaying)
+
+    def _cut_off(self, evidence: str) -> None:
+        """This host lost the coordinator (``heartbeat.py``): every rank relayed here is
+        ordered out, saving nothing - it can prove no committed step, and the coordinator,
+        declaring this host lost, has the replicas elsewhere save. From the heartbeat's thread:
+        the relay lives on the actor's event loop."""
+        if self.loop is None:
+            return  # no call came yet: no rank is relayed here
+        deadline = time.time() + self.config.teardown_timeout_s
+
+        def order_for(cycle: int) -> TeardownOrder:
+            return TeardownOrder(
+                self.job_id,
+                cycle,
+                f"cut-off-{self.node_id[:12]}-{cycle}",
+                deadline,
+                f"cut off from the coordinator: {evidence}"[:500],
+                skip_reason="this host is cut off: its state is no committed step",
+                boundary_needed=False,
+            )
+
+        self.loop.call_soon_threadsafe(self.relay.order_out, order_for)
 
     async def leave(self) -> None:
         """End this agent (its coordinator is gone for good): an intended exit."""
@@ -108,6 +147,7 @@ class NodeAgent:
             return NullProbe(f"probe failed to start: {exc}", "probe_failed")
 
     async def register(self, message: Register, gpus: tuple[int, ...] = ()) -> Reply:
+        self.loop = asyncio.get_running_loop()
         job_id = getattr(message, "job_id", None)
         if job_id != self.job_id:
             return Reply.refused(

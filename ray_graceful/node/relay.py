@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..health import HealthProbe, HealthReport
-from ..protocol import Ack, PollAnswer, PollKind, PollState, Register, Reply, TeardownReport
+from ..protocol import (
+    Ack,
+    PollAnswer,
+    PollKind,
+    PollState,
+    Register,
+    Reply,
+    TeardownOrder,
+    TeardownReport,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +323,15 @@ class NodeRelay(Relay):
         finally:
             member.waiting = None
         return self._handed(process_id, answer)
+
+    def order_out(self, order_for: Callable[[int], TeardownOrder]) -> int:
+        """Every process relayed here is handed its own order from ``order_for(cycle)`` - the
+        agent's, when this host is cut off from the coordinator; how many were."""
+        for process_id, member in self.members.items():
+            answer = PollAnswer(PollKind.ORDER, order=order_for(member.cycle))
+            member.take(answer)
+            self._deliver(process_id, member, answer)
+        return len(self.members)
 
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it stops polling, and the coordinator is told."""

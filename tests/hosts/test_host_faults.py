@@ -42,6 +42,7 @@ class Job:
     config: GracefulConfig
     coordinator: Any
     ranks: list
+    pids: list[int]
     training: list
 
 
@@ -74,6 +75,7 @@ def start_job(hosts: HostCluster, tmp_path, host_watch: bool) -> Job:
     ]
     ray.get(setups, timeout=120)
     assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
+    pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     if host_watch:
         watched = lambda: len(coordinator.status()["host_watch"]["hosts"]) == 2  # noqa: E731
         deadline = time.monotonic() + 30
@@ -82,7 +84,7 @@ def start_job(hosts: HostCluster, tmp_path, host_watch: bool) -> Job:
             time.sleep(0.1)
     training = [r.train.remote(10**6, 0.01) for r in ranks]
     assert not ray.wait(training, timeout=1.0)[0], "all four are training"
-    return Job(a, str(a.node_id()), b, config, coordinator, ranks, training)
+    return Job(a, str(a.node_id()), b, config, coordinator, ranks, pids, training)
 
 
 def end_job(hosts: HostCluster, job: Job) -> None:
@@ -129,14 +131,23 @@ def test_a_crashed_host_is_declared_lost_by_the_host_watch(hosts: HostCluster, t
         end_job(hosts, job)
 
 
-def test_a_partitioned_host_is_declared_lost_by_the_host_watch(hosts: HostCluster, tmp_path):
+def test_a_partitioned_host_is_declared_lost_and_its_own_ranks_leave(hosts: HostCluster, tmp_path):
+    """Both sides: the coordinator declares host A lost and commits from B; host A's agent,
+    cut off from the coordinator, orders A's ranks out of their collective - they leave."""
     job = start_job(hosts, tmp_path, host_watch=True)
     try:
+        cut_off = job.pids[:2]
+        started = time.monotonic()
         hosts.partition(job.a)
         committed_from_host_b(job, "partition", "host_lost")
         lost = job.coordinator.status()["host_watch"]["lost"]
         assert list(lost) == [job.a_node], lost
         assert "no answer" in lost[job.a_node], lost
+        deadline = time.monotonic() + 30
+        while any(pid in job.a.pids() for pid in cut_off):
+            assert time.monotonic() < deadline, "host A's ranks still sit in their collective"
+            time.sleep(0.05)
+        print(f"partition: host A's own ranks gone {time.monotonic() - started:.2f} s after it")
     finally:
         end_job(hosts, job)
 
