@@ -18,8 +18,10 @@ the fault: host B's ranks out of their training loop (released), and the cycle's
   host's actors dead (Ray's own detection, in the same run);
 - no plugin at all is not run: its survivors wait out the collective's timeout (gloo: 30 min).
 
-``--stalls N`` then keeps one job training and stalls host A N times: each stall the host
-watch declares lost is a false alarm.
+``--warm-reps N`` runs, per fault, a two-rank group with ``warm_restart=True`` (rank 0 on host A,
+its replica on host B, a spare on host C) and times the fault to ``WarmGroup.restart()``
+returning and to the first step of the re-formed group. ``--stalls N`` then keeps one job
+training and stalls host A N times: each stall the host watch declares lost is a false alarm.
 """
 
 from __future__ import annotations
@@ -54,15 +56,57 @@ class HostLossRank(GracefulWorkerMixin, BenchRank):
         return {"weights": self.weights, "step": self.step}
 
 
+class WarmHostRank(GracefulWorkerMixin, BenchRank):
+    """A rank of a two-rank group holding one replicated shard; a spare until it joins one."""
+
+    def __init__(self, config: Any) -> None:
+        import torch
+
+        self.config = config
+        self.weights = torch.zeros(1 << 14)
+
+    def setup(self, rank: int, world: int, addr: str, port: int) -> int:
+        self.weights.fill_(1.0)
+        pid = self.join_group(rank, world, port, timeout_s=600.0, addr=addr)
+        self.graceful_setup(
+            "warm",
+            shard="0",
+            config=self.config,
+            state_dict=self._state,
+            load_state_dict=self._load,
+        )
+        return pid
+
+    def _state(self) -> dict[str, Any]:
+        return {"weights": self.weights, "step": self.step}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.weights.copy_(state["weights"])
+
+    def rejoin(self) -> Any:
+        joined = self.graceful_rejoin(
+            state_dict=self._state, load_state_dict=self._load, config=self.config
+        )
+        self.step = joined.step if joined.joined else self.step
+        return joined
+
+
 def add_host_loss_parser(names: Any) -> Any:
-    from ray_graceful.tools.arguments import comma_choices, positive_int, positive_seconds
+    from ray_graceful.tools.arguments import comma_choices, count, positive_int, positive_seconds
 
     p = names.add_parser("host-loss", help="a host lost without a word: watch vs Ray's verdict")
     p.add_argument("--reps", type=positive_int, default=5, help="per fault and way (default 5)")
     p.add_argument("--faults", type=comma_choices(*FAULTS), default=",".join(FAULTS))
     p.add_argument("--ways", type=comma_choices(*WAYS), default=",".join(WAYS))
-    p.add_argument("--stalls", type=int, default=20, help="stalls for false alarms (default 20)")
+    p.add_argument("--stalls", type=count, default=20, help="stalls for false alarms (default 20)")
     p.add_argument("--stall-s", type=positive_seconds, default=2.0, help="each stall (default 2)")
+    p.add_argument(
+        "--warm-reps",
+        type=count,
+        default=5,
+        help="per fault: a two-rank warm group (rank 0 on the failed host, its replica on "
+        "another, a spare on a third), timed to training again (default 5; 0: none)",
+    )
     return p
 
 
@@ -149,6 +193,61 @@ def _one(hosts: Any, tmp: str, fault: str, way: str) -> dict[str, Any]:
         job.end()
 
 
+def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
+    """Rank 0's host fails; the host watch declares it lost, rank 1 saves, a spare on a third
+    host takes slot 0: seconds from the fault to ``restart()`` and to the first step."""
+    import ray
+
+    from ray_graceful import Coordinator, WarmGroup
+
+    tag = uuid.uuid4().hex[:8]
+    a, b, c = (hosts.add_host(num_cpus=2, resources={f"{h}-{tag}": 1}) for h in "ABC")
+    config = _config(tmp, tag, watch=True).replace(warm_restart=True, rejoin_timeout_s=30.0)
+    coordinator = Coordinator.start(config)
+    actor = ray.remote(num_cpus=0)(WarmHostRank)
+    env = {"env_vars": {"GLOO_SOCKET_IFNAME": "eth0"}}
+    ranks = [
+        actor.options(resources={f"{h}-{tag}": 0.1}, runtime_env=env).remote(config) for h in "AB"
+    ]
+    spare = actor.options(resources={f"C-{tag}": 0.1}, runtime_env=env).remote(config)
+    try:
+        port = random.randint(20000, 40000)
+        ray.get([r.setup.remote(i, 2, a.ip, port) for i, r in enumerate(ranks)], timeout=120)
+        group = WarmGroup(coordinator, ranks, spares=[spare], method="rejoin")
+        ray.get([r.train.remote(3, 1 << 10) for r in ranks], timeout=60)
+        deadline = time.monotonic() + 30
+        while len(coordinator.status()["host_watch"]["hosts"]) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the host watch did not hear both hosts within 30 s")
+            time.sleep(0.1)
+        training = [r.train.remote(10**7, 1 << 10, 0.01) for r in ranks]
+        time.sleep(0.5)  # a few steps in
+        started = time.monotonic()
+        if fault == "crash":
+            hosts.crash(a)
+        else:
+            hosts.partition(a)
+        restart = group.restart(timeout=90)
+        back_s = time.monotonic() - started
+        ray.get([w.train.remote(1, 1 << 10) for w in group.workers], timeout=60)
+        trained_s = time.monotonic() - started
+        ray.wait(training[1:], timeout=5)
+        return {
+            "fault": fault,
+            "back_s": back_s,
+            "trained_s": trained_s,
+            "step": restart.step,
+            "members": [m.was for m in restart.members],
+            "source": restart.outcome.notices[0]["source"],
+        }
+    finally:
+        for r in [*ranks, spare]:
+            ray.kill(r)
+        coordinator.shutdown()
+        for host in (a, b, c):
+            hosts.remove_host(host)
+
+
 def _false_alarms(hosts: Any, tmp: str, stalls: int, stall_s: float) -> dict[str, Any]:
     import ray
 
@@ -187,6 +286,12 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
                     run = _one(hosts, tmp, fault, way)
                     print(f"  rep {rep} {fault} {way}: {run}", flush=True)
                     runs.append(run)
+        warm = []
+        for rep in range(args.warm_reps):
+            for fault in args.faults.split(","):
+                run = _warm_one(hosts, tmp, fault)
+                print(f"  warm rep {rep} {fault}: {run}", flush=True)
+                warm.append(run)
         if args.stalls:
             alarms = _false_alarms(hosts, tmp, args.stalls, args.stall_s)
             print(f"  stalls: {alarms}", flush=True)
@@ -207,6 +312,24 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
     header = ["fault", "way", "runs", "released p50 / max s", "outcome p50 / max s",
               "committed", "noticed by"]  # fmt: skip
     table = markdown_table(header, rows)
+    if warm:
+        warm_rows = []
+        for fault in args.faults.split(","):
+            mine = [r for r in warm if r["fault"] == fault]
+            back = [r["back_s"] for r in mine]
+            trained = [r["trained_s"] for r in mine]
+            warm_rows.append([
+                fault, len(mine),
+                f"{percentile(back, 0.5):.2f} / {max(back):.2f}",
+                f"{percentile(trained, 0.5):.2f} / {max(trained):.2f}",
+                ", ".join(sorted({r["source"] for r in mine})),
+            ])  # fmt: skip
+        table += "\n\nWarm, a spare on a third host (seconds from the fault):\n\n" + (
+            markdown_table(
+                ["fault", "runs", "restart() p50 / max s", "first step p50 / max s", "by"],
+                warm_rows,
+            )
+        )
     if alarms is not None:
         table += (
             f"\n\nStalls of {alarms['stall_s']:g} s: {alarms['false_alarms']} false alarms in "
@@ -215,4 +338,4 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
         )
     slow = netem_unavailable()
     table += "\n\nSlow link (200 ms): " + (f"not run - {slow}" if slow else "not in this harness")
-    return {"table": table, "runs": runs, "false_alarms": alarms}
+    return {"table": table, "runs": runs, "warm": warm, "false_alarms": alarms}

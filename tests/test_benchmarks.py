@@ -26,6 +26,7 @@ HARNESSES = (
     "restart",
     "soak",
     "watcher",
+    "host-loss",
 )
 
 
@@ -56,6 +57,8 @@ def test_every_harness_has_help(name):
         (["soak", "--kinds", "sigterm,flood"], "'flood' is not one of them"),
         (["soak", "--cycles", "0"], "give an integer >= 1"),
         (["save", "--format", "dcp", "--tier", "memory"], "use --tier disk"),
+        (["host-loss", "--faults", "crash,flood"], "'flood' is not one of them"),
+        (["host-loss", "--stalls", "-1"], "give an integer >= 0"),
     ],
 )
 def test_harness_mistakes_are_explained(args, message):

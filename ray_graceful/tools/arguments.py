@@ -151,6 +151,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """argparse type: an integer >= 0 (how many of something; 0: none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 0")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """argparse type: a comma-separated list of integers >= 1, e.g. '2,4,8'."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
