@@ -92,10 +92,10 @@ class WarmHostRank(GracefulWorkerMixin, BenchRank):
 
 
 def add_host_loss_parser(names: Any) -> Any:
-    from ray_graceful.tools.arguments import comma_choices, count, positive_int, positive_seconds
+    from ray_graceful.tools.arguments import comma_choices, count, positive_seconds
 
     p = names.add_parser("host-loss", help="a host lost without a word: watch vs Ray's verdict")
-    p.add_argument("--reps", type=positive_int, default=5, help="per fault and way (default 5)")
+    p.add_argument("--reps", type=count, default=5, help="per fault and way (default 5; 0: none)")
     p.add_argument("--faults", type=comma_choices(*FAULTS), default=",".join(FAULTS))
     p.add_argument("--ways", type=comma_choices(*WAYS), default=",".join(WAYS))
     p.add_argument("--stalls", type=count, default=20, help="stalls for false alarms (default 20)")
