@@ -184,9 +184,9 @@ class GracefulConfig:
         0.2,
         allowed.between(0.0, 10.0, low_open=False),
         "After the first notice of a cycle, the longest the coordinator gathers further "
-        "notices (a fault with others, a SIGTERM to every rank) before it plans; while every "
-        "notice is a SIGTERM or a drain it plans as soon as every process on the nodes they "
-        "touched is covered.",
+        "notices (a drain and a fault together, a SIGTERM to every rank) before it plans; "
+        "while every notice is a SIGTERM it plans as soon as every process on the nodes they "
+        "touched has one.",
     )
     drain_poll_interval_s: float = _setting(
         0.25,

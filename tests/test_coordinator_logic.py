@@ -438,8 +438,8 @@ def test_only_a_named_backup_may_ask_for_a_turn(config):
 
 def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
     """A window of 5 s: a SIGTERM to one of two processes on a node waits for the other (or
-    the window) and plans the moment it comes; a notice from the API keeps the whole window
-    (others about other nodes may come with it)."""
+    the window) and plans the moment it comes; a drain keeps the whole window (a fault arriving
+    with it must still change who saves)."""
 
     async def scenario():
         coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
@@ -465,16 +465,16 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
     assert after_both.value == "tearing down" and took < 1.0
     assert {n.rank for n in notices} == {("g", 0), ("g", 1)}
 
-    async def from_the_api():
+    async def drained():
         coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
         await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
         await coord.notify({"node_id": "n1", "reason": "test"})
-        await until(lambda: coord.machine.cycle.notices, 5, "the notice")
+        await until(lambda: coord.machine.cycle.notices, 5, "the drain as a notice")
         await asyncio.sleep(0.05)  # a window in which nothing may happen: still gathering
         return coord.machine.cycle.phase
 
-    assert run(from_the_api()).value == "gathering", "an API notice keeps the window open"
+    assert run(drained()).value == "gathering", "a drain keeps the window open"
 
 
 def test_a_group_with_a_rank_never_registered_commits_nothing(config):

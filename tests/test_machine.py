@@ -226,26 +226,6 @@ def test_a_group_registered_after_the_drivers_node_drain_began_is_still_saved(co
     assert [n.node_id for n in m.cycle.notices] == ["n0"]
 
 
-def test_a_drain_is_planned_at_once_and_a_fault_or_cli_notice_keeps_the_window(config):
-    """A drain covers its whole node, and one poll reads every draining node: waiting cannot
-    change its plan, so gathering ends in the step that took it. A fault or a CLI notice may
-    come with others about other nodes: those keep the window."""
-    deadline_ms = int((time.time() + 30) * 1000)
-    drained = registered(config, ranks=3)
-    took = drained.step(ev.DrainsSeen({"n1": deadline_ms, "n2": deadline_ms}))
-    assert of(took, ev.CycleOpened) == [ev.CycleOpened(0)]
-    assert ev.Gathered(0) in took, "planned at once"
-    assert {n.node_id for n in drained.cycle.notices} == {"n1", "n2"}, "the whole poll is in it"
-    for source in ("health", "cli", "cloud"):
-        m = registered(config, ranks=3)
-        took = m.step(ev.NoticesIn((EvictionNotice(source, "x", 0, node_id="n1"),)))
-        assert of(took, ev.CycleOpened) and not of(took, ev.Gathered), source
-    mixed = registered(config, ranks=3)
-    mixed.step(ev.NoticesIn((EvictionNotice("health", "x", 0, node_id="n2"),)))
-    took = mixed.step(ev.DrainsSeen({"n1": deadline_ms}))
-    assert not of(took, ev.Gathered), "a fault in the cycle keeps the window for the drain too"
-
-
 def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(config):
     """The host watch's verdict: the ranks on the host are lost (no order, no report awaited)
     and a replica elsewhere saves their shard; a host with no rank of the job opens nothing."""

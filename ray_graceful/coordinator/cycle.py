@@ -24,10 +24,6 @@ from ..notices import EvictionNotice
 from ..plan import TerminationPlan
 from .registry import Registry
 
-# Sources whose notices waiting cannot add to once every process on their nodes is covered:
-# gathering ends at once (``Cycle.cover``).
-PLANNED_AT_ONCE = frozenset({"sigterm", "drain"})
-
 
 class Phase(str, enum.Enum):
     IDLE = "idle"
@@ -74,12 +70,11 @@ class Cycle:
         """Count what ``notice`` tells about its node; all touched nodes covered: plan now.
 
         The gathering window is for notices that belong together (a SIGTERM to every rank of a
-        pod, a fault and the notices it sets off). When every notice so far is one waiting
-        cannot add to - a SIGTERM (the shortest grace there is) or Ray's drain (one poll reads
-        every draining node at once, and a drain covers its whole node) - and every process on
-        each node they touched is covered, waiting longer learns nothing more about those nodes,
-        and each millisecond is one before the warm restart can begin. Any other source keeps
-        the whole window: a fault, a CLI or cloud notice may come with others about other nodes.
+        pod, a drain and a fault). When every notice so far is a SIGTERM - the shortest grace
+        there is - and every process on each node they touched has one, waiting longer learns
+        nothing more about those nodes, and each millisecond is one the ranks do not have. A
+        drain or a fault keeps the whole window: a drain brings its own deadline, and a fault
+        elsewhere arriving with it must change who saves.
 
         Returns True once gathering may end now.
         """
@@ -100,5 +95,4 @@ class Cycle:
                 }
             if all(key in self.noticed_ranks for key in process.keys):
                 self.uncovered[node].discard(process.process_id)
-        covered = not any(self.uncovered.values())
-        return covered and all(n.source in PLANNED_AT_ONCE for n in self.notices)
+        return not any(self.uncovered.values()) and all(n.source == "sigterm" for n in self.notices)
