@@ -299,6 +299,8 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
     for fault in args.faults.split(","):
         for way in args.ways.split(","):
             mine = [r for r in runs if r["fault"] == fault and r["way"] == way]
+            if not mine:
+                continue
             rel = [r["released_s"] for r in mine if r["released_s"] is not None]
             out = [r["outcome_s"] for r in mine if r["outcome_s"] is not None]
             committed = sum(r["result"] == "committed" for r in mine)

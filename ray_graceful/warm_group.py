@@ -141,20 +141,7 @@ class WarmGroup:
         spares_needed = sum(1 for m in warm["members"] if m["was"].startswith("spare"))
         why: list[str] = []
         calls.update(self._assigned_spares(members, spares_needed, until, why))
-        joined: list[tuple[Rejoined, Any]] = []
-        for ref, actor in calls.items():
-            try:
-                result = ray.get(ref, timeout=max(until - time.monotonic(), 0.1))
-            except ray.exceptions.GetTimeoutError:
-                why.append(f"no answer within {timeout}s")
-                continue
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                why.append(type(exc).__name__)  # an evicted worker: gone, as it should be
-                continue
-            if isinstance(result, Rejoined) and result.joined and result.member in members:
-                joined.append((result, actor))
-            elif isinstance(result, Rejoined):
-                why.append(f"{result.was or result.member}: {result.reason}")
+        joined = self._members_joined(calls, members, until, timeout, why)
         if len(joined) != len(members):
             if joined:  # the coordinator ends them: wait for that cycle's outcome
                 left_s = max(until - time.monotonic(), 1.0)
@@ -167,6 +154,40 @@ class WarmGroup:
         joined.sort(key=lambda pair: (pair[0].group, pair[0].rank))
         self.workers = [actor for _, actor in joined]
         return WarmRestart(outcome, tuple(result for result, _ in joined))
+
+    def _members_joined(
+        self,
+        calls: dict[Any, Any],
+        members: set[str],
+        until: float,
+        timeout: float,
+        why: list[str],
+    ) -> list[tuple[Rejoined, Any]]:
+        """The answers of the new group's members, as they come; done once every member has
+        answered. An evicted worker's call is never waited for: on a host that was cut off or
+        fell silent it answers only when Ray declares the host dead (about 64 s), long after
+        the members joined."""
+        import ray
+
+        joined: list[tuple[Rejoined, Any]] = []
+        pending = dict(calls)
+        while pending and len(joined) < len(members):
+            left_s = until - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left_s, 0.0))
+            if not ready:
+                why.append(f"no answer within {timeout}s")
+                break
+            actor = pending.pop(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                why.append(type(exc).__name__)  # an evicted worker: gone, as it should be
+                continue
+            if isinstance(result, Rejoined) and result.joined and result.member in members:
+                joined.append((result, actor))
+            elif isinstance(result, Rejoined):
+                why.append(f"{result.was or result.member}: {result.reason}")
+        return joined
 
     def _assigned_spares(
         self, members: set[str], needed: int, until: float, why: list[str]
