@@ -110,6 +110,16 @@ def add_host_loss_parser(names: Any) -> Any:
     return p
 
 
+def wait_watched(coordinator: Any, hosts: int, timeout_s: float = 30.0) -> None:
+    """Until the coordinator's host watch hears ``hosts`` hosts' heartbeats (their agents
+    start with the first rank on each); ``RuntimeError`` with what it heard after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while len((watch := coordinator.status()["host_watch"])["hosts"]) < hosts:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the host watch heard {len(watch['hosts'])} of {hosts} hosts")
+        time.sleep(0.1)
+
+
 def _config(tmp: str, tag: str, watch: bool) -> GracefulConfig:
     return GracefulConfig(
         report_dir=f"{tmp}/reports-{tag}",
@@ -147,11 +157,7 @@ class _Job:
         )
         ray.get([r.train.remote(3, 1 << 10) for r in self.ranks], timeout=60)
         if watch:
-            deadline = time.monotonic() + 30
-            while len(self.coordinator.status()["host_watch"]["hosts"]) < 2:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the host watch did not hear both hosts within 30 s")
-                time.sleep(0.1)
+            wait_watched(self.coordinator, 2)
         self.training = [r.train.remote(10**7, 1 << 10, 0.01) for r in self.ranks]
 
     def end(self) -> None:
@@ -215,11 +221,7 @@ def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
         ray.get([r.setup.remote(i, 2, a.ip, port) for i, r in enumerate(ranks)], timeout=120)
         group = WarmGroup(coordinator, ranks, spares=[spare], method="rejoin")
         ray.get([r.train.remote(3, 1 << 10) for r in ranks], timeout=60)
-        deadline = time.monotonic() + 30
-        while len(coordinator.status()["host_watch"]["hosts"]) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the host watch did not hear both hosts within 30 s")
-            time.sleep(0.1)
+        wait_watched(coordinator, 2)  # the ranks' hosts (a spare's host has no agent)
         training = [r.train.remote(10**7, 1 << 10, 0.01) for r in ranks]
         time.sleep(0.5)  # a few steps in
         started = time.monotonic()

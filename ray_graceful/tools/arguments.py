@@ -140,26 +140,24 @@ def writable_file(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= {low}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def count(text: str) -> int:
     """argparse type: an integer >= 0 (how many of something; 0: none)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_ints(text: str) -> list[int]:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import ray
 
+from benchmarks.host_loss import wait_watched
 from benchmarks.hosts import Host, HostCluster
 from ray_graceful import GracefulConfig, latest_committed
 from ray_graceful.coordinator import Coordinator
@@ -77,11 +78,7 @@ def start_job(hosts: HostCluster, tmp_path, host_watch: bool) -> Job:
     assert ray.get([r.train.remote(3) for r in ranks], timeout=60) == [3] * 4
     pids = ray.get([r.pid.remote() for r in ranks], timeout=30)
     if host_watch:
-        watched = lambda: len(coordinator.status()["host_watch"]["hosts"]) == 2  # noqa: E731
-        deadline = time.monotonic() + 30
-        while not watched():
-            assert time.monotonic() < deadline, coordinator.status()["host_watch"]
-            time.sleep(0.1)
+        wait_watched(coordinator, 2)
     training = [r.train.remote(10**6, 0.01) for r in ranks]
     assert not ray.wait(training, timeout=1.0)[0], "all four are training"
     return Job(a, str(a.node_id()), b, config, coordinator, ranks, pids, training)
@@ -193,10 +190,7 @@ def test_a_lost_hosts_slot_is_taken_by_a_spare_and_the_group_trains_again(
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         survivor_pid = ray.get(workers[1].pid.remote())
         ray.get([w.train.remote(3) for w in workers], timeout=60)
-        deadline = time.monotonic() + 30
-        while len(coordinator.status()["host_watch"]["hosts"]) < 2:  # the ranks' hosts
-            assert time.monotonic() < deadline, coordinator.status()["host_watch"]
-            time.sleep(0.1)
+        wait_watched(coordinator, 2)  # the ranks' hosts (a spare's host has no agent)
         running = [w.train.remote(10_000, 0.02) for w in workers]
         assert not ray.wait(running, timeout=1.0)[0]
         started = time.monotonic()
