@@ -176,10 +176,7 @@ def _one(hosts: Any, tmp: str, fault: str, way: str) -> dict[str, Any]:
     job = _Job(hosts, tmp, watch=way == "watch")
     try:
         started = time.monotonic()
-        if fault == "crash":
-            hosts.crash(job.a)
-        else:
-            hosts.partition(job.a)
+        hosts.fail(job.a, fault)
         released_s = None
         done, _ = ray.wait(job.training[2:], num_returns=2, timeout=120)
         if len(done) == 2:
@@ -225,10 +222,7 @@ def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
         training = [r.train.remote(10**7, 1 << 10, 0.01) for r in ranks]
         time.sleep(0.5)  # a few steps in
         started = time.monotonic()
-        if fault == "crash":
-            hosts.crash(a)
-        else:
-            hosts.partition(a)
+        hosts.fail(a, fault)
         restart = group.restart(timeout=90)
         back_s = time.monotonic() - started
         ray.get([w.train.remote(1, 1 << 10) for w in group.workers], timeout=60)

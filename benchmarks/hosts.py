@@ -225,6 +225,13 @@ class HostCluster:
         self.partition(host)
         return self.crash(host)
 
+    def fail(self, host: Host, fault: str) -> None:
+        """``fault`` - "crash", "silence" or "partition" - on ``host`` (a harness's parameter)."""
+        faults = {"crash": self.crash, "silence": self.silence, "partition": self.partition}
+        if fault not in faults:
+            raise ValueError(f"fault {fault!r} is not one of {', '.join(faults)}")
+        faults[fault](host)
+
     def partition(self, host: Host) -> None:
         """The host's link down: its processes run on, and nothing reaches them or leaves."""
         _ip("link", "set", host.veth, "down")

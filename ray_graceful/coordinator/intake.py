@@ -298,17 +298,30 @@ def host_lost(state: CoordinatorState, node_id: str, evidence: str, out: list[ev
     and finds them already marked.
     """
     dead = [p for p in state.active() if p.node_id == node_id and not p.lost]
-    if not dead:
-        return  # a host with no live rank of this job, or one already counted
+    if dead:  # none: a host with no live rank of this job, or one already counted
+        why = f"the rank's host was lost: {evidence}"[:500]
+        _gone(state, dead, "host_lost", why, "its host was lost", out)
+
+
+def _gone(
+    state: CoordinatorState,
+    dead: list[Process],
+    source: str,
+    why: str,
+    saves_why: str,
+    out: list[ev.Decision],
+) -> None:
+    """``dead`` processes neither save nor report: marked lost, their saves handed on, and -
+    unless the orders are out already (their peers released with them) - a ``source`` notice
+    for each of their ranks."""
     for process in dead:
         state.registry.mark_lost(process)
-        state.resolve_saves(process, set(), "its host was lost", out)
+        state.resolve_saves(process, set(), saves_why, out)
     state.check_all_reported(out)
     if state.cycle.phase is Phase.TEARING_DOWN:
-        return  # orders are out: the lost ranks' peers were released with them
-    why = f"the rank's host was lost: {evidence}"[:500]
+        return
     notices = [
-        EvictionNotice("host_lost", why, state.cycle.number, time.time(), rank=k)
+        EvictionNotice(source, why, state.cycle.number, time.time(), rank=k)
         for process in dead
         for k in process.keys
     ]
@@ -323,21 +336,9 @@ def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decisi
     """
     watched = {p.actor_id: p for p in state.active() if p.actor_id and not p.lost}
     dead = [watched[a] for a in sorted(actor_ids) if a in watched]
-    if not dead:
-        return
-    for process in dead:
-        state.registry.mark_lost(process)
-        state.resolve_saves(process, set(), "its process died", out)
-    state.check_all_reported(out)
-    if state.cycle.phase is Phase.TEARING_DOWN:
-        return  # orders are out: the dead rank's peers were released with them
-    why = "the rank's process died without a notice"
-    notices = [
-        EvictionNotice("lost", why, state.cycle.number, time.time(), rank=k)
-        for process in dead
-        for k in process.keys
-    ]
-    take_notices(state, notices, out, answer=False)
+    if dead:
+        why = "the rank's process died without a notice"
+        _gone(state, dead, "lost", why, "its process died", out)
 
 
 def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -> None:

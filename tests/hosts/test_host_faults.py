@@ -194,10 +194,7 @@ def test_a_lost_hosts_slot_is_taken_by_a_spare_and_the_group_trains_again(
         running = [w.train.remote(10_000, 0.02) for w in workers]
         assert not ray.wait(running, timeout=1.0)[0]
         started = time.monotonic()
-        if fault == "crash":
-            hosts.crash(a)
-        else:
-            hosts.partition(a)
+        hosts.fail(a, fault)
         restart = group.restart(timeout=60)
         back = time.monotonic() - started
         steps = ray.get([w.train.remote(1) for w in group.workers], timeout=60)
