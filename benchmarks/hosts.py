@@ -206,6 +206,21 @@ class HostCluster:
             time.sleep(0.2)
         return host
 
+    def start_process(self, host: Host, command: list[str], log_path: str) -> subprocess.Popen:
+        """``command`` run inside ``host``: a driver on that host (``RAY_ADDRESS`` is the head's;
+        ``ray.init`` there must name ``host.ip`` as its node's address). It is one of the host's
+        processes, so a ``crash`` ends it too; the caller reaps it (``wait``)."""
+        env = {**os.environ, "RAY_ADDRESS": self.cluster.address}
+        env["RAY_TMPDIR"] = os.path.join(self.temp_dir, host.namespace)
+        with open(log_path, "w") as log:
+            return subprocess.Popen(
+                ["ip", "netns", "exec", host.namespace, *command],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
     # --- faults ----------------------------------------------------------------------------
 
     def crash(self, host: Host) -> list[int]:
