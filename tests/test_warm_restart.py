@@ -57,6 +57,9 @@ def test_survivors_keep_their_processes_and_a_spare_takes_the_evicted_slot(ray_c
         loaded = {m["rank"]: m["loaded_from"] for m in record["members"]}
         assert loaded[0] == "disk"  # the spare had nothing of its own
         assert set(loaded.values()) <= {"own state", "disk"}
+        spare_took = next(m for m in record["members"] if m["rank"] == 0)["seconds"]
+        # Its shard was fetched while the group formed, not after it.
+        assert spare_took["fetch_began"] < spare_took["rendezvous"], spare_took
 
 
 @pytest.mark.timeout(240)

@@ -32,11 +32,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import rendezvous as store
 from ..config import GracefulConfig
-from ..memory.handoff import load_shard
+from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import (
     LoadedFrom,
     Rejoined,
@@ -235,14 +236,18 @@ def _join(
 ) -> Rejoined:
     started, started_at = time.monotonic(), time.time()
     clean_step = runtime.teardown.clean_step if runtime.teardown is not None else None
-    old_shard = survivor.shard if survivor is not None else None
+    own_state = (
+        survivor is not None and clean_step == answer.step and survivor.shard == answer.shard
+    )
+    loader = (load_state_dict or survivor.load_state) if survivor is not None else load_state_dict
+    # The committed shard is fetched while the group forms: on NCCL the communicator is built
+    # inside the rendezvous (``eager_device``), and neither waits for the other.
+    fetch = None if own_state or loader is None else _fetch(config, coordinator, answer)
     store.form_group(answer, backend)
     formed = time.monotonic()
     if survivor is not None:
-        loader = load_state_dict or survivor.load_state
         _register_again(runtime, survivor, answer, state_dict, loader)
     else:
-        loader = load_state_dict
         after_init_process_group(
             answer.group,
             shard=answer.shard,
@@ -257,10 +262,14 @@ def _join(
             f"the coordinator did not take this rank into cycle {answer.cycle} "
             f"({control.state if control else 'no coordinator'})"
         )
-    if survivor is not None and clean_step == answer.step and old_shard == answer.shard:
+    seconds = {"rendezvous": formed - started, "register": registered - formed}
+    if own_state:
         loaded_from = LoadedFrom.OWN_STATE
     else:
-        loaded_from = _load(config, coordinator, answer, loader)
+        loaded_from, fetched = _load(answer, loader, fetch)
+        # The fetch's own span, from this call's start: it began before the group formed.
+        seconds.update(fetch_began=fetched[0] - started, fetch_ended=fetched[1] - started)
+    seconds["load"] = time.monotonic() - registered  # what was left of the fetch, and the load
     runtime.loop.last_step = answer.step
     result = _result(
         answer,
@@ -268,11 +277,7 @@ def _join(
         RejoinResult.JOINED,
         loaded_from=loaded_from,
         started_at=started_at,
-        seconds={
-            "rendezvous": formed - started,
-            "register": registered - formed,
-            "load": time.monotonic() - registered,
-        },
+        seconds=seconds,
     )
     _tell(coordinator, result)
     return result
@@ -308,21 +313,35 @@ def _register_again(
     control.register()
 
 
+def _fetch(config: GracefulConfig, coordinator: Any, answer: Rendezvous) -> Future:
+    """Start fetching shard ``answer.shard``'s newest committed copy, on a thread of its own."""
+    checkpoint_dir = config.checkpoint_dir or coordinator_checkpoint_dir(coordinator)
+    key = shard_key(answer.group, answer.shard)
+
+    def fetch() -> tuple[LoadedShard | None, float, float]:
+        began = time.monotonic()
+        loaded = load_shard(key, coordinator, checkpoint_dir, config.coordinator_namespace)
+        return loaded, began, time.monotonic()
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ray_graceful-fetch")
+    try:
+        return pool.submit(fetch)
+    finally:
+        pool.shutdown(wait=False)  # the fetch runs on; the thread ends with it
+
+
 def _load(
-    config: GracefulConfig,
-    coordinator: Any,
-    answer: Rendezvous,
-    loader: Callable[[Any], Any] | None,
-) -> LoadedFrom:
-    """Load shard ``answer.shard`` of step ``answer.step`` into this rank; where it came from."""
-    if loader is None:
+    answer: Rendezvous, loader: Callable[[Any], Any] | None, fetch: Future | None
+) -> tuple[LoadedFrom, tuple[float, float]]:
+    """Load the fetched shard of step ``answer.step`` into this rank; where it came from, and
+    when the fetch began and ended (``time.monotonic()``)."""
+    if loader is None or fetch is None:
         raise SetupError(
             "this rank must load the committed step but registered no load_state_dict=: pass "
             "load_state_dict= to graceful_setup (or to graceful_rejoin)"
         )
-    checkpoint_dir = config.checkpoint_dir or coordinator_checkpoint_dir(coordinator)
     key = shard_key(answer.group, answer.shard)
-    loaded = load_shard(key, coordinator, checkpoint_dir, config.coordinator_namespace)
+    loaded, began, ended = fetch.result()
     if loaded is None:
         raise RuntimeError(f"no committed copy of shard {key!r} to load")
     if loaded.step != answer.step:
@@ -331,7 +350,7 @@ def _load(
             f"{answer.step}: training on would mix steps"
         )
     loader(loaded.state)
-    return loaded.tier
+    return loaded.tier, (began, ended)
 
 
 def _result(answer: Rendezvous, member: str, action: RejoinResult, **fields: Any) -> Rejoined:
