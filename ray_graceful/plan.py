@@ -215,9 +215,32 @@ def _plan(
 ) -> TerminationPlan:
     now = time.time() if now is None else now
     expected = expected_save_s or {}
-    notes = health_notes or {}
-    default_deadline = now + config.teardown_timeout_s
+    topology = list(topology)
+    incomplete = incomplete_groups(topology)
+    ranks, best, second, shards = _rank_pass(
+        topology, _notice_deadlines(notices, config), health, config, now, expected, incomplete
+    )
+    savers: dict[ShardId, Key] = {s: k for s, (_p, k) in best.items()}
+    backups: dict[ShardId, Key] = {s: k for s, (_p, k) in second.items()}
+    abandoned = _why_abandoned(destination, incomplete, shards, savers, config)
+    if abandoned:
+        savers, backups = {}, {}
+    orders = _orders(
+        ranks, savers, backups, incomplete, abandoned, health_notes or {}, expected, config
+    )
+    return TerminationPlan(orders, savers, abandoned, now, backups, incomplete)
 
+
+NoticeDeadlines = tuple[dict[str, float], dict[Key, float]]  # by node, by rank
+PlannedRank = tuple[RankInfo, Key, str, float, bool]  # info, key, verdict, deadline, evicted
+
+
+def _margin(config: GracefulConfig) -> float:
+    return config.watchdog_margin_s + config.plan_margin_s
+
+
+def _notice_deadlines(notices: Iterable[EvictionNotice], config: GracefulConfig) -> NoticeDeadlines:
+    """The earliest deadline the notices give each node, and each rank named on its own."""
     node_deadline: dict[str, float] = {}
     rank_deadline: dict[Key, float] = {}
     for notice in notices:
@@ -229,13 +252,27 @@ def _plan(
         else:
             key = notice.rank
             rank_deadline[key] = min(deadline, rank_deadline.get(key, deadline))
+    return node_deadline, rank_deadline
 
-    # One pass over ranks: deadline, health, eviction, and the best candidate of each shard.
-    ranks: list[tuple[RankInfo, Key, str, float, bool]] = []
+
+def _rank_pass(
+    topology: list[RankInfo],
+    deadlines: NoticeDeadlines,
+    health: Mapping[Key, str],
+    config: GracefulConfig,
+    now: float,
+    expected: Mapping[ShardId, float],
+    incomplete: dict[str, str],
+) -> tuple[list[PlannedRank], dict[ShardId, Candidate], dict[ShardId, Candidate], set[ShardId]]:
+    """One pass over the ranks (16,384 of them must plan in milliseconds): each rank's
+    deadline, health and eviction, and the best and second-best saver of each shard."""
+    node_deadline, rank_deadline = deadlines
+    default_deadline = now + config.teardown_timeout_s
+    ranks: list[PlannedRank] = []
     best: dict[ShardId, Candidate] = {}
     second: dict[ShardId, Candidate] = {}
     shards: set[ShardId] = set()
-    margin = config.watchdog_margin_s + config.plan_margin_s
+    margin = _margin(config)
     default_save = config.expected_save_s
     health_get, node_get, rank_get, expected_get = (
         health.get,
@@ -243,8 +280,6 @@ def _plan(
         rank_deadline.get,
         expected.get,
     )
-    topology = list(topology)
-    incomplete = incomplete_groups(topology)
     for info in topology:
         group, rank, node, shard, can_save, _world = info
         key = (group, rank)
@@ -277,26 +312,45 @@ def _plan(
                     second[shard_id] = candidate
         elif verdict not in _SEVERITY_OK:
             raise TopologyError(f"health for {group}/{rank} is {verdict!r}")
+    return ranks, best, second, shards
 
-    savers: dict[ShardId, Key] = {s: k for s, (_p, k) in best.items()}
-    missing = [s.key for s in shards if s not in savers]
-    abandoned = None
+
+def _why_abandoned(
+    destination: str | None,
+    incomplete: dict[str, str],
+    shards: set[ShardId],
+    savers: dict[ShardId, Key],
+    config: GracefulConfig,
+) -> str | None:
+    """Why no checkpoint can be made at all, or None."""
     if destination is None:
-        abandoned = "nowhere to save: no checkpoint_dir is configured"
-    elif incomplete and not shards:
-        abandoned = "no complete group: " + "; ".join(
+        return "nowhere to save: no checkpoint_dir is configured"
+    if incomplete and not shards:
+        return "no complete group: " + "; ".join(
             f"group {g}: {why}" for g, why in sorted(incomplete.items())[:5]
         )
-    elif missing:
+    missing = [s.key for s in shards if s not in savers]
+    if missing:
         shown = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
-        abandoned = (
+        return (
             f"shard(s) {shown} have no replica that is not FAULTY, can save, and has "
-            f"{config.expected_save_s:.0f}s+{margin:.0f}s before its deadline"
+            f"{config.expected_save_s:.0f}s+{_margin(config):.0f}s before its deadline"
         )
-    backups: dict[ShardId, Key] = {s: k for s, (_p, k) in second.items()}
-    if abandoned:
-        savers, backups = {}, {}
+    return None
 
+
+def _orders(
+    ranks: list[PlannedRank],
+    savers: dict[ShardId, Key],
+    backups: dict[ShardId, Key],
+    incomplete: dict[str, str],
+    abandoned: str | None,
+    notes: Mapping[Key, str],
+    expected: Mapping[ShardId, float],
+    config: GracefulConfig,
+) -> tuple[RankPlan, ...]:
+    """Each rank's action and the reason it is given."""
+    margin, default_save, expected_get = _margin(config), config.expected_save_s, expected.get
     saver_keys = set(savers.values())
     backup_of = {k: s for s, k in backups.items()}
     leave_reason = {s: f"rank {k[1]} saves shard {s[1]}" for s, k in savers.items()}
@@ -330,7 +384,7 @@ def _plan(
         append(
             RankPlan(group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by)
         )
-    return TerminationPlan(tuple(orders), savers, abandoned, now, backups, incomplete)
+    return tuple(orders)
 
 
 def incomplete_groups(topology: Iterable[RankInfo]) -> dict[str, str]:

@@ -136,17 +136,7 @@ def commit(
     """
     if not expected_shards:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
-    by_shard: dict[str, ShardRecord] = {}
-    twice: dict[str, list[ShardRecord]] = {}
-    for record in records:
-        if record.step != step:
-            raise CheckpointError(
-                f"shard {record.shard!r} was saved at step {record.step}, not {step}; "
-                "a checkpoint holds one step."
-            )
-        if record.shard in by_shard:
-            twice.setdefault(record.shard, [by_shard[record.shard]]).append(record)
-        by_shard.setdefault(record.shard, record)
+    by_shard, twice = _one_record_per_shard(records, step)
     check_shard_set(expected_shards, by_shard, f" at step {step}")
     directory = step_dir(root, step)
     existing, _reason = read_manifest(directory, step)
@@ -160,21 +150,7 @@ def commit(
     for shard, saves in twice.items():
         by_shard[shard] = _the_save_on_disk(directory, step, shard, saves)
     for record in by_shard.values():
-        if record.file != shard_file_name(record.shard):
-            raise CheckpointError(
-                f"shard {record.shard!r} reports file {record.file!r}, not its own "
-                f"{shard_file_name(record.shard)!r}; not committed"
-            )
-        path = os.path.join(directory, record.file)
-        problem = not_plain(path)
-        if problem:
-            raise CheckpointError(f"shard {record.shard!r} refused: {problem}")
-        size = path_size(path)
-        if size != record.bytes:
-            raise CheckpointError(
-                f"shard {record.shard!r}: {path} has {size} bytes on disk, the report says "
-                f"{record.bytes}; not committed"
-            )
+        _check_on_disk(directory, record)
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -195,6 +171,43 @@ def commit(
     path = os.path.join(directory, MANIFEST)
     write_json_atomic(path, manifest)
     return path
+
+
+def _one_record_per_shard(
+    records: list[ShardRecord], step: int
+) -> tuple[dict[str, ShardRecord], dict[str, list[ShardRecord]]]:
+    """Each shard's record, and the shards saved more than once (every save of each)."""
+    by_shard: dict[str, ShardRecord] = {}
+    twice: dict[str, list[ShardRecord]] = {}
+    for record in records:
+        if record.step != step:
+            raise CheckpointError(
+                f"shard {record.shard!r} was saved at step {record.step}, not {step}; "
+                "a checkpoint holds one step."
+            )
+        if record.shard in by_shard:
+            twice.setdefault(record.shard, [by_shard[record.shard]]).append(record)
+        by_shard.setdefault(record.shard, record)
+    return by_shard, twice
+
+
+def _check_on_disk(directory: str, record: ShardRecord) -> None:
+    """The shard's file is its own, a plain file, and of the recorded size; else refused."""
+    if record.file != shard_file_name(record.shard):
+        raise CheckpointError(
+            f"shard {record.shard!r} reports file {record.file!r}, not its own "
+            f"{shard_file_name(record.shard)!r}; not committed"
+        )
+    path = os.path.join(directory, record.file)
+    problem = not_plain(path)
+    if problem:
+        raise CheckpointError(f"shard {record.shard!r} refused: {problem}")
+    size = path_size(path)
+    if size != record.bytes:
+        raise CheckpointError(
+            f"shard {record.shard!r}: {path} has {size} bytes on disk, the report says "
+            f"{record.bytes}; not committed"
+        )
 
 
 def _the_save_on_disk(

@@ -66,6 +66,40 @@ def _plan_and_order(
     out: list[ev.Decision],
 ) -> None:
     cycle, config = state.cycle, state.config
+    plan, process_of = _plan(state, cycle)
+    cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
+    by_process: dict[str, list[RankPlan]] = {}
+    for rank_order in plan.orders:
+        by_process.setdefault(process_of[rank_order.group, rank_order.rank], []).append(rank_order)
+    for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
+        if notice.node_id is not None:
+            deadline = notice.effective_deadline(config.teardown_timeout_s)
+            out.append(ev.NodeLeaving(notice.node_id, deadline))
+    keepers = KeeperPool(_surviving_keepers(plan, placement))
+    rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
+    spare_nodes = warm.spare_nodes(plan, spares)
+    order_for = _OrderMaker(
+        state,
+        trigger="; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3]),
+        # A step boundary serves a save (its state is the step's) or a survivor's clean step.
+        boundary_needed=bool(rejoiners) or any(o.action is not Action.LEAVE for o in plan.orders),
+    )
+    for process_id, orders in by_process.items():
+        saves = tuple(
+            _assignment(state, plan, o, placement, keepers, spare_nodes)
+            for o in orders
+            if o.action is not Action.LEAVE
+        )
+        answer = order_for(orders, saves, rejoin=process_id in rejoiners)
+        state.registry.processes[process_id].order = answer.order
+        out.append(ev.OrderOut(process_id, answer))
+    cycle.awaiting_reports = deque(by_process)
+    cycle.orders_at = time.time()
+    state.check_all_reported(out)
+
+
+def _plan(state: CoordinatorState, cycle: Cycle) -> tuple[TerminationPlan, dict[RankKey, str]]:
+    """The cycle's plan, from every rank it involves and their health; and who holds each."""
     topology, health, notes = [], {}, {}
     process_of: dict[RankKey, str] = {}
     for spec, process in state.registry.ranks_of(cycle.number):
@@ -79,65 +113,52 @@ def _plan_and_order(
         topology,
         cycle.notices,
         health,
-        config,
+        state.config,
         expected_save_s=state.save_times,
         health_notes=notes,
         destination=destination(state, cycle),
     )
-    cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
-    by_process: dict[str, list[RankPlan]] = {}
-    for rank_order in plan.orders:
-        by_process.setdefault(process_of[rank_order.group, rank_order.rank], []).append(rank_order)
-    for notice in cycle.notices:  # a node-level notice: the node's keeper goes too
-        if notice.node_id is not None:
-            deadline = notice.effective_deadline(config.teardown_timeout_s)
-            out.append(ev.NodeLeaving(notice.node_id, deadline))
-    keepers = KeeperPool(_surviving_keepers(plan, placement))
-    rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
-    spare_nodes = warm.spare_nodes(plan, spares)
-    trigger = "; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3])
-    # Processes told the same thing share one order object, and one id: an order id only has
-    # to tell one order of a process from another (a process acknowledges the one it got), and
-    # most processes of a large job get the same order ("leave by T"). Shared, it is built once
-    # and pickled once per node or group reply (pickle keeps one copy of an object it meets
-    # twice), not once per process: at 16,384 processes that was most of the fan-out's bytes.
-    # One random prefix per cycle and a counter, not a uuid4 per order (0.1 s at 16,384).
-    prefix = uuid.uuid4().hex[:16]
-    # A step boundary serves a save (its state is the step's) or a survivor's clean step.
-    boundary_needed = bool(rejoiners) or any(o.action is not Action.LEAVE for o in plan.orders)
-    told: dict[tuple, PollAnswer] = {}
-    for process_id, orders in by_process.items():
+    return plan, process_of
+
+
+class _OrderMaker:
+    """Processes told the same thing share one order object, and one id: an order id only has
+    to tell one order of a process from another (a process acknowledges the one it got), and
+    most processes of a large job get the same order ("leave by T"). Shared, it is built once
+    and pickled once per node or group reply (pickle keeps one copy of an object it meets
+    twice), not once per process: at 16,384 processes that was most of the fan-out's bytes.
+    One random prefix per cycle and a counter, not a uuid4 per order (0.1 s at 16,384)."""
+
+    def __init__(self, state: CoordinatorState, trigger: str, boundary_needed: bool) -> None:
+        self.state, self.trigger, self.boundary_needed = state, trigger, boundary_needed
+        self.prefix = uuid.uuid4().hex[:16]
+        self.told: dict[tuple, PollAnswer] = {}
+
+    def __call__(
+        self, orders: list[RankPlan], saves: tuple[SaveAssignment, ...], rejoin: bool
+    ) -> PollAnswer:
         deadline = min(o.deadline for o in orders)
-        saves = tuple(
-            _assignment(state, plan, o, placement, keepers, spare_nodes)
-            for o in orders
-            if o.action is not Action.LEAVE
-        )
         skip_reason = "; ".join(o.reason for o in orders if o.action is not Action.SAVE)
-        rejoin = process_id in rejoiners
         what = (deadline, saves, skip_reason, rejoin)
-        answer = told.get(what)
+        answer = self.told.get(what)
         if answer is None:
-            answer = told[what] = PollAnswer(
+            state = self.state
+            answer = self.told[what] = PollAnswer(
                 PollKind.ORDER,
                 TeardownOrder(
                     job_id=state.job_id,
-                    cycle=cycle.number,
-                    order_id=f"{prefix}-{len(told)}",
+                    cycle=state.cycle.number,
+                    order_id=f"{self.prefix}-{len(self.told)}",
                     deadline=deadline,
-                    trigger=trigger,
+                    trigger=self.trigger,
                     saves=saves,
                     skip_reason=skip_reason,
-                    save_budget_s=config.save_budget_s,
+                    save_budget_s=state.config.save_budget_s,
                     rejoin=rejoin,
-                    boundary_needed=boundary_needed,
+                    boundary_needed=self.boundary_needed,
                 ),
             )
-        state.registry.processes[process_id].order = answer.order
-        out.append(ev.OrderOut(process_id, answer))
-    cycle.awaiting_reports = deque(by_process)
-    cycle.orders_at = time.time()
-    state.check_all_reported(out)
+        return answer
 
 
 def destination(state: CoordinatorState, cycle: Cycle) -> str | None:

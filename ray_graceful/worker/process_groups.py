@@ -92,18 +92,7 @@ def resolve_group(
     world_size: int | None = None,
 ) -> GroupHandle:
     """Resolve (rank, world size, group) for ``graceful_setup``; raise SetupError if wrong."""
-    if not isinstance(name, str) or not name.strip():
-        raise SetupError(f"group name {name!r} is not allowed: give a non-empty string.")
-    if "/" in name:
-        raise SetupError(
-            f"group name {name!r} is not allowed: '/' separates a group from its shard in a "
-            f"checkpoint's keys ('group/shard'); give a name without it, e.g. "
-            f"{name.replace('/', '-')!r}."
-        )
-    for label, value in (("rank", rank), ("world_size", world_size)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise SetupError(f"{label}={value!r} is not allowed: give an int or leave it out.")
-
+    _check_arguments(name, rank, world_size)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -124,7 +113,6 @@ def resolve_group(
             f"{getattr(group, 'group_name', group)!r}; "
             "register only groups this rank belongs to."
         )
-    source = "torch.distributed"
     if rank is not None and rank != pg_rank:
         raise SetupError(
             f"rank={rank} was passed, but torch.distributed says this process is rank {pg_rank} "
@@ -135,21 +123,12 @@ def resolve_group(
             f"world_size={world_size} was passed, but torch.distributed says group {name!r} has "
             f"{pg_size} ranks."
         )
-    if rank is not None:
-        source = "arguments (checked against torch.distributed)"
+    source = (
+        "torch.distributed" if rank is None else "arguments (checked against torch.distributed)"
+    )
     handle = GroupHandle(name, pg_rank, pg_size, group, _backend_names(group), source)
     if process_group is None:
-        env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-        if env_rank is not None and env_rank != pg_rank:
-            handle.notes.append(
-                f"RANK={env_rank} in the environment differs from torch.distributed's {pg_rank}; "
-                "using torch.distributed's."
-            )
-        if env_size is not None and env_size != pg_size:
-            handle.notes.append(
-                f"WORLD_SIZE={env_size} in the environment differs from torch.distributed's "
-                f"{pg_size}; using torch.distributed's."
-            )
+        handle.notes.extend(_environment_disagrees(pg_rank, pg_size))
     if "gloo" in handle.backends:
         try:
             handle.gloo_addresses = read_group_addresses(group)
@@ -160,6 +139,37 @@ def resolve_group(
                 "gloo connections not identified; peers are released when this process exits."
             )
     return handle
+
+
+def _check_arguments(name: str, rank: int | None, world_size: int | None) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise SetupError(f"group name {name!r} is not allowed: give a non-empty string.")
+    if "/" in name:
+        raise SetupError(
+            f"group name {name!r} is not allowed: '/' separates a group from its shard in a "
+            f"checkpoint's keys ('group/shard'); give a name without it, e.g. "
+            f"{name.replace('/', '-')!r}."
+        )
+    for label, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise SetupError(f"{label}={value!r} is not allowed: give an int or leave it out.")
+
+
+def _environment_disagrees(pg_rank: int, pg_size: int) -> list[str]:
+    """Notes where RANK / WORLD_SIZE in the environment differ from the default group's."""
+    notes = []
+    env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if env_rank is not None and env_rank != pg_rank:
+        notes.append(
+            f"RANK={env_rank} in the environment differs from torch.distributed's {pg_rank}; "
+            "using torch.distributed's."
+        )
+    if env_size is not None and env_size != pg_size:
+        notes.append(
+            f"WORLD_SIZE={env_size} in the environment differs from torch.distributed's "
+            f"{pg_size}; using torch.distributed's."
+        )
+    return notes
 
 
 def _backend_names(group: Any) -> tuple[str, ...]:

@@ -16,13 +16,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
 from .exit_path import exit_when_idle, write_stderr
 from .process_groups import SetupError
-from .process_runtime import process_runtime
+from .process_runtime import ProcessRuntime, process_runtime
 from .setup import listener_status
 
 MAX_POLL_FAILURES = 5
@@ -70,92 +71,116 @@ def wait_as_spare(
     spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
     runtime.spare_id = spare_id
     listener_status(config, "wait_as_spare on the main thread", warn=False)
+    poll = _SparePoll(handle, spare_id, role, ctx.get_node_id(), config)
+    poll.register()
+    poll.thread.start()
+    result = dataclasses.replace(_until_word(poll, runtime, timeout), spare_id=spare_id)
+    runtime.spare_id = None if result.action == SpareAction.ASSIGNED else spare_id
+    if result.action == SpareAction.EXIT and exit_on_finish:
+        _exit_when_idle(config, result.reason)
+    return result
 
-    def register() -> None:
+
+def _until_word(poll: _SparePoll, runtime: ProcessRuntime, timeout: float | None) -> SpareResult:
+    """The coordinator's word, a SIGTERM, or the timeout: whichever comes first."""
+    import ray
+
+    end = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not poll.done.wait(0.05):
+            if not poll.thread.is_alive() and poll.result is None:
+                return SpareResult(SpareAction.EXIT, "the spare's poll thread ended unexpectedly")
+            if runtime.stop_event.is_set():
+                with contextlib.suppress(Exception):
+                    ray.get(poll.handle.leave_spare.remote(poll.spare_id, "SIGTERM"), timeout=2)
+                return SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
+            if end is not None and time.monotonic() > end:
+                return SpareResult(
+                    SpareAction.TIMEOUT, f"no word from the coordinator in {timeout}s"
+                )
+        assert poll.result is not None  # set before ``done``
+        return poll.result
+    finally:
+        poll.done.set()
+
+
+class _SparePoll:
+    """A spare's long poll, on a thread of its own, until the coordinator's word (``result``)."""
+
+    def __init__(
+        self, handle: Any, spare_id: str, role: str, node_id: str, config: GracefulConfig
+    ) -> None:
+        self.handle, self.spare_id, self.role, self.node_id = handle, spare_id, role, node_id
+        self.config = config
+        self.result: SpareResult | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name="ray_graceful-spare-poll", daemon=True
+        )
+        self.failures = 0
+        self.unavailable_since: float | None = None
+
+    def register(self) -> None:
+        import ray
+
         answer = ray.get(
-            handle.register_spare.remote(spare_id, role, ctx.get_node_id(), os.getpid()),
+            self.handle.register_spare.remote(self.spare_id, self.role, self.node_id, os.getpid()),
             timeout=30,
         )
         if not answer.accepted:
-            raise SetupError(f"the coordinator refused this {role}: {answer.reason}")
+            raise SetupError(f"the coordinator refused this {self.role}: {answer.reason}")
 
-    register()
-    box: dict[str, SpareResult] = {}
-    done = threading.Event()
-
-    def poll() -> None:
-        failures = 0
-        unavailable_since: float | None = None
-        while not done.is_set():
-            try:
-                order = ray.get(
-                    handle.poll_spare.remote(spare_id, config.health_interval_s),
-                    timeout=config.health_interval_s + 30,
-                )
-                failures, unavailable_since = 0, None
-                if isinstance(order, SpareAnswer) and order.action == SpareAction.REGISTER:
-                    register()  # Ray restarted the coordinator: its pool starts empty
-                    continue
-            except ray.exceptions.GetTimeoutError:
+    def _run(self) -> None:
+        while not self.done.is_set():
+            answer = self._ask()
+            if answer is None:
                 continue
-            except ray.exceptions.ActorUnavailableError as exc:  # restarting: as ranks, wait
-                now = time.monotonic()
-                unavailable_since = unavailable_since or now
-                if now - unavailable_since < config.coordinator_reconnect_s:
-                    time.sleep(0.2)
-                    continue
-                order = SpareAnswer(
-                    SpareAction.EXIT,
-                    f"the coordinator was not back within coordinator_reconnect_s ({exc})",
-                )
-            except ray.exceptions.RayActorError as exc:
-                order = SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({exc})")
-            except Exception as exc:  # anything else: retry a few times, then leave
-                failures += 1
-                if failures < MAX_POLL_FAILURES:
-                    time.sleep(min(0.2 * 2**failures, config.health_interval_s))
-                    continue
-                order = SpareAnswer(
-                    SpareAction.EXIT,
-                    f"the coordinator could not be polled {failures} times ({exc!r})",
-                )
-            if order is None:
-                continue
-            if not isinstance(order, SpareAnswer) or order.action not in (
+            if not isinstance(answer, SpareAnswer) or answer.action not in (
                 SpareAction.EXIT,
                 SpareAction.ASSIGNED,
             ):
-                order = SpareAnswer(SpareAction.EXIT, f"the coordinator answered {order!r}")
-            box["result"] = SpareResult(
-                order.action, order.reason, order.group, order.rank, order.cycle
+                answer = SpareAnswer(SpareAction.EXIT, f"the coordinator answered {answer!r}")
+            self.result = SpareResult(
+                answer.action, answer.reason, answer.group, answer.rank, answer.cycle
             )
-            done.set()
+            self.done.set()
 
-    poller = threading.Thread(target=poll, name="ray_graceful-spare-poll", daemon=True)
-    poller.start()
-    end = None if timeout is None else time.monotonic() + timeout
-    while not done.wait(0.05):
-        if not poller.is_alive() and "result" not in box:
-            box["result"] = SpareResult(
-                SpareAction.EXIT, "the spare's poll thread ended unexpectedly"
+    def _ask(self) -> Any:
+        """One poll: the coordinator's answer; None to poll again; an "exit" answer where the
+        coordinator is gone, was not back within ``coordinator_reconnect_s``, or could not be
+        polled ``MAX_POLL_FAILURES`` times."""
+        import ray
+
+        config = self.config
+        try:
+            answer = ray.get(
+                self.handle.poll_spare.remote(self.spare_id, config.health_interval_s),
+                timeout=config.health_interval_s + 30,
             )
-            break
-        if runtime.stop_event.is_set():
-            with contextlib.suppress(Exception):
-                ray.get(handle.leave_spare.remote(spare_id, "SIGTERM"), timeout=2)
-            box["result"] = SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
-            break
-        if end is not None and time.monotonic() > end:
-            box["result"] = SpareResult(
-                SpareAction.TIMEOUT, f"no word from the coordinator in {timeout}s"
-            )
-            break
-    done.set()
-    box["result"] = dataclasses.replace(box["result"], spare_id=spare_id)
-    runtime.spare_id = None if box["result"].action == SpareAction.ASSIGNED else spare_id
-    if box["result"].action == SpareAction.EXIT and exit_on_finish:
-        _exit_when_idle(config, box["result"].reason)
-    return box["result"]
+            self.failures, self.unavailable_since = 0, None
+            if isinstance(answer, SpareAnswer) and answer.action == SpareAction.REGISTER:
+                self.register()  # Ray restarted the coordinator: its pool starts empty
+                return None
+            return answer
+        except ray.exceptions.GetTimeoutError:
+            return None
+        except ray.exceptions.ActorUnavailableError as exc:  # restarting: as ranks, wait
+            now = time.monotonic()
+            self.unavailable_since = self.unavailable_since or now
+            if now - self.unavailable_since < config.coordinator_reconnect_s:
+                time.sleep(0.2)
+                return None
+            why = f"the coordinator was not back within coordinator_reconnect_s ({exc})"
+            return SpareAnswer(SpareAction.EXIT, why)
+        except ray.exceptions.RayActorError as exc:
+            return SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({exc})")
+        except Exception as exc:  # anything else: retry a few times, then leave
+            self.failures += 1
+            if self.failures < MAX_POLL_FAILURES:
+                time.sleep(min(0.2 * 2**self.failures, config.health_interval_s))
+                return None
+            why = f"the coordinator could not be polled {self.failures} times ({exc!r})"
+            return SpareAnswer(SpareAction.EXIT, why)
 
 
 def _exit_when_idle(config: GracefulConfig, reason: str) -> None:
