@@ -14,11 +14,13 @@ from ray_graceful.protocol import Rendezvous, RendezvousAction, TeardownOrder
 from ray_graceful.worker.lifecycle import (
     ArmKernelDeadline,
     AskFailed,
+    AwaitRejoin,
     Due,
     HardExit,
     KeepAnswer,
     Leave,
-    LinkLost,
+    Link,
+    LinkChanged,
     LoopStuck,
     NoticeAgain,
     OrderIn,
@@ -30,15 +32,18 @@ from ray_graceful.worker.lifecycle import (
     RejoinEnded,
     RendezvousIn,
     ReportSigterm,
-    SigtermAnswer,
     Signal,
+    SigtermAnswer,
+    SpareAssigned,
     SpareWaiting,
     StartTeardown,
     StartTimer,
     StopLoop,
     TeardownEnded,
+    TeardownRequested,
     Timer,
     Told,
+    WatchLoop,
 )
 
 pytestmark = pytest.mark.unit
@@ -149,16 +154,40 @@ def test_a_restarting_coordinator_is_waited_for_while_the_ranks_own_save_still_f
 
 def test_a_coordinator_not_back_in_time_sends_the_rank_alone(config):
     machine = signalled(config)
+    machine.step(SigtermAnswer(Told.RESTARTING, T0 + 0.01))
+    actions = machine.step(Due(Timer.RESTART_WAIT, T0 + 7.0, connected=False))
+    assert actions[0].alone
+    assert "restarted; it was not back while this rank's own save still fit" in actions[0].trigger
+    machine = signalled(config)
     machine.step(SigtermAnswer(Told.UNANSWERED, T0 + 0.01))
     actions = machine.step(Due(Timer.RESTART_WAIT, T0 + 7.0))
-    assert actions[0].alone
-    assert "was not back while this rank's own save still fit" in actions[0].trigger
+    assert "did not answer while this rank's own save still fit" in actions[0].trigger
+
+
+def test_a_restart_during_the_order_wait_extends_it_and_the_report_is_made_again(config):
+    machine = signalled(config)
+    machine.step(SigtermAnswer(Told.ACCEPTED, T0 + 0.01))
+    assert machine.step(LinkChanged(Link.RESTARTING, T0 + 0.5)) == [
+        StartTimer(Timer.RESTART_WAIT, T0 + 7.0)
+    ]
+    assert machine.step(Due(Timer.ORDER_WAIT, T0 + 2.01)) == [], "the longer wait stands"
+    assert machine.step(LinkChanged(Link.BACK, T0 + 1.5)) == [ReportSigterm(T0)]
+    assert machine.step(SigtermAnswer(Told.ACCEPTED, T0 + 1.6)) == [], "the wait goes on"
+    assert machine.step(OrderIn(order(), T0 + 1.8))[0].order == order(), "the new one ordered"
+
+
+def test_the_restarted_coordinator_giving_no_order_in_time_sends_the_rank_alone(config):
+    machine = signalled(config)
+    machine.step(SigtermAnswer(Told.ACCEPTED, T0 + 0.01))
+    machine.step(LinkChanged(Link.RESTARTING, T0 + 0.5))
+    actions = machine.step(Due(Timer.RESTART_WAIT, T0 + 7.0, connected=True))
+    assert "restarted; no order from it while" in actions[0].trigger
 
 
 def test_a_coordinator_lost_while_the_rank_waits_sends_it_alone(config):
     machine = signalled(config)
     machine.step(SigtermAnswer(Told.ACCEPTED, T0 + 0.01))
-    actions = machine.step(LinkLost(T0 + 0.5))
+    actions = machine.step(LinkChanged(Link.LOST, T0 + 0.5))
     assert actions[0].alone and "coordinator unreachable" in actions[0].trigger
 
 
@@ -209,7 +238,11 @@ def test_ray_train_an_order_stops_the_loop_and_arms_the_guard(config):
     machine = running(config, train_fn_saves=True)
     actions = machine.step(OrderIn(order(deadline=T0 + 25), T0))
     # the guard: before the deadline, less the watchdog margin, the destroy and 1 s
-    assert actions == [StopLoop(), StartTimer(Timer.GUARD, T0 + 25 - 1 - 2 - 1)]
+    assert actions == [
+        StopLoop(),
+        WatchLoop(order(deadline=T0 + 25), T0),
+        StartTimer(Timer.GUARD, T0 + 25 - 1 - 2 - 1),
+    ]
     assert machine.phase is RankPhase.STOPPING
 
 
@@ -233,7 +266,7 @@ def test_ray_train_the_guard_tears_down_before_the_deadline_whatever_the_loop_do
 def test_ray_train_a_signalled_rank_is_stopped_too(config):
     machine = running(config, train_fn_saves=True)
     machine.step(Signal(15, 1, T0))
-    assert kinds(machine.step(OrderIn(order(), T0 + 0.2))) == [StopLoop, StartTimer]
+    assert kinds(machine.step(OrderIn(order(), T0 + 0.2))) == [StopLoop, WatchLoop, StartTimer]
 
 
 # --- a survivor's rejoin ----------------------------------------------------------------------
@@ -252,6 +285,32 @@ def _awaiting_rejoin(config) -> tuple[RankMachine, list]:
 
 def join(cycle: int = 1) -> Rendezvous:
     return Rendezvous(RendezvousAction.JOIN, cycle=cycle, group="g", rank=0, world_size=2)
+
+
+def test_a_survivors_order_tears_down_without_an_exit_and_asks_for_its_rendezvous(config):
+    machine = running(config)
+    actions = machine.step(OrderIn(order(rejoin=True), T0))
+    assert kinds(actions) == [StartTeardown, AwaitRejoin]
+    assert not actions[0].exit_process
+
+
+def test_an_order_while_rejoining_ends_the_rank_the_new_group_gave_up(config):
+    machine, _ = _awaiting_rejoin(config)
+    machine.step(RejoinBegun(T0 + 2))
+    actions = machine.step(OrderIn(order(cycle=1), T0 + 3))
+    assert kinds(actions) == [StartTeardown] and actions[0].exit_process
+    assert machine.step(RejoinEnded(True, T0 + 4, cycle=1)) == [], "its teardown runs on"
+
+
+def test_a_rejoin_called_while_the_survivors_teardown_runs_waits_for_it(config):
+    machine = _tearing_down(config, rejoin=True)
+    assert machine.step(RejoinBegun(T0 + 0.5)) == []
+    assert machine.phase is RankPhase.REJOINING
+    assert machine.step(TeardownEnded(T0 + 1)) == [], "no rejoin timer: the rejoin began"
+    assert machine.phase is RankPhase.REJOINING
+    leaving = _tearing_down(config)  # a rank that exits: rejoin() is not for it
+    leaving.step(RejoinBegun(T0 + 0.5))
+    assert leaving.phase is RankPhase.TEARING_DOWN
 
 
 def test_a_survivors_teardown_ends_without_an_exit_and_waits_to_rejoin(config):
@@ -296,7 +355,7 @@ def test_a_sigterm_during_the_rejoin_is_held_and_is_the_new_groups_first_notice(
     assert machine.step(Signal(15, 1, T0 + 3)) == [ArmKernelDeadline(T0 + 3 + 24.5)]
     assert machine.step(Signal(15, 1, T0 + 3.1)) == [], "one held"
     assert machine.step(Due(Timer.REJOIN, T0 + 31)) == [], "the rejoin began: no timeout"
-    assert machine.step(RejoinEnded(True, T0 + 4)) == [NoticeAgain(15, T0 + 3)]
+    assert machine.step(RejoinEnded(True, T0 + 4, cycle=1)) == [NoticeAgain(15, T0 + 3, 1)]
     assert machine.phase is RankPhase.SIGNALLED
     # from here it is any signalled rank: the deadline counts from the held signal
     actions = machine.step(SigtermAnswer(Told.ACCEPTED, T0 + 4.1))
@@ -306,7 +365,7 @@ def test_a_sigterm_during_the_rejoin_is_held_and_is_the_new_groups_first_notice(
 def test_a_rejoin_that_fails_leaves_and_one_that_joins_trains_on(config):
     machine, _ = _awaiting_rejoin(config)
     machine.step(RejoinBegun(T0 + 2))
-    assert machine.step(RejoinEnded(False, T0 + 3, "load failed")) == []
+    assert machine.step(RejoinEnded(False, T0 + 3, reason="load failed")) == [Leave("load failed")]
     assert machine.phase is RankPhase.LEAVING
     machine, _ = _awaiting_rejoin(config)
     machine.step(RejoinBegun(T0 + 2))
@@ -324,6 +383,25 @@ def test_a_spare_signalled_while_it_waits_just_stops_waiting(config):
     assert machine.claims_signals()
     assert machine.step(Signal(15, 1, T0)) == [StopLoop()]
     assert machine.phase is RankPhase.LEAVING
+
+
+def test_a_spare_waiting_inside_its_rejoin_stops_waiting_and_one_with_a_slot_holds_it(config):
+    machine = RankMachine(config)
+    machine.step(RejoinBegun(T0))  # rejoin() on a spare: it waits for a slot inside
+    machine.step(SpareWaiting())
+    assert machine.step(Signal(15, 1, T0 + 1)) == [StopLoop()], "no slot yet: it leaves"
+    machine = RankMachine(config)
+    machine.step(RejoinBegun(T0))
+    machine.step(SpareWaiting())
+    machine.step(SpareAssigned())  # handed a slot: it waits for the others in the rendezvous
+    assert machine.step(Signal(15, 1, T0 + 1)) == [ArmKernelDeadline(T0 + 1 + 24.5)], "held"
+
+
+def test_teardown_now_tears_down_alone_once(config):
+    machine = running(config)
+    actions = machine.step(TeardownRequested("requested", T0, exit_process=False))
+    assert actions == [StartTeardown("requested", None, exit_process=False)]
+    assert machine.step(TeardownRequested("again", T0 + 1)) == []
 
 
 def test_a_spare_handed_a_slot_is_a_rank_like_any_other(config):

@@ -12,6 +12,7 @@ import types
 import pytest
 
 import ray_graceful
+from ray_graceful.worker.lifecycle import Told
 from ray_graceful.worker.process_runtime import process_runtime
 from tests.helpers import wait_for
 
@@ -33,15 +34,44 @@ class SilentControl:
     alive = True
     connected = True
     reconnecting = False
-    restarts_seen = 0
+    sigterm_refusal = ""
+    told = Told.ACCEPTED
 
-    def __init__(self) -> None:
-        import threading
+    def report_sigterm(self, received_at: float) -> Told:
+        return self.told
 
-        self.order_received = threading.Event()  # never set
 
-    def report_sigterm(self, received_at: float) -> str:
-        return "accepted"
+class KernelTimer:
+    """Stands in for this process's kernel timer (``hard_deadline``): it records."""
+
+    def arm(self, at_monotonic: float, code: int) -> bool:
+        return True
+
+
+def signalled_runtime(monkeypatch, config, control, signalled_at):
+    """A registered rank's runtime, SIGTERMed at ``signalled_at`` with ``control`` as its link;
+    what its teardown was started with (``started``, set once with ``begun``)."""
+    import threading
+    import time
+
+    from ray_graceful.worker import process_runtime as runtime_module
+    from ray_graceful.worker.lifecycle import Registered, Signal
+    from ray_graceful.worker.process_runtime import ProcessRuntime
+
+    monkeypatch.setattr(runtime_module, "hard_deadline", KernelTimer)
+    runtime = ProcessRuntime(config=config)
+    runtime.control = control
+    started: dict = {}
+    begun = threading.Event()
+
+    def begin_teardown(trigger, deadline=None, *args, **kw):
+        started.update(at=time.time(), trigger=trigger, deadline=deadline)
+        begun.set()
+
+    runtime.begin_teardown = begin_teardown  # type: ignore[method-assign]
+    runtime.step(Registered())
+    runtime.step(Signal(15, 1, signalled_at, coordinator_answers=True))
+    return runtime, started, begun
 
 
 @pytest.mark.parametrize("module_name", ["user_code.trainer", "ray_graceful.demo_like"])
@@ -215,22 +245,17 @@ def test_the_exit_wait_leaves_once_rays_core_worker_has_stopped(tmp_path, monkey
     assert left == [0], "still running: nothing to leave early for"
 
 
-def test_a_sigterm_fallback_deadline_counts_from_the_signal():
+def test_a_sigterm_fallback_deadline_counts_from_the_signal(monkeypatch):
     """No order after reporting the SIGTERM: the rank goes alone, its deadline still counted
     from the signal (it was counted from the moment it gave up: 7 s after the signal for 4 s)."""
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker.process_runtime import ProcessRuntime
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=0.3)
-    runtime = ProcessRuntime(config=config)
-    started: dict = {}
-    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
-        trigger=trigger, deadline=deadline
-    )
     signalled = time.time() - 1.0  # the listener saw the signal a second ago
-    runtime._await_order(15, SilentControl(), signalled)
+    _runtime, started, begun = signalled_runtime(monkeypatch, config, SilentControl(), signalled)
+    assert begun.wait(5), "the rank never went alone"
     assert started["deadline"] == signalled + 4.0
     assert "no order from the coordinator" in started["trigger"]
 
@@ -239,27 +264,21 @@ class RefusingControl(SilentControl):
     """A coordinator that refuses the SIGTERM report: it does not know this process."""
 
     sigterm_refusal = "SIGTERM from an unregistered process"
-
-    def report_sigterm(self, received_at: float) -> str:
-        return "refused"
+    told = Told.REFUSED
 
 
-def test_a_refused_sigterm_report_goes_alone_at_once_and_says_why():
+def test_a_refused_sigterm_report_goes_alone_at_once_and_says_why(monkeypatch):
     """No order will follow a refusal: the rank goes alone without waiting ``order_wait_s``, and
     its trigger names the coordinator's reason (it said "no order within 5 s", a wait it never
     made)."""
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker.process_runtime import ProcessRuntime
 
-    runtime = ProcessRuntime(config=GracefulConfig(order_wait_s=5.0))
-    started: dict = {}
-    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
-        at=time.time(), trigger=trigger
-    )
     signalled = time.time()
-    runtime._await_order(15, RefusingControl(), signalled)
+    config = GracefulConfig(order_wait_s=5.0)
+    _runtime, started, begun = signalled_runtime(monkeypatch, config, RefusingControl(), signalled)
+    assert begun.wait(5)
     assert started["at"] - signalled < 1.0, "a refusal is not waited on"
     assert started["trigger"] == (
         "signal 15 (the coordinator refused the SIGTERM report: SIGTERM from an unregistered "
@@ -272,29 +291,25 @@ class RestartingControl(SilentControl):
 
     connected = False
     reconnecting = True
-    restarts_seen = 1
-
-    def report_sigterm(self, received_at: float) -> str:
-        return "restarting"
+    told = Told.RESTARTING
 
 
 class SilentlyDeadControl(SilentControl):
     """A coordinator SIGKILLed a moment ago: the report times out before Ray finds it dead."""
 
-    def report_sigterm(self, received_at: float) -> str:
-        return "unanswered"
+    told = Told.UNANSWERED
 
 
 @pytest.mark.parametrize(
     "control_type,order_comes,why",
     [
-        (RestartingControl, True, ""),
+        (RestartingControl, True, "coordinator order"),
         (RestartingControl, False, "the coordinator restarted; it was not back"),
         (SilentlyDeadControl, False, "the coordinator did not answer"),
     ],
 )
 def test_a_sigterm_while_the_coordinator_restarts_waits_for_the_new_ones_order(
-    control_type, order_comes, why
+    monkeypatch, control_type, order_comes, why
 ):
     """The new coordinator's order (a replica saves every shard) is worth waiting for past
     ``order_wait_s``: the rank waits while going alone afterwards still leaves it its own save
@@ -304,32 +319,27 @@ def test_a_sigterm_while_the_coordinator_restarts_waits_for_the_new_ones_order(
     import time
 
     from ray_graceful import GracefulConfig
-    from ray_graceful.worker.process_runtime import ProcessRuntime
+    from ray_graceful.protocol import TeardownOrder
+    from ray_graceful.worker.lifecycle import Link
 
     config = GracefulConfig(teardown_timeout_s=8.0, save_budget_s=4.0, order_wait_s=0.1)
-    runtime = ProcessRuntime(config=config)
-    started: dict = {}
-    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
-        at=time.time(), trigger=trigger
-    )
-    control = control_type()
-    if order_comes:  # registered again 0.4 s later, the SIGTERM reported, the order out
-        threading.Timer(0.4, lambda: setattr(runtime, "order", object())).start()
     signalled = time.time()
-    runtime._await_order(15, control, signalled)
+    runtime, started, begun = signalled_runtime(monkeypatch, config, control_type(), signalled)
+    if order_comes:  # registered again 0.4 s later, the SIGTERM reported, the order out
+        order = TeardownOrder("job", 0, "o-1", signalled + 8.0, "SIGTERM")
+        threading.Timer(0.4, runtime.on_order, args=(order,)).start()
+    assert begun.wait(5)
+    assert why in started["trigger"], started["trigger"]
     if order_comes:
-        assert started == {}, "the order, not the rank alone, tears it down"
-        assert 0.4 <= time.time() - signalled < 0.9
+        assert 0.4 <= started["at"] - signalled < 0.9
     else:
         assert 0.9 <= started["at"] - signalled < 1.4, started["at"] - signalled
-        assert why in started["trigger"], started["trigger"]
 
-    gone, started = RestartingControl(), {}
-    gone.alive = False  # ActorDiedError: no restart left
-    runtime.order = None
     signalled = time.time()
-    runtime._await_order(15, gone, signalled)
-    assert started["at"] - signalled < 0.2, "nothing to wait for"
+    runtime, started, begun = signalled_runtime(monkeypatch, config, RestartingControl(), signalled)
+    threading.Timer(0.1, runtime.on_link, args=(Link.LOST,)).start()  # no restart left
+    assert begun.wait(5)
+    assert started["at"] - signalled < 0.4, "nothing to wait for once the link is lost"
 
 
 def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monkeypatch):
@@ -357,7 +367,7 @@ def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monke
     assert fresh.stuck_since(clock["now"] - 2.5, patience_s=2.0)
 
 
-def test_the_wait_for_an_order_leaves_the_teardown_its_time():
+def test_the_wait_for_an_order_leaves_the_teardown_its_time(monkeypatch):
     """Review defect 7: a 45 s order wait with a 10 s teardown was accepted, and a SIGTERMed
     rank whose coordinator was lost left after 45.1 s, past its deadline (a recorded crash).
     The config refuses it now, and a wait that fits still ends early enough for the release
@@ -368,19 +378,14 @@ def test_the_wait_for_an_order_leaves_the_teardown_its_time():
 
     from ray_graceful import GracefulConfig
     from ray_graceful.config import ConfigError
-    from ray_graceful.worker.process_runtime import ProcessRuntime
 
     with pytest.raises(ConfigError, match=r"order_wait_s = 45\.0 does not fit"):
         GracefulConfig(teardown_timeout_s=10.0, order_wait_s=45.0, save_budget_s=5.0)
 
     config = GracefulConfig(teardown_timeout_s=4.0, save_budget_s=2.0, order_wait_s=3.0)
-    runtime = ProcessRuntime(config=config)
-    started: dict = {}
-    runtime.begin_teardown = lambda trigger, deadline=None, **kw: started.update(  # type: ignore[method-assign]
-        at=time.time(), deadline=deadline
-    )
     signalled = time.time()
-    runtime._await_order(15, SilentControl(), signalled)
+    _runtime, started, begun = signalled_runtime(monkeypatch, config, SilentControl(), signalled)
+    assert begun.wait(5)
     assert started["deadline"] == signalled + 4.0
     assert started["at"] - signalled < 1.5, f"waited {started['at'] - signalled:.2f}s"
 

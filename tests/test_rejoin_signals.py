@@ -1,8 +1,10 @@
 """A SIGTERM during a warm restart's rejoin, on the rank's side: never lost, never Ray's.
 
 From ``rejoin()``'s first step to its last, a SIGTERM is claimed (Ray's handler would record a
-crash) and held for ``rejoin()``: before the group forms it leaves, once joined the signal is
-the new group's first notice, its deadline counted from the signal.
+crash) and held by the rank's machine: before the group forms it leaves, once joined the signal
+is the new group's first notice, its deadline counted from the signal. Here through the
+process side (``ProcessRuntime.step`` and what it carries out), the kernel timer replaced by a
+recorder; the rules alone are ``test_lifecycle.py``'s.
 """
 
 from __future__ import annotations
@@ -14,72 +16,108 @@ import time
 import pytest
 
 from ray_graceful import GracefulConfig
-from ray_graceful.worker.hard_deadline import hard_deadline
+from ray_graceful.worker import process_runtime as runtime_module
+from ray_graceful.worker.lifecycle import (
+    RankPhase,
+    Registered,
+    RejoinBegun,
+    RejoinEnded,
+    Signal,
+    SpareWaiting,
+    Told,
+)
 from ray_graceful.worker.process_runtime import ProcessRuntime
 
 pytestmark = pytest.mark.unit
 
 
+class KernelTimer:
+    """Stands in for this process's kernel timer (``hard_deadline``): it records."""
+
+    def __init__(self) -> None:
+        self.armed: list[float] = []
+
+    def arm(self, at_monotonic: float, code: int) -> bool:
+        self.armed.append(at_monotonic)
+        return True
+
+
 @pytest.fixture
-def runtime():
-    """A runtime whose signals arm this test process's kernel timer: disarmed after."""
-    yield ProcessRuntime(config=GracefulConfig(teardown_timeout_s=30.0))
-    hard_deadline().cancel()
+def kernel(monkeypatch) -> KernelTimer:
+    timer = KernelTimer()
+    monkeypatch.setattr(runtime_module, "hard_deadline", lambda: timer)
+    return timer
 
 
-class ConnectedControl:
+@pytest.fixture
+def left(monkeypatch) -> list[str]:
+    """Why the process would have left (``exit_path.leave`` ends this one: recorded instead)."""
+    reasons: list[str] = []
+    monkeypatch.setattr(runtime_module, "leave", lambda config, reason: reasons.append(reason))
+    return reasons
+
+
+@pytest.fixture
+def runtime(kernel, left):
+    return ProcessRuntime(config=GracefulConfig(teardown_timeout_s=30.0))
+
+
+class JoinedControl:
+    """The new group's control channel: the group joined, the report taken."""
+
     connected = True
     reconnecting = False
+    alive = True
+    sigterm_refusal = ""
+
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+        self.reported: list[float] = []
+        self.reported_once = threading.Event()
+
+    def wait_rejoined(self, cycle: int, wait_s: float) -> None:
+        self.waited.append(cycle)
+
+    def report_sigterm(self, received_at: float) -> Told:
+        self.reported.append(received_at)
+        self.reported_once.set()
+        return Told.ACCEPTED
 
 
-def test_a_spare_handed_a_slot_claims_a_sigterm_until_its_rejoin_ends(runtime):
+def test_a_spare_handed_a_slot_claims_a_sigterm_until_its_rejoin_ends(runtime, kernel, left):
     """Between its assignment and its registration a spare holds no rank and waits as no
     spare: the signal is still claimed, and held for ``rejoin()``."""
     assert not runtime.claims_signals()
-    runtime.begin_rejoin()
+    runtime.step(RejoinBegun(time.time()))
     assert runtime.claims_signals()
     assert runtime.on_sigterm(signal.SIGTERM, 1) is True
-    assert runtime.signalled_during_rejoin()
+    assert runtime.machine.held_signal() is not None
+    assert len(kernel.armed) == 1, "armed from the signal: gone by its deadline whatever happens"
     assert not runtime.stop_event.is_set() and runtime.teardown is None
-    held = runtime.end_rejoin()
-    assert held is not None and held[0] == signal.SIGTERM
-    assert not runtime.claims_signals(), "after its rejoin, a process with no rank claims nothing"
+    runtime.step(RejoinEnded(False, time.time(), reason="no rendezvous"))
+    assert runtime.machine.phase is RankPhase.LEAVING
+    assert left == ["no rendezvous"], "a rejoin that did not join leaves"
 
 
 def test_a_spare_still_waiting_for_a_slot_stops_waiting_on_a_sigterm(runtime):
-    runtime.begin_rejoin()
-    runtime.spare_id = "spare-1"
+    runtime.step(RejoinBegun(time.time()))
+    runtime.step(SpareWaiting())
     assert runtime.on_sigterm(signal.SIGTERM, 1) is True
     assert runtime.stop_event.is_set()
-    assert not runtime.signalled_during_rejoin()
-
-
-def test_a_sigterm_seen_just_before_the_rejoin_began_is_held_for_it(runtime):
-    """The survivor's watcher may not have looked yet when ``rejoin()`` begins: the signal it
-    has not acted on is not lost (it was, when the rejoin cleared ``sigterm_seen``)."""
-    runtime.sigterm_seen = True
-    runtime.begin_rejoin()
-    assert runtime.signalled_during_rejoin()
+    assert runtime.machine.held_signal() is None
 
 
 def test_the_held_sigterm_is_the_new_groups_notice_with_its_deadline_from_the_signal(runtime):
-    runtime.begin_rejoin()
-    received = time.time() - 2.0
-    runtime.take_sigterm(signal.SIGTERM, received)
-    runtime.take_sigterm(signal.SIGTERM, time.time())  # the main-thread backstop: same signal
-    held = runtime.end_rejoin()
-    assert held == (signal.SIGTERM, received)
-
-    reported = threading.Event()
-    seen: dict = {}
-
-    def await_order(signum, control, received_at):
-        seen.update(signum=signum, received_at=received_at)
-        reported.set()
-
-    runtime._await_order = await_order  # type: ignore[method-assign]
-    runtime.control = ConnectedControl()  # type: ignore[assignment]
-    runtime.take_sigterm(*held)
-    assert reported.wait(5), "the held SIGTERM was not reported to the coordinator"
-    assert seen == {"signum": signal.SIGTERM, "received_at": received}
-    assert runtime.sigterm_seen
+    runtime.step(RejoinBegun(time.time()))
+    runtime.step(Registered())  # the spare's rank, in the new group
+    received = time.time() - 2.0  # the listener saw it two seconds ago
+    runtime.step(Signal(signal.SIGTERM, 1, received))
+    runtime.on_sigterm_main_thread(signal.SIGTERM)  # the backstop: the same signal, held once
+    assert runtime.machine.held_signal() == (signal.SIGTERM, received)
+    control = JoinedControl()
+    runtime.control = control  # type: ignore[assignment]
+    runtime.step(RejoinEnded(True, time.time(), cycle=3))
+    assert control.reported_once.wait(5), "the held SIGTERM was not reported to the coordinator"
+    assert control.waited == [3], "reported once every member of the new group joined"
+    assert control.reported == [received], "its deadline counts from the signal"
+    assert runtime.machine.phase is RankPhase.SIGNALLED

@@ -2,14 +2,13 @@
 
 - ``mixin.py``         the adoption point: ``GracefulWorkerMixin``
 - ``setup.py``         ``after_init_process_group``, ``should_stop``: the public setup API
-- ``process_runtime.py`` the per-process runtime that turns an order (or a SIGTERM) into a
-                       teardown
-- ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step;
-                       ``leaving.py`` how a survivor leaves after all
+- ``lifecycle.py``     the rank's machine: one pure ``step`` decides how a rank's life goes on
+- ``process_runtime.py`` the per-process state it acts on; every event source steps it there
+- ``timers.py``        the one thread for every wait the machine asks for
+- ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step
 - ``signals.py``       the SIGTERM listener (wakeup fd + thread), fork-safe
 - ``control.py``       the transport to the coordinator (register, long poll, ack, report;
                        registering again with a coordinator Ray restarted)
-- ``order_wait.py``    how long a SIGTERMed rank waits for its order before going alone
 - ``peer_release.py``  without a reachable coordinator: a rank leaving alone tells its peers
                        through the group's store, and they leave too
 - ``setup_status.py``  what ``graceful_setup`` installed (``SetupStatus``)

@@ -31,10 +31,11 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
             config,
             ranks=runtime.rank_specs,
             last_step=lambda: runtime.loop.last_step,
-            on_order=runtime.carry_out,
+            on_order=runtime.on_order,
             done=lambda: runtime.teardown is not None,
             on_disconnect=runtime.watch_peers,
             relay=agent if relayed else None,
+            on_link=runtime.on_link,
         )
     else:
         note = ""

@@ -13,10 +13,9 @@ it into a teardown. A coordinator that Ray is restarting (its process died; the 
 ``ActorUnavailableError``) is registered with again, with the same keys, for up to
 ``coordinator_reconnect_s``; one that is gone for good (``ActorDiedError``) ends the channel.
 Either way ``on_disconnect`` is told at once, and the peers are watched through the group's
-store (``peer_release.py``). A SIGTERM while Ray restarts the coordinator is reported to the
-new one, and the rank waits for its order as long as its own save would still fit
-(``order_wait.py``); with the coordinator gone for good it tears itself down on its own and
-releases its peers through the store.
+store (``peer_release.py``); and ``on_link`` is told the link is restarting, back or lost -
+what that means for a SIGTERMed rank (report again, wait, go alone) is its machine's
+(``lifecycle.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
@@ -48,6 +47,7 @@ from ..protocol import (
     TurnAnswer,
     coordinator_name,
 )
+from .lifecycle import Link, Told
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ REREGISTER_EVERY_S = 0.25  # while the coordinator says "later" (a cycle still t
 REPORT_TIMEOUT_S = 2.0
 SIGTERM_REPORT_TIMEOUT_S = 1.0
 UNACKNOWLEDGED = "ray_graceful: could not acknowledge the order: %r"
-
-SigtermTold = Literal["accepted", "refused", "restarting", "unanswered", "unreachable"]
 
 
 def find_coordinator(config: GracefulConfig) -> Any | None:
@@ -106,6 +104,7 @@ class ControlChannel:
         done: Callable[[], bool],
         on_disconnect: Callable[[], None] = lambda: None,
         relay: Any | None = None,
+        on_link: Callable[[Link], object] = lambda change: None,
     ) -> None:
         import ray
 
@@ -113,7 +112,7 @@ class ControlChannel:
         self.relay = relay  # this node's agent (node/agent.py), or None: straight to the handle
         self.ranks, self.last_step, self.on_order, self.done = ranks, last_step, on_order, done
         self.on_disconnect = on_disconnect
-        self.sigterm_at: float | None = None  # reported again to a restarted coordinator
+        self.on_link = on_link  # restarting, back, lost: the rank's machine decides what follows
         self.sigterm_refusal = ""  # why the coordinator refused the SIGTERM report, if it did
         ctx = ray.get_runtime_context()
         self.process_id = f"{ctx.get_worker_id()}"
@@ -337,14 +336,14 @@ class ControlChannel:
         self.restarts_seen += 1
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
+        self.on_link(Link.RESTARTING)
         try:
             if not self._register_until_accepted(self._give_up()):
                 return False
         finally:
             self.reconnecting = False
         logger.warning("ray_graceful: registered again, in cycle %s", self.cycle)
-        if self.sigterm_at is not None:  # the SIGTERM died with the last coordinator
-            self.report_sigterm(self.sigterm_at)
+        self.on_link(Link.BACK)
         return True
 
     def _give_up(self) -> float:
@@ -359,19 +358,19 @@ class ControlChannel:
             why,
         )
         self.on_disconnect()
+        self.on_link(Link.LOST)
 
-    def report_sigterm(self, received_at: float) -> SigtermTold:
-        """Tell the coordinator this process got SIGTERM: "accepted"; "refused" (no order to
-        come, ``sigterm_refusal`` says why); "restarting" (Ray restarts it: the control thread
-        reports the SIGTERM to the new process, ``_reconnect``); "unanswered" (a process just
-        killed answers nothing for a second or so); "unreachable" (gone for good)."""
+    def report_sigterm(self, received_at: float) -> Told:
+        """Tell the coordinator this process got SIGTERM: accepted; refused (no order to come,
+        ``sigterm_refusal`` says why); restarting (Ray restarts it: once the channel is back,
+        ``on_link(BACK)``, the rank's machine reports again); unanswered (a process just killed
+        answers nothing for a second or so); unreachable (gone for good)."""
         import ray
 
-        self.sigterm_at = received_at
         if self.reconnecting:
-            return "restarting"
+            return Told.RESTARTING
         if not self.connected:
-            return "unreachable"
+            return Told.UNREACHABLE
         try:
             answer: Reply = ray.get(
                 self.handle.report_sigterm.remote(
@@ -380,14 +379,21 @@ class ControlChannel:
                 timeout=SIGTERM_REPORT_TIMEOUT_S,
             )
         except ray.exceptions.ActorUnavailableError:
-            return "restarting"  # the control thread's poll fails too, and registers again
+            return Told.RESTARTING  # the control thread's poll fails too, and registers again
         except ray.exceptions.GetTimeoutError:
-            return "unanswered"  # dead and not yet found so, or busy: the control thread tells
+            return Told.UNANSWERED  # dead and not yet found so, or busy: the control thread tells
         except Exception as exc:
             self._lost(f"reporting SIGTERM: {exc!r}")
-            return "unreachable"
+            return Told.UNREACHABLE
         self.sigterm_refusal = "" if answer.accepted else answer.reason
-        return "accepted" if answer.accepted else "refused"
+        return Told.ACCEPTED if answer.accepted else Told.REFUSED
+
+    def wait_rejoined(self, cycle: int, wait_s: float) -> None:
+        """Until every member of the warm restart into ``cycle`` has said what it did (or
+        ``wait_s``)."""
+        import ray
+
+        ray.get(self.handle.wait_rejoined.remote(cycle, wait_s), timeout=wait_s + REPORT_TIMEOUT_S)
 
     def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:
         """Tell the coordinator how this process's own saves went (its backups wait on it)."""

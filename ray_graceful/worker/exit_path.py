@@ -14,6 +14,7 @@ import os
 import threading
 
 from .. import ray_adapter
+from ..config import GracefulConfig
 
 
 def write_stderr(text: str) -> None:
@@ -87,3 +88,10 @@ def exit_when_idle(detail: str, grace_s: float) -> None:
         timer.start()
     else:
         hard_exit(0, f"{detail} (outside a Ray worker)")
+
+
+def leave(config: GracefulConfig, reason: str) -> None:
+    """Leave as a torn-down rank does, without a teardown (a survivor not rejoining after all):
+    Ray's intended exit, a hard exit if that never ends it."""
+    write_stderr(f"ray_graceful: leaving instead of rejoining: {reason}\n")
+    exit_when_idle(f"ray_graceful: {reason}", config.exit_grace_s + 5.0)

@@ -30,7 +30,7 @@ file (docs/concepts.md, "The rank's machine").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import GracefulConfig
 from ..protocol import Rendezvous, RendezvousAction, TeardownOrder
@@ -61,6 +61,14 @@ class Told(Word):
     UNREACHABLE = "unreachable"  # gone for good
 
 
+class Link(Word):
+    """What became of the control channel's link to the coordinator (``control.py``)."""
+
+    RESTARTING = "restarting"  # Ray restarts the coordinator; the channel registers again
+    BACK = "back"  # registered again with the restarted coordinator
+    LOST = "lost"  # gone for good
+
+
 class Timer(Word):
     """The waits the machine asks for; each comes back as ``Due``."""
 
@@ -84,6 +92,9 @@ class Signalled:
     at: float  # when the SIGTERM was received (Unix seconds)
     latest: float  # the latest moment its teardown may still start with a release and exit
     train_fn_saves: bool = False
+    told: Told | None = None  # the coordinator's answer to the report
+    restarted: bool = False  # the coordinator restarted since the signal
+    waits_until: float = 0.0  # the order is waited for until then (the timers say when)
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ class AwaitingRejoin:
 @dataclass(frozen=True)
 class Rejoining:
     held: tuple[int, float] | None = None  # a SIGTERM that came meanwhile: (signum, at)
+    waiting_as_spare: bool = False  # a spare's rejoin, not handed a slot yet
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,11 @@ class SpareWaiting:
 
 
 @dataclass(frozen=True)
+class SpareAssigned:
+    """The spare was handed a slot: it waits no more, and has no rank until it registers."""
+
+
+@dataclass(frozen=True)
 class Signal:
     """A SIGTERM, the ``count``-th this process received, at ``at``."""
 
@@ -154,10 +171,18 @@ class SigtermAnswer:
 
 
 @dataclass(frozen=True)
-class LinkLost:
-    """The control channel gave the coordinator up for good."""
-
+class LinkChanged:
+    change: Link
     at: float
+
+
+@dataclass(frozen=True)
+class TeardownRequested:
+    """``teardown_now()``: as if signalled, without a coordinator's order."""
+
+    trigger: str
+    at: float
+    exit_process: bool = True
 
 
 @dataclass(frozen=True)
@@ -185,6 +210,7 @@ class LoopStuck:
 class Due:
     timer: Timer
     at: float
+    connected: bool = True  # whether the coordinator answered when it came due
 
 
 @dataclass(frozen=True)
@@ -213,15 +239,17 @@ class RejoinBegun:
 class RejoinEnded:
     joined: bool
     at: float
+    cycle: int = 0  # the cycle it joined
     reason: str = ""
 
 
 Event = (
     Registered
     | SpareWaiting
+    | SpareAssigned
     | Signal
     | SigtermAnswer
-    | LinkLost
+    | LinkChanged
     | OrderIn
     | PeerLeft
     | LoopStuck
@@ -231,6 +259,7 @@ Event = (
     | AskFailed
     | RejoinBegun
     | RejoinEnded
+    | TeardownRequested
 )
 
 
@@ -264,6 +293,7 @@ class StartTeardown:
     order: TeardownOrder | None = None
     save: bool = True  # False: no shard saved (a stuck loop; Ray Train saves its own)
     skip_reason: str = ""
+    exit_process: bool = True  # False: a survivor (``order.rejoin``), or ``teardown_now``'s
 
     @property
     def alone(self) -> bool:
@@ -274,6 +304,23 @@ class StartTeardown:
 @dataclass(frozen=True)
 class StopLoop:
     """``should_stop()`` turns true (and a waiting spare stops waiting)."""
+
+
+@dataclass(frozen=True)
+class WatchLoop:
+    """Ray Train: ``order`` stopped the loop at ``since``; tell ``LoopStuck`` if it never
+    reaches its boundary (``TrainingLoop.stuck_since``)."""
+
+    order: TeardownOrder
+    since: float
+
+
+@dataclass(frozen=True)
+class AwaitRejoin:
+    """A survivor's teardown runs without an exit: tell ``TeardownEnded`` when it is done,
+    then ask the coordinator for the rendezvous (``RendezvousIn`` / ``AskFailed``)."""
+
+    order: TeardownOrder
 
 
 @dataclass(frozen=True)
@@ -301,6 +348,7 @@ class NoticeAgain:
 
     signum: int
     at: float
+    cycle: int
 
 
 Action = (
@@ -309,6 +357,8 @@ Action = (
     | StartTimer
     | StartTeardown
     | StopLoop
+    | WatchLoop
+    | AwaitRejoin
     | KeepAnswer
     | Leave
     | HardExit
@@ -332,6 +382,10 @@ class RankMachine:
         """Whether a SIGTERM is this process's to handle (else the handler before ours runs)."""
         return self.phase is not RankPhase.IDLE
 
+    def held_signal(self) -> tuple[int, float] | None:
+        """The SIGTERM held while ``rejoin()`` runs: (signum, received at), or None."""
+        return self.data.held if isinstance(self.data, Rejoining) else None
+
     def step(self, event: Event) -> list[Action]:
         """The one place a rank's life is decided: the actions for ``event`` in this phase."""
         if isinstance(event, Signal):
@@ -349,7 +403,8 @@ class RankMachine:
         return handler(event) if handler is not None else []  # LEAVING: nothing changes it
 
     def _move(self, phase: RankPhase, data: PhaseData = None) -> None:
-        self.history.append(self.phase)
+        if phase is not self.phase:
+            self.history.append(self.phase)
         self.phase, self.data = phase, data
 
     # --- signals, in any phase -----------------------------------------------------------
@@ -358,16 +413,19 @@ class RankMachine:
         config = self.config
         if self.phase is RankPhase.IDLE:
             return []  # not ours
-        if self.phase is RankPhase.SPARE:
-            self._move(RankPhase.LEAVING, Leaving("SIGTERM while waiting as a spare"))
+        if self.phase is RankPhase.SPARE or (
+            isinstance(self.data, Rejoining) and self.data.waiting_as_spare
+        ):
+            # nothing to save and no slot yet: it stops waiting and leaves
+            if self.phase is RankPhase.SPARE:
+                self._move(RankPhase.LEAVING, Leaving("SIGTERM while waiting as a spare"))
             return [StopLoop()]
         if event.count >= 2:
             return [HardExit(config.exit_code, "second SIGTERM")]
         kernel = ArmKernelDeadline(
             event.at + config.teardown_timeout_s - config.watchdog_margin_s / 2
         )
-        if self.phase is RankPhase.REJOINING:
-            assert isinstance(self.data, Rejoining)
+        if isinstance(self.data, Rejoining):
             if self.data.held is not None:
                 return []
             self._move(RankPhase.REJOINING, Rejoining((event.signum, event.at)))
@@ -389,11 +447,15 @@ class RankMachine:
             self._move(RankPhase.RUNNING, Running(event.train_fn_saves))
         elif isinstance(event, SpareWaiting):
             self._move(RankPhase.SPARE)
+        elif isinstance(event, RejoinBegun):  # a spare's rejoin: it waits for a slot in it
+            self._move(RankPhase.REJOINING, Rejoining())
         return []
 
     def _in_spare(self, event: Event) -> list[Action]:
         if isinstance(event, Registered):  # handed a slot: its rank registered
             self._move(RankPhase.RUNNING, Running(event.train_fn_saves))
+        elif isinstance(event, SpareAssigned):  # no rank yet: a signal is not ours
+            self._move(RankPhase.IDLE)
         return []
 
     def _in_running(self, event: Event) -> list[Action]:
@@ -401,41 +463,79 @@ class RankMachine:
             running = self.data if isinstance(self.data, Running) else Running()
             self._move(RankPhase.RUNNING, Running(running.train_fn_saves or event.train_fn_saves))
             return []
+        return self._ended_from_outside(event)
+
+    def _ended_from_outside(self, event: Event) -> list[Action]:
+        """What ends a running or signalled rank whatever else it waits for: an order, a peer
+        that left alone, ``teardown_now()``."""
         if isinstance(event, OrderIn):
             return self._ordered(event)
         if isinstance(event, PeerLeft):
             return self._alone(f"released by a peer: {event.why}", None)
+        if isinstance(event, TeardownRequested):
+            self._move(RankPhase.TEARING_DOWN, TearingDown(event.trigger, event.exit_process))
+            return [StartTeardown(event.trigger, None, exit_process=event.exit_process)]
         return []
 
     def _in_signalled(self, event: Event) -> list[Action]:
+        """Waiting for the order: ``order_wait_s`` once the report was taken; while the
+        coordinator restarts (1-2 s, often longer), as long as going alone afterwards still
+        leaves the rank its own save; never once the link is lost or the report refused."""
         data = self.data
         assert isinstance(data, Signalled)
         config = self.config
-        if isinstance(event, OrderIn):
-            return self._ordered(event)
-        deadline = data.at + config.teardown_timeout_s
-        why = None
         if isinstance(event, SigtermAnswer):
+            if data.told is not None:
+                return []  # a report made again to a restarted coordinator: the wait goes on
+            data = replace(data, told=event.told, restarted=event.told is Told.RESTARTING)
             if event.told is Told.ACCEPTED:
-                wait_until = min(event.at + config.order_wait_s, data.latest)
-                return [StartTimer(Timer.ORDER_WAIT, wait_until)]
+                until = min(event.at + config.order_wait_s, data.latest)
+                return self._wait(data, Timer.ORDER_WAIT, until)
             if event.told in (Told.RESTARTING, Told.UNANSWERED):
-                # Ray restarts it (1-2 s, often longer than order_wait_s): wait while the
-                # channel is not lost, as long as going alone still leaves the rank its save.
-                return [StartTimer(Timer.RESTART_WAIT, data.latest - config.save_budget_s)]
+                return self._wait(data, Timer.RESTART_WAIT, data.latest - config.save_budget_s)
             if event.told is Told.REFUSED:
-                why = f"the coordinator refused the SIGTERM report: {event.reason}"
-            else:
-                why = "coordinator unreachable"
-        elif isinstance(event, Due) and event.timer is Timer.ORDER_WAIT:
-            why = f"no order from the coordinator within {config.order_wait_s}s"
-        elif isinstance(event, Due) and event.timer is Timer.RESTART_WAIT:
-            why = "the coordinator restarted; it was not back while this rank's own save still fit"
-        elif isinstance(event, LinkLost):
-            why = "coordinator unreachable"
-        if why is None:
+                return self._alone_signalled(
+                    f"the coordinator refused the SIGTERM report: {event.reason}"
+                )
+            return self._alone_signalled("coordinator unreachable")
+        if isinstance(event, LinkChanged):
+            if event.change is Link.LOST:
+                return self._alone_signalled(self._why_no_order(data, connected=False))
+            if event.change is Link.RESTARTING:
+                data = replace(data, restarted=True)
+                return self._wait(data, Timer.RESTART_WAIT, data.latest - config.save_budget_s)
+            return [ReportSigterm(data.at)]  # BACK: the report died with the old coordinator
+        if isinstance(event, Due) and event.timer in (Timer.ORDER_WAIT, Timer.RESTART_WAIT):
+            if event.at < data.waits_until:
+                return []  # a longer wait is still running
+            return self._alone_signalled(self._why_no_order(data, event.connected))
+        return self._ended_from_outside(event)
+
+    def _wait(self, data: Signalled, timer: Timer, until: float) -> list[Action]:
+        """Wait for the order until ``until`` at least (a wait already longer stands)."""
+        if until <= data.waits_until:
+            self._move(RankPhase.SIGNALLED, data)
             return []
-        return self._alone(f"signal {data.signum} ({why})", deadline)
+        self._move(RankPhase.SIGNALLED, replace(data, waits_until=until))
+        return [StartTimer(timer, until)]
+
+    def _why_no_order(self, data: Signalled, connected: bool) -> str:
+        if data.restarted:
+            back = "no order from it" if connected else "it was not back"
+            return f"the coordinator restarted; {back} while this rank's own save still fit"
+        if data.told is Told.UNANSWERED:
+            return "the coordinator did not answer while this rank's own save still fit"
+        if not connected:
+            return "coordinator unreachable"
+        return f"no order from the coordinator within {self.config.order_wait_s}s"
+
+    def _alone_signalled(self, why: str) -> list[Action]:
+        """Going alone after a SIGTERM: the deadline still counts from the signal."""
+        data = self.data
+        assert isinstance(data, Signalled)
+        return self._alone(
+            f"signal {data.signum} ({why})", data.at + self.config.teardown_timeout_s
+        )
 
     def _in_stopping(self, event: Event) -> list[Action]:
         data = self.data
@@ -458,6 +558,11 @@ class RankMachine:
     def _in_tearing_down(self, event: Event) -> list[Action]:
         data = self.data
         assert isinstance(data, TearingDown)
+        survivor = not data.exit_process and data.order_cycle is not None
+        if isinstance(event, RejoinBegun) and survivor:
+            # The driver called rejoin() before the teardown ended: rejoin() waits for it.
+            self._move(RankPhase.REJOINING, Rejoining())
+            return []
         if not isinstance(event, TeardownEnded):
             return []
         if data.exit_process or data.order_cycle is None:
@@ -479,9 +584,7 @@ class RankMachine:
                 return self._leave(answer.reason)
             if answer.cycle <= data.order_cycle:
                 return []  # an answer for a cycle this process already was in: stale
-            self._move(
-                RankPhase.AWAITING_REJOIN, AwaitingRejoin(data.order_cycle, data.until, answer)
-            )
+            self._move(RankPhase.AWAITING_REJOIN, replace(data, answer=answer))
             return [KeepAnswer(answer)]
         if isinstance(event, AskFailed):
             return self._leave(f"the coordinator could not be asked ({event.why})")
@@ -494,19 +597,26 @@ class RankMachine:
     def _in_rejoining(self, event: Event) -> list[Action]:
         data = self.data
         assert isinstance(data, Rejoining)
+        if isinstance(event, SpareWaiting):
+            self._move(RankPhase.REJOINING, replace(data, waiting_as_spare=True))
+            return []
+        if isinstance(event, (SpareAssigned, Registered)):  # a slot; its rank in the new group
+            self._move(RankPhase.REJOINING, replace(data, waiting_as_spare=False))
+            return []
+        if isinstance(event, OrderIn):  # the new group's cycle ended before rejoin() returned
+            return self._ordered(event)
         if not isinstance(event, RejoinEnded):
             return []
-        if not event.joined:
-            self._move(RankPhase.LEAVING, Leaving(event.reason))
-            return []  # rejoin() itself left, or reported its failure and left
+        if not event.joined:  # told to leave, no slot, or it could not join (and said so)
+            return self._leave(event.reason)
         if data.held is None:
             self._move(RankPhase.RUNNING, Running())
             return []
         # Signalled while it joined: the new group's first notice evicts it, as any rank -
-        # reported once the other members joined too (``rejoin._until_the_group_joined``).
+        # reported once the other members joined too.
         signum, at = data.held
         self._move(RankPhase.SIGNALLED, self._signalled(signum, at))
-        return [NoticeAgain(signum, at)]
+        return [NoticeAgain(signum, at, event.cycle)]
 
     # --- shared ----------------------------------------------------------------------------
 
@@ -519,10 +629,17 @@ class RankMachine:
                 order.deadline - self.config.watchdog_margin_s - self.config.destroy_timeout_s - 1.0
             )
             self._move(RankPhase.STOPPING, Stopping(order, event.at))
-            return [StopLoop(), StartTimer(Timer.GUARD, guard_at)]
+            return [StopLoop(), WatchLoop(order, event.at), StartTimer(Timer.GUARD, guard_at)]
         trigger = f"coordinator order ({order.trigger})"
         self._move(RankPhase.TEARING_DOWN, TearingDown(trigger, not order.rejoin, order.cycle))
-        return [StartTeardown(trigger, order.deadline, order, skip_reason=order.skip_reason)]
+        teardown = StartTeardown(
+            trigger,
+            order.deadline,
+            order,
+            skip_reason=order.skip_reason,
+            exit_process=not order.rejoin,
+        )
+        return [teardown, AwaitRejoin(order)] if order.rejoin else [teardown]
 
     def _alone(self, trigger: str, deadline: float | None) -> list[Action]:
         self._move(RankPhase.TEARING_DOWN, TearingDown(trigger, True))

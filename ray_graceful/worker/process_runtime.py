@@ -1,10 +1,15 @@
-"""The one per-process state an order acts on, and how an order becomes a teardown.
+"""The one per-process state a rank's machine acts on: registrations, the teardown, the link.
 
 A process may hold several ranks in several groups (verl colocates roles), but it has one
 SIGTERM, one teardown and one exit: everything lives in one ``ProcessRuntime`` per process
-(``process_runtime()``; a forked child gets a fresh one). The coordinator's order becomes a
-teardown in ``carry_out``; a SIGTERM in ``on_sigterm``; a rank leaving with no coordinator
-reachable in ``begin_teardown`` (its peers are told through the group's store).
+(``process_runtime()``; a forked child gets a fresh one).
+
+Every event source - the signal listener and its main-thread backstop, the control thread (an
+order, the link restarting, back or lost), the timers, the peer watch, ``rejoin()``, the
+setup calls - calls ``step(event)``, shaped like the coordinator actor's ``_step``: the rank's
+machine (``lifecycle.py``) decides under the lock, and the actions are carried out here,
+outside it. A rank leaving with no coordinator reachable tells its peers through the group's
+store (``begin_teardown``).
 
 The public setup API that fills it is ``setup.py``.
 """
@@ -12,7 +17,6 @@ The public setup API that fills it is ``setup.py``.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -24,16 +28,48 @@ from ..config import GracefulConfig
 from ..protocol import RankSpec, Rendezvous, TeardownOrder
 from .control import ControlChannel, gpu_indices
 from .emergency_save import Saver, ShardSave
-from .exit_path import hard_exit
+from .exit_path import hard_exit, leave, write_stderr
 from .hard_deadline import hard_deadline
-from .leaving import leave_unless_rejoined
-from .order_wait import await_order
+from .lifecycle import (
+    Action,
+    ArmKernelDeadline,
+    AskFailed,
+    AwaitRejoin,
+    Due,
+    Event,
+    HardExit,
+    KeepAnswer,
+    Leave,
+    Link,
+    LinkChanged,
+    LoopStuck,
+    NoticeAgain,
+    OrderIn,
+    PeerLeft,
+    RankMachine,
+    RankPhase,
+    RendezvousIn,
+    ReportSigterm,
+    Signal,
+    SigtermAnswer,
+    StartTeardown,
+    StartTimer,
+    StopLoop,
+    TeardownEnded,
+    Timer,
+    Told,
+    WatchLoop,
+)
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError
 from .report import write_report_file
 from .signals import SignalListener, set_claim_check
 from .teardown import Teardown
+from .timers import Timers
 from .training_loop import TrainingLoop
+
+ASK_WAIT_S = 0.5  # a survivor's ask for its rendezvous: short, so a rejoin or a SIGTERM is seen
+LOOP_CHECK_S = 0.05  # Ray Train: how often a stopped loop is checked for being stuck
 
 
 @dataclass
@@ -93,132 +129,160 @@ class ProcessRuntime:
     pid: int = field(default_factory=os.getpid)
     control: ControlChannel | None = None
     node_agent: Any = None  # this node's agent (relay, cloud notices), held while we run
-    sigterm_seen: bool = False
     order: TeardownOrder | None = None  # the coordinator's order, once one arrived
     spare_id: str | None = None  # set while this process waits as a spare or standby
-    rejoining: threading.Event = field(default_factory=threading.Event)  # rejoin() is running
-    rejoin_sigterm: tuple[int, float] | None = None  # (signum, time) of one that came meanwhile
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
     peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
+    machine: RankMachine = field(default_factory=lambda: RankMachine(GracefulConfig()))
+    timers: Timers = field(default_factory=Timers)
 
-    # --- signals ---------------------------------------------------------------------------
+    # --- the rank's machine: every event source steps it -----------------------------------
+
+    def step(self, event: Event) -> None:
+        """Decide (``lifecycle.RankMachine``, under the lock), then carry the actions out."""
+        with self.lock:
+            self.machine.config = self.config_or_default()  # the one given, once it is
+            actions = self.machine.step(event)
+        for action in actions:
+            try:
+                self._carry_out(action)
+            except Exception as exc:  # one failed action never stops the others
+                write_stderr(f"ray_graceful: {type(action).__name__} failed: {exc!r}\n")
 
     def claims_signals(self) -> bool:
         """Whether a SIGTERM is ours: a rank registered, a spare waiting, or a rejoin under way."""
-        return bool(self.registrations) or self.spare_id is not None or self.rejoining.is_set()
-
-    def _waiting_spare(self) -> bool:
-        return not self.registrations and self.spare_id is not None
+        return self.machine.claims_signals()
 
     def on_sigterm(self, signum: int, count: int) -> bool:
-        """Listener-thread callback: first SIGTERM starts the teardown, the second escalates."""
+        """Listener-thread callback; whether the signal was this process's."""
         if os.getpid() != self.pid or not self.claims_signals():
             return False
-        if self._waiting_spare():  # nothing to save, no slot yet: just leave
-            self.stop_event.set()
-            return True
-        if count >= 2:
-            config = self.config_or_default()
-            running = self.teardown
-            if running is not None:
-                running.report.exit_path = "second-signal"
-                running.report.exit_code = config.exit_code
-                write_report_file(running.report, config.report_dir)
-            hard_exit(config.exit_code, "second SIGTERM")
-        self.take_sigterm(signum)
+        self.step(Signal(signum, count, time.time(), self._coordinator_answers()))
         return True
 
     def on_sigterm_main_thread(self, signum: int) -> None:
         """Backstop from the Python-level handler, for a signal the listener did not see."""
-        if os.getpid() != self.pid:
-            return
-        if self._waiting_spare():
-            self.stop_event.set()
-        elif self.registrations or self.rejoining.is_set():
-            self.take_sigterm(signum)
+        if os.getpid() == self.pid:
+            self.step(Signal(signum, 1, time.time(), self._coordinator_answers()))
 
-    def take_sigterm(self, signum: int, received_at: float | None = None) -> None:
-        """A first SIGTERM (received at ``received_at``, default now): held while ``rejoin()``
-        runs, else reported to the coordinator for its order, or the teardown starts alone."""
-        received_at = time.time() if received_at is None else received_at
-        config = self.config_or_default()
-        # Armed now: whatever the wait for an order runs into, the process is gone by its deadline.
-        left_s = config.teardown_timeout_s - config.watchdog_margin_s / 2
-        at = time.monotonic() + left_s - (time.time() - received_at)
-        with self.lock:
-            if self.rejoining.is_set():  # rejoin() acts on it: it leaves, or it is a notice of
-                if self.rejoin_sigterm is None:  # the group it joined (rejoin.py)
-                    self.rejoin_sigterm = (signum, received_at)
-                    hard_deadline().arm(at, config.exit_code)
-                return
-            if self.sigterm_seen:
-                return
-            self.sigterm_seen = True
+    def on_link(self, change: Link) -> None:
+        """The control channel's word on its link: restarting, back, lost."""
+        self.step(LinkChanged(change, time.time()))
+
+    def on_order(self, order: TeardownOrder) -> None:
+        """The control thread's: an order came (at least once; the machine takes it once)."""
+        self.step(OrderIn(order, time.time()))
+
+    def _coordinator_answers(self) -> bool:
         control = self.control
-        answers = control is not None and (control.connected or control.reconnecting)
-        if control is None or not answers or self.teardown is not None:
-            self.begin_teardown(trigger=f"signal {signum} (no coordinator reachable)")
-            return
-        hard_deadline().arm(at, config.exit_code)
-        threading.Thread(
-            target=self._await_order,
-            args=(signum, control, received_at),
-            name="ray_graceful-await-order",
-            daemon=True,
-        ).start()
+        return control is not None and (control.connected or control.reconnecting)
 
-    # --- a warm restart's rejoin (rejoin.py) -------------------------------------------------
-
-    def begin_rejoin(self) -> None:
-        """``rejoin()`` has begun: a survivor's watcher neither leaves nor keeps answers from
-        now on, and a SIGTERM is held for ``rejoin()`` (``rejoin_sigterm``) - including one
-        that came just before, which the watcher may not have acted on yet."""
-        with self.lock:
-            self.rejoining.set()
-            if self.sigterm_seen and self.rejoin_sigterm is None:
-                self.rejoin_sigterm = (signal.SIGTERM, time.time())
-
-    def end_rejoin(self) -> tuple[int, float] | None:
-        """``rejoin()`` is over: signals take the normal way again; the SIGTERM it held, if any
-        (``take_sigterm`` it once joined). A fresh event: the last cycle's watcher holds the old
-        one, which stays set - cleared, the watcher could miss the rejoin and leave."""
-        with self.lock:
-            self.rejoining = threading.Event()
-            held, self.rejoin_sigterm = self.rejoin_sigterm, None
-            return held
-
-    def signalled_during_rejoin(self) -> bool:
-        return self.rejoin_sigterm is not None
-
-    def _await_order(self, signum: int, control: ControlChannel, received_at: float) -> None:
-        """Report the SIGTERM, then wait for the coordinator's order (``order_wait.py``); else
-        go alone, the deadline still counted from the signal."""
+    def _carry_out(self, action: Action) -> None:
         config = self.config_or_default()
-        why = await_order(control, config, received_at, lambda: self.order is not None)
-        # An order for ranks whose training function saves (Ray Train) starts no
-        # teardown here: having the order is what counts.
-        if why is not None and self.teardown is None and self.order is None:
-            deadline = received_at + config.teardown_timeout_s
-            self.begin_teardown(trigger=f"signal {signum} ({why})", deadline=deadline)
+        match action:
+            case ArmKernelDeadline(at):
+                hard_deadline().arm(time.monotonic() + at - time.time(), config.exit_code)
+            case ReportSigterm(at):
+                self._report_sigterm(at)
+            case NoticeAgain(_signum, at, cycle):
+                self._notice_again(at, cycle)
+            case StartTimer(timer, at):
+                self.timers.call_at(at, lambda: self._due(timer))
+            case StartTeardown():
+                self._start_teardown(action)
+            case StopLoop():
+                self.stop_event.set()
+            case WatchLoop(order, since):
+                self.order = order
+                self._watch_loop(since)
+            case AwaitRejoin(order):
+                self._await_rejoin(order)
+            case KeepAnswer(answer):
+                self.rendezvous = answer
+            case Leave(reason):
+                leave(config, reason)
+            case HardExit(code, why):
+                running = self.teardown
+                if running is not None:
+                    running.report.exit_path = "second-signal"
+                    running.report.exit_code = code
+                    write_report_file(running.report, config.report_dir)
+                hard_exit(code, why)
 
-    def carry_out(self, order: TeardownOrder) -> None:
-        """The one place an order becomes a teardown. Idempotent: a second delivery is a no-op."""
-        with self.lock:
-            if self.order is not None:
-                return
-            self.order = order
-        if any(reg.train_fn_saves for reg in self.registrations.values()):
-            self._stop_at_loop_boundary(order)
+    def _due(self, timer: Timer) -> None:
+        connected = self.control is not None and self.control.connected
+        self.step(Due(timer, time.time(), connected))
+
+    def _report_sigterm(self, received_at: float) -> None:
+        """Report the SIGTERM on a thread of its own (a call: the listener never waits on it);
+        the answer steps the machine."""
+        control = self.control
+
+        def report() -> None:
+            told = control.report_sigterm(received_at) if control else Told.UNREACHABLE
+            refusal = control.sigterm_refusal if control else ""
+            self.step(SigtermAnswer(told, time.time(), refusal))
+
+        threading.Thread(target=report, name="ray_graceful-sigterm-report", daemon=True).start()
+
+    def _notice_again(self, received_at: float, cycle: int) -> None:
+        """A SIGTERM held while ``rejoin()`` ran: reported once every member of the new group
+        joined (a member still registering when the notice's cycle opens is refused, and
+        leaves, where the group could have gone on without this one) - for as long as this
+        rank's own teardown, with its save, still fits before its deadline."""
+        config = self.config_or_default()
+        wait_s = min(
+            config.rejoin_timeout_s,
+            config.teardown_timeout_s
+            - config.save_budget_s
+            - config.watchdog_margin_s
+            - (time.time() - received_at),
+        )
+        if wait_s > 0 and self.control is not None:
+            try:
+                self.control.wait_rejoined(cycle, wait_s)
+            except Exception as exc:  # the notice goes out all the same
+                write_stderr(
+                    f"ray_graceful: the new group's record could not be awaited: {exc!r}\n"
+                )
+        self._report_sigterm(received_at)
+
+    def _start_teardown(self, action: StartTeardown) -> None:
+        order = action.order
+        if order is None:
+            self.begin_teardown(action.trigger, action.deadline, exit_process=action.exit_process)
             return
+        self.order = order
+        if not action.save:
+            self.begin_teardown(
+                action.trigger,
+                order.deadline,
+                order.cycle,
+                save_orders=[],
+                skip_save_reason=action.skip_reason,
+            )
+            return
+        save_orders, skipped = self._save_orders(order)
+        skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
+        self.begin_teardown(
+            trigger=action.trigger,
+            deadline=order.deadline,
+            cycle=order.cycle,
+            save_orders=save_orders,
+            skip_save_reason=skip_reason or "the plan has another replica save",
+            exit_process=action.exit_process,
+            boundary_needed=order.boundary_needed,
+        )
+
+    def _save_orders(self, order: TeardownOrder) -> tuple[list[ShardSave], list[str]]:
+        """The order's saves that this process can make, and why it skips the others."""
         save_orders, skipped = [], []
         for save in order.saves:
             reg = self.registrations.get(save.key)
             if reg is None or reg.saver is None:
                 skipped.append(f"{save.shard_key}: this process has no saver for it")
                 continue
-            turn = None
-            if save.is_backup:
-                turn = self._turn_asker(order.cycle, save.shard_key)
+            turn = self._turn_asker(order.cycle, save.shard_key) if save.is_backup else None
             save_orders.append(
                 reg.save_order(
                     save.root,
@@ -230,37 +294,50 @@ class ProcessRuntime:
                     self.config_or_default().coordinator_namespace,
                 )
             )
-        skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
-        teardown = self.begin_teardown(
-            trigger=f"coordinator order ({order.trigger})",
-            deadline=order.deadline,
-            cycle=order.cycle,
-            save_orders=save_orders,
-            skip_save_reason=skip_reason or "the plan has another replica save",
-            exit_process=not order.rejoin,
-            boundary_needed=order.boundary_needed,
-        )
-        if order.rejoin and not teardown.exit_process:
-            control = self.control
-            assert control is not None  # an order came through it
+        return save_orders, skipped
 
-            rejoining = self.rejoining  # this cycle's: a rejoin sets it, and it stays set
+    def _await_rejoin(self, order: TeardownOrder) -> None:
+        """A survivor: once its teardown is done, ask the coordinator for its rendezvous - short
+        long polls, and every ``ASK_WAIT_S`` once answered, so that a coordinator lost while the
+        driver has not called back yet is seen within that - until it rejoins or leaves."""
+        teardown, control = self.teardown, self.control
+        assert teardown is not None and control is not None  # started; the order came through it
+        margin_s = self.config_or_default().watchdog_margin_s
 
-            def keep(answer: Rendezvous) -> None:
-                if answer.action == "join" and answer.cycle <= order.cycle:
-                    return  # an answer for a cycle this process already was in: stale
-                with self.lock:  # never after rejoin() began (it sets the event under the lock)
-                    if not rejoining.is_set():
-                        self.rendezvous = answer
+        def ask() -> None:
+            teardown.done.wait(max(teardown.remaining(), 0.0) + margin_s)
+            self.step(TeardownEnded(time.time()))
+            answered_at = None
+            while self.machine.phase is RankPhase.AWAITING_REJOIN:
+                if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
+                    time.sleep(0.05)
+                    continue
+                try:
+                    answer = control.rendezvous(ASK_WAIT_S)
+                except Exception as exc:
+                    self.step(AskFailed(type(exc).__name__, time.time()))
+                    return
+                if answer is not None:
+                    self.step(RendezvousIn(answer, time.time()))
+                    answered_at = time.monotonic()
 
-            leave_unless_rejoined(
-                self.config_or_default(),
-                teardown,
-                rejoining,
-                lambda: self.sigterm_seen,
-                control.rendezvous,
-                keep,
-            )
+        threading.Thread(target=ask, name="ray_graceful-rejoin-ask", daemon=True).start()
+
+    def _watch_loop(self, since: float) -> None:
+        """Ray Train: every ``LOOP_CHECK_S``, on the timers' thread, whether the stopped loop
+        is stuck before its boundary (it will not reach it to save)."""
+        config = self.config_or_default()
+        ordered_at = time.monotonic() - (time.time() - since)
+
+        def check() -> None:
+            if self.machine.phase is not RankPhase.STOPPING:
+                return
+            if self.loop.stuck_since(ordered_at, config.quiesce_timeout_s):
+                self.step(LoopStuck(time.time()))
+            else:
+                self.timers.call_at(time.time() + LOOP_CHECK_S, check)
+
+        self.timers.call_at(time.time() + LOOP_CHECK_S, check)
 
     def _turn_asker(self, cycle: int, key: str) -> Callable[[float], tuple[bool, str]]:
         """How a backup save asks the coordinator whether it is its turn."""
@@ -272,44 +349,6 @@ class ProcessRuntime:
             return control.save_turn(cycle, key, wait_s)
 
         return ask
-
-    def _stop_at_loop_boundary(self, order: TeardownOrder) -> None:
-        """An order for ranks whose training function saves (Ray Train): stop, then guard.
-
-        ``should_stop()`` turns true and the training function saves at its step boundary
-        (``ray_graceful.train.emergency_checkpoint``). A guard starts the normal teardown (no
-        save) as soon as the loop is found stuck (``TrainingLoop.stuck_since``), else shortly
-        before the deadline whatever it does, so the rank still leaves in time.
-        """
-        config = self.config_or_default()
-        ordered_at = time.monotonic()
-        self.stop_event.set()
-        guard_at = order.deadline - config.watchdog_margin_s - config.destroy_timeout_s - 1.0
-
-        def guard() -> None:
-            # Leave as soon as the loop is found stuck (it will not reach its boundary to
-            # save); else shortly before the deadline, whatever it does.
-            while time.time() < guard_at and self.teardown is None:
-                if self.loop.stuck_since(ordered_at, config.quiesce_timeout_s):
-                    self.begin_teardown(
-                        trigger=f"coordinator order ({order.trigger}); the training loop is "
-                        "stuck: it did not reach should_stop() in time",
-                        deadline=order.deadline,
-                        cycle=order.cycle,
-                        save_orders=[],
-                        skip_save_reason="the training loop is stuck before its step boundary",
-                    )
-                    return
-                time.sleep(0.05)
-            self.begin_teardown(
-                trigger=f"coordinator order ({order.trigger}); guard before the deadline",
-                deadline=order.deadline,
-                cycle=order.cycle,
-                save_orders=[],
-                skip_save_reason="saving is the training function's (Ray Train)",
-            )
-
-        threading.Thread(target=guard, name="ray_graceful-loop-boundary-guard", daemon=True).start()
 
     def rank_specs(self) -> tuple[RankSpec, ...]:
         """The ranks this process registers with the coordinator (not the release-only ones)."""
@@ -336,7 +375,7 @@ class ProcessRuntime:
             if self.peer_watch is None:
                 self.peer_watch = PeerWatch(
                     lambda: [r.group for r in list(self.registrations.values())],
-                    lambda why: self.begin_teardown(trigger=f"released by a peer: {why}"),
+                    lambda why: self.step(PeerLeft(why, time.time())),
                     self._peers_need_watching,
                 )
         self.peer_watch.start()

@@ -20,7 +20,7 @@ Every failure on the way (the group does not form in time, the load fails, the r
 refused) is reported to the coordinator - which then ends the other members cleanly - and the
 process leaves. A rank never trains on after a rejoin unless it holds the committed step.
 
-A SIGTERM while ``rejoin()`` runs is claimed and held (``ProcessRuntime.begin_rejoin``): a
+A SIGTERM while ``rejoin()`` runs is claimed and held (the rank's machine, ``lifecycle.py``): a
 member without its answer yet leaves; one with its answer finishes joining - the group forms as
 soon as every member is there, where leaving would hold the others in the rendezvous until its
 timeout - and the held signal is then the first notice of the new group's cycle, its deadline
@@ -49,7 +49,7 @@ from ..protocol import (
 )
 from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
-from .leaving import leave
+from .lifecycle import RankPhase, RejoinBegun, RejoinEnded
 from .process_groups import SetupError, resolve_group
 from .process_runtime import ProcessRuntime, Registration, process_runtime
 from .restore import coordinator_checkpoint_dir
@@ -91,42 +91,21 @@ def rejoin(
             "rejoin(): this process holds ranks but was not ordered to rejoin (warm_restart "
             "is off, or its rank is being evicted): nothing to rejoin"
         )
-    runtime.begin_rejoin()
+    runtime.step(RejoinBegun(time.time()))
+    if runtime.machine.phase is not RankPhase.REJOINING:
+        # A SIGTERM came first, and the process is already leaving.
+        reason = getattr(runtime.machine.data, "reason", "this process is leaving")
+        return Rejoined(RejoinResult.LEFT, "", reason=reason, pid=os.getpid())
+    result = Rejoined(RejoinResult.LEFT, "", reason="rejoin() raised", pid=os.getpid())
     try:
         result = _rejoin(
             runtime, config, coordinator, survivor, state_dict, load_state_dict, backend
         )
     finally:
-        held = runtime.end_rejoin()
-    if held is not None and result.joined:
-        # Signalled while it joined: the new group's first notice evicts it, as any rank -
-        # once the others have joined too (a member still registering when the notice's cycle
-        # opens is refused, and leaves, where the group could have gone on without this one).
-        _until_the_group_joined(coordinator, result.cycle, config, signalled_at=held[1])
-        runtime.take_sigterm(*held)
+        # Joined with a SIGTERM held: the machine has it reported as the new group's first
+        # notice, once the others have joined too (``ProcessRuntime._notice_again``).
+        runtime.step(RejoinEnded(result.joined, time.time(), result.cycle, result.reason))
     return result
-
-
-def _until_the_group_joined(
-    coordinator: Any, cycle: int, config: GracefulConfig, signalled_at: float
-) -> None:
-    """Until every member of the warm restart into ``cycle`` has said what it did, for as long
-    as this rank's own teardown, with its save, still fits before its deadline."""
-    import ray
-
-    wait_s = min(
-        config.rejoin_timeout_s,
-        config.teardown_timeout_s
-        - config.save_budget_s
-        - config.watchdog_margin_s
-        - (time.time() - signalled_at),
-    )
-    if wait_s <= 0:
-        return
-    try:
-        ray.get(coordinator.wait_rejoined.remote(cycle, wait_s), timeout=wait_s + REPORT_TIMEOUT_S)
-    except Exception as exc:  # the notice goes out all the same
-        write_stderr(f"ray_graceful: the new group's record could not be awaited: {exc!r}\n")
 
 
 def _rejoin(
@@ -146,7 +125,7 @@ def _rejoin(
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
         backend = backend or _backend_of(survivor)
     else:
-        waited = wait_as_spare("spare", config)
+        waited = wait_as_spare("spare", config, exit_on_finish=False)
         if waited.action != SpareAction.ASSIGNED:
             return Rejoined(
                 RejoinResult.LEFT, waited.spare_id, reason=waited.reason, pid=os.getpid()
@@ -154,9 +133,8 @@ def _rejoin(
         member = waited.spare_id
         backend = backend or _default_backend()
     answer = runtime.rendezvous if survivor is not None else None
-    answer = answer or _ask(coordinator, member, config, runtime.signalled_during_rejoin)
+    answer = answer or _ask(coordinator, member, config, runtime.machine.held_signal)
     if answer.action != RendezvousAction.JOIN:
-        leave(config, answer.reason)
         return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
     try:
         return _join(
@@ -175,8 +153,7 @@ def _rejoin(
         result = _result(answer, member, RejoinResult.LEFT, reason=reason)
         _tell(coordinator, result)
         _destroy_quietly()
-        leave(config, reason)
-        return result
+        return result  # the rank's machine has it leave (``RejoinEnded``)
 
 
 def _survivor_registration(runtime: ProcessRuntime) -> Registration | None:
@@ -199,7 +176,7 @@ def _default_backend() -> str:
 
 
 def _ask(
-    coordinator: Any, member: str, config: GracefulConfig, signalled: Callable[[], bool]
+    coordinator: Any, member: str, config: GracefulConfig, signalled: Callable[[], object]
 ) -> Rendezvous:
     """The coordinator's answer for ``member``, asked until it has one, the time is up or a
     SIGTERM came (each ask is a long poll of at most ``RENDEZVOUS_POLL_S``)."""
@@ -304,7 +281,6 @@ def _register_again(
             )
         }
         runtime.teardown, runtime.order, runtime.rendezvous = None, None, None
-        runtime.sigterm_seen = False  # a SIGTERM from now on is held in ``rejoin_sigterm``
         runtime.stop_event.clear()
     control = runtime.control
     assert control is not None

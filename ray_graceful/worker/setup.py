@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from ..config import GracefulConfig
 from ..dcp import DcpSaver
 from .connect import connect
 from .emergency_save import Saver
+from .lifecycle import Registered, TeardownRequested
 from .process_groups import SetupError, resolve_group
 from .process_runtime import Registration, process_runtime, route_signals
 from .setup_status import GracefulSetupWarning, SetupStatus
@@ -177,6 +179,7 @@ def register_rank(
             existing.shard = shard_key
             existing.train_fn_saves = train_fn_saves
             existing.load_state = load_state or existing.load_state
+    runtime.step(Registered(train_fn_saves))
     installed, listener = listener_status(cfg)
     control = connect(runtime, cfg) if not release_only else "extra group: released only"
     return SetupStatus(
@@ -224,4 +227,10 @@ def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teard
     runtime = process_runtime()
     if not runtime.registrations:
         raise SetupError("teardown_now(): nothing is registered in this process")
-    return runtime.begin_teardown(trigger, exit_process=exit_process)
+    runtime.step(TeardownRequested(trigger, time.time(), exit_process))
+    if runtime.teardown is None:
+        raise SetupError(
+            f"teardown_now(): this process is {runtime.machine.phase}, not training: its "
+            "ending is already decided (a Ray Train stop, or a rejoin under way)"
+        )
+    return runtime.teardown

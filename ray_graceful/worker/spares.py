@@ -22,6 +22,7 @@ from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
 from .exit_path import exit_when_idle, write_stderr
+from .lifecycle import SpareAssigned, SpareWaiting
 from .process_groups import SetupError
 from .process_runtime import ProcessRuntime, process_runtime
 from .setup import listener_status
@@ -70,12 +71,15 @@ def wait_as_spare(
     ctx = ray.get_runtime_context()
     spare_id = f"{role}-{ctx.get_worker_id() or uuid.uuid4().hex}"
     runtime.spare_id = spare_id
+    runtime.step(SpareWaiting())
     listener_status(config, "wait_as_spare on the main thread", warn=False)
     poll = _SparePoll(handle, spare_id, role, ctx.get_node_id(), config)
     poll.register()
     poll.thread.start()
     result = dataclasses.replace(_until_word(poll, runtime, timeout), spare_id=spare_id)
-    runtime.spare_id = None if result.action == SpareAction.ASSIGNED else spare_id
+    if result.action == SpareAction.ASSIGNED:
+        runtime.spare_id = None
+        runtime.step(SpareAssigned())
     if result.action == SpareAction.EXIT and exit_on_finish:
         _exit_when_idle(config, result.reason)
     return result
