@@ -115,6 +115,24 @@ def test_actor_group_with_the_anyscale_option(ray_cluster, tmp_path, kind):
     result = run_driver(ray_cluster, tmp_path, kind, anyscale_env(tmp_path), "sigterm")
     check_actor_group(result)
     assert result["outcome"]["notices"][0]["source"] == "sigterm"
+    assert result["host_watch"] is None, "off unless the job switches it on"
+
+
+@pytest.mark.timeout(300)
+def test_the_host_watch_switched_on_by_the_jobs_env(ray_cluster, tmp_path):
+    """docs/configuration.md: ``RAY_GRACEFUL_HOST_WATCH=1`` job-wide, nothing in any config
+    object: the ranks' node agent beats to the coordinator's watch, and an eviction with a
+    notice ends as it does without it."""
+    env = {**anyscale_env(tmp_path), "RAY_GRACEFUL_HOST_WATCH": "1"}
+    result = run_driver(ray_cluster, tmp_path, "sync", env, "sigterm")
+    watch = result["host_watch"]
+    assert watch is not None, "the job's env did not switch the host watch on"
+    assert len(watch["hosts"]) == 1 and watch["lost"] == {}, watch
+    assert result["normal"] == [3, 3], "the normal run finished unharmed"
+    outcome = result["outcome"]
+    assert outcome is not None and outcome["result"] == "committed", outcome
+    assert outcome["notices"][0]["source"] == "sigterm"
+    assert len(result["ended"]) == 2, result["ended"]
 
 
 @pytest.mark.timeout(300)

@@ -67,6 +67,11 @@ def actor_group() -> None:
     result["after_normal"] = {
         k: status[k] for k in ("cycle", "tearing_down", "notices", "rejected", "failures")
     }
+    watch, heard_by = status["host_watch"], time.time() + 20
+    while watch is not None and not watch["hosts"] and time.time() < heard_by:
+        time.sleep(0.1)  # on (RAY_GRACEFUL_HOST_WATCH): until this node's agent beats
+        watch = coordinator.status()["host_watch"]
+    result["host_watch"] = watch
 
     # An eviction in the middle of a run.
     training = [r.train.remote(100_000, 0.01) for r in ranks]
