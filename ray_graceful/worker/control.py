@@ -123,7 +123,6 @@ class ControlChannel:
         self.cycle: int | None = None
         self.alive = True
         self.reconnecting = False  # Ray is restarting the coordinator: registering again
-        self.restarts_seen = 0  # how often this channel found the coordinator restarting
         self.state = "connecting"
         self.order_received = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,13 +326,12 @@ class ControlChannel:
     def _reconnect(self, why: str) -> bool:
         """Register again (same process id, same ranks) with the coordinator Ray restarts.
 
-        Until it answers, ``cycle`` is None and ``reconnecting`` true: a SIGTERM meanwhile is
-        reported once it is back, and ``on_disconnect`` has the peers watched through the
-        group's store.
+        Until it answers, ``cycle`` is None and ``reconnecting`` true; ``on_disconnect`` has the
+        peers watched through the group's store, and ``on_link`` tells the rank's machine
+        (restarting, then back: a SIGTERM meanwhile is reported then).
         """
         self.cycle, self.state = None, f"reconnecting: {why}"
         self.reconnecting = True
-        self.restarts_seen += 1
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
         self.on_link(Link.RESTARTING)

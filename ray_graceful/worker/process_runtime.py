@@ -72,6 +72,11 @@ ASK_WAIT_S = 0.5  # a survivor's ask for its rendezvous: short, so a rejoin or a
 LOOP_CHECK_S = 0.05  # Ray Train: how often a stopped loop is checked for being stuck
 
 
+def _on_monotonic_clock(at: float) -> float:
+    """A moment the machine names in Unix seconds, on ``time.monotonic()``'s clock."""
+    return time.monotonic() + at - time.time()
+
+
 @dataclass
 class Registration:
     """One (group, rank) of this process and how it saves."""
@@ -181,7 +186,7 @@ class ProcessRuntime:
         config = self.config_or_default()
         match action:
             case ArmKernelDeadline(at):
-                hard_deadline().arm(time.monotonic() + at - time.time(), config.exit_code)
+                hard_deadline().arm(_on_monotonic_clock(at), config.exit_code)
             case ReportSigterm(at):
                 self._report_sigterm(at)
             case NoticeAgain(_signum, at, cycle):
@@ -327,7 +332,7 @@ class ProcessRuntime:
         """Ray Train: every ``LOOP_CHECK_S``, on the timers' thread, whether the stopped loop
         is stuck before its boundary (it will not reach it to save)."""
         config = self.config_or_default()
-        ordered_at = time.monotonic() - (time.time() - since)
+        ordered_at = _on_monotonic_clock(since)
 
         def check() -> None:
             if self.machine.phase is not RankPhase.STOPPING:
