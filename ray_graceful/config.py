@@ -315,6 +315,14 @@ class GracefulConfig:
         "model, optimizer, CUDA context), spares take the evicted slots, and the group is "
         "re-formed in place (docs/worker.md, 'Warm restart'). Off: every rank leaves.",
     )
+    warm_restart_holds: bool = _setting(
+        True,
+        allowed.boolean,
+        "Warm restart with a memory tier: a survivor holds its own shard as a snapshot in its "
+        "memory and trains on at once; the snapshot reaches the keepers and disk in the "
+        "background (docs/memory-tier.md, 'Held, in the keepers, durable'). Off: survivors "
+        "save before anyone trains again.",
+    )
     min_world_size: int = _setting(
         0,
         allowed.count(0, 1 << 24, "a number of ranks"),

@@ -63,6 +63,55 @@ def test_survivors_keep_their_processes_and_a_spare_takes_the_evicted_slot(ray_c
 
 
 @pytest.mark.timeout(240)
+def test_survivors_hold_their_shards_and_train_on_before_the_step_is_committed(nodes, tmp_path):
+    """With a memory tier, a survivor saves nothing before the group trains again: it holds its
+    own shard (a snapshot), and the step is committed - in the keepers, then on disk - once
+    the snapshots' copies land, with exactly the state the group trained on from."""
+    # The group on node a, its spare on node b, the coordinator (and a keeper) on the head:
+    # a SIGTERMed rank's node keeps no copy (its keeper may be going too).
+    placed = ("node_a", "node_b")
+    with warm_job(tmp_path, 3, 1, own_shards=True, on=placed, memory_replicas=1) as (
+        config,
+        coordinator,
+        workers,
+        [spare],
+    ):
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0])
+
+        restart = group.restart(timeout=60)
+        outcome = restart.outcome
+        assert outcome.result == "held", outcome.reason
+        assert outcome.committed["step"] == restart.step
+        assert sorted(outcome.committed["held"]) == ["policy/r1", "policy/r2"]
+        # Nothing is committed yet that a restart could load at this step.
+        record = coordinator.wait_rejoined(outcome.cycle + 1, timeout=30)
+        assert record["result"] == "rejoined", record
+        loaded = {m["rank"]: m["loaded_from"] for m in record["members"]}
+        assert loaded[1] == loaded[2] == "own state"
+        assert loaded[0].startswith("memory"), loaded  # the evicted shard, from a keeper
+        at_restart = ray.get([w.snapshot.remote() for w in group.workers])
+        assert {s["step"] for s in at_restart} == {restart.step}
+
+        # The group trains on; the step becomes durable behind it.
+        ray.get([w.train.remote(3) for w in group.workers], timeout=60)
+        durable = coordinator.wait_durable(outcome.cycle, timeout=60)
+        assert durable is not None and durable.get("path"), durable
+        where = coordinator.durability(outcome.cycle)
+        assert where["stage"] == "on-disk", where
+        assert where["at"]["in-keepers"] >= max(m["started_at"] for m in record["members"])
+
+        # What was committed is the state of the held step, not what the survivors trained to.
+        committed = latest_committed(config.checkpoint_dir)
+        assert committed is not None and committed.step == restart.step
+        for snap in at_restart:
+            saved = load_committed_shard(committed, f"policy/r{snap['rank']}")["state"]
+            for name, tensor in saved["model"].items():
+                assert torch.equal(snap["state"][name], tensor), (snap["rank"], name)
+
+
+@pytest.mark.timeout(240)
 def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluster, tmp_path):
     with warm_job(tmp_path, 2) as (_config, coordinator, workers, _spares):
         group = WarmGroup(coordinator, workers, method="rejoin")

@@ -34,22 +34,36 @@ def warm_config(tmp_path, **overrides) -> GracefulConfig:
     return GracefulConfig(**values)
 
 
-def start_group(config: GracefulConfig, world: int) -> list:
+def start_group(
+    config: GracefulConfig, world: int, own_shards: bool = False, on: str | None = None
+) -> list:
+    """``on``: a node's custom resource (the ``nodes`` fixture's "node_a") to place them on."""
     port = free_port()
-    workers = [Worker.remote(world, r, "127.0.0.1", port) for r in range(world)]
-    ray.get([w.init.remote(config) for w in workers], timeout=120)
+    placed = Worker.options(resources={on: 1}) if on else Worker
+    workers = [placed.remote(world, r, "127.0.0.1", port) for r in range(world)]
+    ray.get([w.init.remote(config, own_shards) for w in workers], timeout=120)
     return workers
 
 
 @contextlib.contextmanager
-def warm_job(tmp_path, world: int, spares: int = 0, **overrides):
-    """A coordinator with warm restart on, a trained-ready group and its spares; all ended."""
+def warm_job(
+    tmp_path,
+    world: int,
+    spares: int = 0,
+    own_shards: bool = False,
+    on: tuple[str | None, str | None] = (None, None),
+    **overrides,
+):
+    """A coordinator with warm restart on, a trained-ready group and its spares; all ended.
+
+    ``on``: the custom resources of the nodes the group and the spares go on (default: any)."""
     config = warm_config(tmp_path, **overrides)
     coordinator = Coordinator.start(config)
     workers, spare_actors = [], []
     try:
-        workers = start_group(config, world)
-        spare_actors = [Worker.remote(config=config) for _ in range(spares)]
+        workers = start_group(config, world, own_shards, on[0])
+        placed = Worker.options(resources={on[1]: 1}) if on[1] else Worker
+        spare_actors = [placed.remote(config=config) for _ in range(spares)]
         yield config, coordinator, workers, spare_actors
     finally:
         kill_actors(*workers, *spare_actors)

@@ -35,7 +35,10 @@ class ShardRecord:
     rank: int = -1
     seconds: float = 0.0
     reused: bool = False  # the step was already committed: the committed shard was kept
-    tier: str = "disk"  # "memory": held by keepers (memory/), its file not yet written
+    # "memory": held by keepers (memory/), its file not yet written; "held": a warm restart's
+    # survivor holds it as a snapshot in its own memory, on its way to the keepers (``holders``:
+    # the survivor's node) - never part of a committed checkpoint
+    tier: str = "disk"
     holders: tuple[str, ...] = ()  # memory: the nodes whose keepers hold it
     # memory, a dcp_saver's shard: its chunks (dcp.chunk_summary), checked at the memory commit
     dcp_chunks: dict[str, Any] | None = None

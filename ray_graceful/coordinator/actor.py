@@ -34,12 +34,15 @@ from ..outcome import TerminationOutcome, publish_record
 from ..protocol import (
     Ack,
     JobClosed,
+    LateSave,
     PollAnswer,
     PollState,
+    ProtocolError,
     Register,
     Rejoined,
     Rendezvous,
     Reply,
+    Result,
     SaveResult,
     SaveTurn,
     SigtermSeen,
@@ -48,14 +51,16 @@ from ..protocol import (
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
+    check_version,
 )
 from ..rendezvous import host_store
 from . import collector, recovery
 from . import events as ev
 from .backups import BackupTurns
-from .conclusion import carry_out
+from .conclusion import CommitRequest, carry_out
 from .fanout import Fanout
 from .groups import GroupAgents
+from .held import HeldStep, HeldSteps, Stage
 from .host_watch import HostWatch
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
@@ -137,6 +142,7 @@ class CoordinatorActor(NodeFacingCalls):
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
         self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
+        self.held = HeldSteps()  # steps the survivors hold, until their copies land
 
     def _wake(self) -> None:
         """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
@@ -288,6 +294,8 @@ class CoordinatorActor(NodeFacingCalls):
             decisions = self._step(ev.ReportsClosed(cycle))
             commit = next(d for d in decisions if isinstance(d, ev.Commit))
             landed = await asyncio.to_thread(carry_out, commit.request)  # the disk, nothing else
+            if landed.result is Result.HELD:
+                self._expect_copies(commit.request)
             self._take(ev.CommitDone(cycle, landed))
         except asyncio.CancelledError:
             raise
@@ -305,7 +313,79 @@ class CoordinatorActor(NodeFacingCalls):
     def _publish(self, concluded: ev.Concluded) -> None:
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
         self.outcomes.publish(concluded.outcome)
-        self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
+        if concluded.outcome.result is not Result.HELD:  # a held step commits later
+            self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
+
+    # --- held steps: committed once the survivors' copies land (``held.py``) -----------------
+
+    def _expect_copies(self, request: CommitRequest) -> None:
+        """The cycle's step is held: its survivors' copies are due within a save budget of the
+        moment the last of them rejoined, at most ``rejoin_timeout_s`` from now."""
+        until = time.time() + self.config.rejoin_timeout_s + self.config.save_budget_s
+        held = self.held.expect(request, until)
+        self._publish_held(held)
+        self._spawn(self._held_deadline(held.cycle, until))
+
+    async def _held_deadline(self, cycle: int, until: float) -> None:
+        await asyncio.sleep(max(until - time.time(), 0.0))
+        held = self.held.overdue(cycle, time.time())
+        if held is not None:
+            self._held_lost(held)
+
+    async def late_saved(self, message: LateSave) -> Reply:
+        """A survivor's held shards reached the keepers (or could not): see ``held.py``."""
+        try:
+            check_version(message)
+        except (ProtocolError, AttributeError) as exc:
+            return Reply.refused(str(exc))
+        held, why = self.held.take(message)
+        if why is not None:
+            logger.warning("ray_graceful: late save of cycle %s refused: %s", message.cycle, why)
+            return Reply.refused(why)
+        lost = self.held.steps[message.cycle]
+        if lost.stage is Stage.LOST:
+            self._held_lost(lost)
+        elif held is not None:
+            self._spawn(self._commit_held(held))
+        return Reply.ok()
+
+    async def _commit_held(self, held: HeldStep) -> None:
+        """Every copy landed: commit the step in memory, then on disk as any memory commit."""
+        landed = await asyncio.to_thread(carry_out, held.commit_request())
+        if landed.result is not Result.COMMITTED or landed.memory is None:
+            held.lose(f"the memory commit failed: {landed.reason}")
+            self._held_lost(held)
+            return
+        held.reached(Stage.IN_KEEPERS)
+        self._publish_held(held)
+        self.memory.after_commit(held.cycle, landed.memory)  # the disk copy, in the background
+        durable = await self.memory.wait_durable(held.cycle, REPORT_GRACE_S + 600.0)
+        if durable and durable.get("path"):
+            held.reached(Stage.ON_DISK, durable_path=durable["path"])
+            self._publish_held(held)
+
+    def _held_lost(self, held: HeldStep) -> None:
+        """Never committed: what the cycle handed to keepers goes, and waits for it end."""
+        logger.error("ray_graceful: held step %s of cycle %s lost: %s", held.step, held.cycle,
+                     held.reason)  # fmt: skip
+        self.memory.after_commit(held.cycle, None)
+        self.memory.durable_failed(held.cycle, f"held step {held.step} lost: {held.reason}")
+        self._publish_held(held)
+
+    def _publish_held(self, held: HeldStep) -> None:
+        publish_record(self.config.report_dir, self.job_id, f"held-cycle-{held.cycle}",
+                       held.describe())  # fmt: skip
+
+    async def durability(self, cycle: int) -> dict[str, Any] | None:
+        """Where cycle ``cycle``'s step is now: held by the group, in the keepers, on disk."""
+        held = self.held.describe(cycle)
+        if held is not None:
+            return held
+        memory = self.memory.record(cycle)
+        if memory is None:
+            return None
+        stage = Stage.ON_DISK if memory.get("durable_path") else Stage.IN_KEEPERS
+        return {**memory, "stage": (Stage.LOST if memory.get("lost") else stage).value}
 
     async def _join_deadline(self, cycle: int, join_by: float) -> None:
         """A warm restart's members have until ``join_by`` to say what they did."""
@@ -373,8 +453,18 @@ class CoordinatorActor(NodeFacingCalls):
 
     # --- the memory tier (coordinator/memory.py) ----------------------------------------------
 
-    async def memory_checkpoint(self, shard_key: str) -> dict[str, Any] | None:
-        """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}."""
+    async def memory_checkpoint(
+        self, shard_key: str, step: int | None = None
+    ) -> dict[str, Any] | None:
+        """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}.
+
+        ``step``: a warm restart's member loading that step, which may be held and not
+        committed yet - a keeper's copy of its evicted shards is loadable already."""
+        if step is not None:
+            copy = self.held.saved_copy(shard_key, step)
+            if copy is not None:
+                names = self.memory.names(copy.holders)
+                return {"step": step, "holders": dict(zip(copy.holders, names, strict=True))}
         return await self.memory.checkpoint_for(shard_key)
 
     async def memory_record(self, cycle: int) -> dict[str, Any] | None:

@@ -35,7 +35,9 @@ class CommitRequest:
 
     cycle: int
     job_id: str
-    tier: str | None  # "disk" | "memory" | None (then ``result`` and ``reason`` say why)
+    # "disk" | "memory" | "held" (some survivors hold their shards: ``held.py``) | None (then
+    # ``result`` and ``reason`` say why)
+    tier: str | None
     root: str | None
     expected: tuple[str, ...]
     records: tuple[ShardRecord, ...]
@@ -77,11 +79,11 @@ def commit_request(
     if cycle.train_fn_saves:
         why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
         return nothing(Result.RAY_TRAIN, why)
-    if any(r.tier == "memory" for r in records):
+    if any(r.tier in ("memory", "held") for r in records):
         return CommitRequest(
             cycle.number,
             job_id,
-            "memory",
+            "held" if any(r.tier == "held" for r in records) else "memory",
             root,
             expected,
             records,
@@ -104,7 +106,9 @@ def carry_out(request: CommitRequest) -> CommitResult:
     """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
     result, reason = request.result or Result.ABANDONED, request.reason
     committed, memory = None, None
-    if request.tier == "memory":
+    if request.tier == "held":
+        result, reason, committed = _check_held(request)
+    elif request.tier == "memory":
         try:
             memory = commit_in_memory(
                 request.job_id,
@@ -137,6 +141,29 @@ def carry_out(request: CommitRequest) -> CommitResult:
     if memory is not None:
         resume_from = {"step": memory.step, "tier": "memory"}
     return CommitResult(result, reason, committed, memory, resume_from)
+
+
+def _check_held(request: CommitRequest) -> tuple[Result, str, dict[str, Any] | None]:
+    """A cycle whose survivors hold their shards: everything a memory commit checks, held
+    shards counted as present. HELD, not COMMITTED: nothing is committed until their copies
+    land (``held.py``); a restart meanwhile loads the checkpoint before it."""
+    try:
+        checked = commit_in_memory(
+            request.job_id,
+            request.cycle,
+            list(request.expected),
+            list(request.records),
+            request.replicas,
+            request.evicted_nodes,
+        )
+    except CheckpointError as exc:
+        return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
+    held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier == "held"}
+    reason = (
+        f"step {checked.step} is held in memory by the group's survivors ({len(held)} shard(s))"
+        " and committed once their copies reach the keepers: Coordinator.durability(cycle)"
+    )
+    return Result.HELD, reason, {"tier": "held", "step": checked.step, "held": held}
 
 
 def outcome_of(

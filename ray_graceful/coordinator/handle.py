@@ -193,6 +193,14 @@ class Coordinator:
         )
         return durable
 
+    def durability(self, cycle: int, timeout: float = 10.0) -> dict[str, Any] | None:
+        """Where cycle ``cycle``'s step is now: ``stage`` is "held" (by the warm restart's
+        survivors, in their memory), "committing", "in-keepers" (committed in memory),
+        "on-disk" (its manifest written) or "lost" (never committed: ``reason``); ``held``,
+        ``in_keepers``, ``missing`` and ``at`` (stage -> when) say the rest. None if that
+        cycle committed nothing in memory and held nothing."""
+        return self._ask("durability", cycle, timeout=timeout)
+
     def memory_record(self, cycle: int, timeout: float = 10.0) -> dict[str, Any] | None:
         """Memory tier: what cycle ``cycle``'s memory checkpoint holds and went through, now.
 

@@ -238,7 +238,8 @@ class CycleMachine:
 
     def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:
         cycle = self.cycle
-        committed = landed is not None and landed.result is Result.COMMITTED
+        # A held step is one: every shard at it, the survivors holding theirs (``held.py``).
+        committed = landed is not None and landed.result in (Result.COMMITTED, Result.HELD)
         step = (landed.committed or {}).get("step") if committed else None
         record, told = self.warm.after_cycle(
             cycle, step, committed, self.registry, list(self.spares.spares.values())

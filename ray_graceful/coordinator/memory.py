@@ -419,6 +419,12 @@ class MemoryTier:
                 }
         return None
 
+    def durable_failed(self, cycle: int, why: str) -> None:
+        """Cycle ``cycle``'s step will never be durable (a held step lost): waits for it end."""
+        self.durable[cycle] = {"error": why}
+        self.publish(f"durable-cycle-{cycle}", {"cycle": cycle, "error": why})
+        self.durable_events.setdefault(cycle, asyncio.Event()).set()
+
     async def wait_durable(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The durable copy's record once the background copy of ``cycle`` ended (or None)."""
         event = self.durable_events.setdefault(cycle, asyncio.Event())

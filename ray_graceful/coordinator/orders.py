@@ -78,6 +78,7 @@ def _plan_and_order(
     keepers = KeeperPool(_surviving_keepers(plan, placement))
     rejoiners = warm.choose_survivors(plan, state.active(), cycle.train_fn_saves)
     spare_nodes = warm.spare_nodes(plan, spares)
+    holding = warm.may_hold(plan, spare_nodes)
     order_for = _OrderMaker(
         state,
         trigger="; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3]),
@@ -86,7 +87,7 @@ def _plan_and_order(
     )
     for process_id, orders in by_process.items():
         saves = tuple(
-            _assignment(state, plan, o, placement, keepers, spare_nodes)
+            _assignment(state, plan, o, placement, keepers, spare_nodes, holding)
             for o in orders
             if o.action is not Action.LEAVE
         )
@@ -185,6 +186,7 @@ def _assignment(
     placement: KeeperPlacement | None,
     keepers: KeeperPool,
     spare_nodes: dict[str, list[str]],
+    holding: set[RankKey],
 ) -> SaveAssignment:
     shard = ShardId(order.group, order.shard)
     backup_for = plan.savers[shard][1] if order.action is Action.BACKUP else None
@@ -202,4 +204,6 @@ def _assignment(
         backup_for=backup_for,
         start_by=order.start_by,
         keepers=holders,
+        # Its own shard, which it keeps training from: held, copied to ``holders`` later
+        hold=bool(holders) and backup_for is None and (order.group, order.rank) in holding,
     )

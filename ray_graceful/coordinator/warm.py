@@ -33,6 +33,7 @@ from ..config import GracefulConfig
 from ..health import FAULTY
 from ..plan import TerminationPlan
 from ..protocol import (
+    RankKey,
     RankSpec,
     Rejoined,
     Rendezvous,
@@ -192,6 +193,31 @@ class WarmRestarts:
             if order.group in groups and (order.group, order.rank) not in staying and free:
                 out.setdefault(shard_key(order.group, order.shard), []).append(free.pop(0).node_id)
         return out
+
+    def may_hold(self, plan: TerminationPlan, spare_nodes: dict[str, list[str]]) -> set[RankKey]:
+        """The survivors' ranks that hold their own shard instead of saving it before anyone
+        trains again (``coordinator/held.py``): with a memory tier and ``warm_restart_holds``,
+        where every evicted slot of their group has a spare (the warm restart should go ahead)
+        and no spare is to load their shard (a replica's spare loads what they save)."""
+        if not (self.survivors and self.config.warm_restart_holds):
+            return set()
+        if self.config.memory_replicas <= 0:
+            return set()
+        staying = {s.spec.key for s in self.survivors.values()}
+        evicted: dict[str, int] = {}
+        for order in plan.orders:
+            if (order.group, order.rank) not in staying:
+                evicted[order.group] = evicted.get(order.group, 0) + 1
+        spared: dict[str, int] = {}
+        for key, nodes in spare_nodes.items():
+            group = key.partition("/")[0]
+            spared[group] = spared.get(group, 0) + len(nodes)
+        return {
+            s.spec.key
+            for s in self.survivors.values()
+            if evicted.get(s.spec.group, 0) <= spared.get(s.spec.group, 0)
+            and shard_key(s.spec.group, s.spec.shard) not in spare_nodes
+        }
 
     # --- 2. when the cycle concluded ---------------------------------------------------------
 

@@ -99,6 +99,7 @@ def load_shard(
     checkpoint_dir: str | None,
     namespace: str,
     timeout_s: float = 60.0,
+    step: int | None = None,
 ) -> LoadedShard | None:
     """The newest committed copy of ``shard_key``: memory (own node, then a peer), else disk.
 
@@ -106,6 +107,9 @@ def load_shard(
     answers nothing is skipped with a log line; the disk copy is the last resort - at the same
     step. ``MemoryTierError`` if every holder failed and disk has only an older step: the rest
     of the group would load the newer one.
+
+    ``step``: a warm restart's member loading that step, which its group may hold without it
+    being committed yet (``coordinator/held.py``): a keeper's copy of it counts too.
     """
     import ray
 
@@ -115,7 +119,8 @@ def load_shard(
     memory = None
     if coordinator is not None:
         try:
-            memory = ray.get(coordinator.memory_checkpoint.remote(shard_key), timeout=timeout_s)
+            asked = coordinator.memory_checkpoint.remote(shard_key, step)
+            memory = ray.get(asked, timeout=timeout_s)
         except Exception as exc:
             logger.warning("ray_graceful: could not ask for the memory checkpoint: %r", exc)
     if memory is not None and (on_disk is None or memory["step"] >= on_disk.step):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +26,20 @@ class TensorLeaf:
     shape: tuple[int, ...]
 
 
-def to_tree(obj: Any) -> Any:
-    """``obj`` with every torch tensor replaced by a ``TensorLeaf`` (CPU, detached)."""
+def to_tree(obj: Any, copy: bool = False) -> Any:
+    """``obj`` with every torch tensor replaced by a ``TensorLeaf`` (CPU, detached).
+
+    ``copy``: a snapshot - every leaf its own copy, so that the state may change on (a warm
+    restart's survivor holding its shard while it trains: ``worker/late_copy.py``).
+    """
     import torch
 
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()  # device to host: the one copy a GPU shard needs
+        elif copy:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
         tensor = tensor.contiguous()
         if tensor.numel():
             flat = tensor.reshape(-1).view(torch.uint8)
@@ -41,10 +48,10 @@ def to_tree(obj: Any) -> Any:
         dtype = str(tensor.dtype).removeprefix("torch.")
         return TensorLeaf(flat.numpy(), dtype, tuple(tensor.shape))
     if isinstance(obj, dict):
-        return type(obj)((k, to_tree(v)) for k, v in obj.items())
+        return type(obj)((k, to_tree(v, copy)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(to_tree(v) for v in obj)
-    return obj
+        return type(obj)(to_tree(v, copy) for v in obj)
+    return deepcopy(obj) if copy else obj
 
 
 def from_tree(obj: Any) -> Any:

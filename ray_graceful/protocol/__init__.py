@@ -21,6 +21,7 @@ from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, ch
 from .messages import (
     DEFAULT_NAME,
     Ack,
+    LateSave,
     PollAnswer,
     PollState,
     RankKey,
@@ -58,6 +59,7 @@ __all__ = [
     "Action",
     "ExitPath",
     "JobClosed",
+    "LateSave",
     "LoadedFrom",
     "PhaseRecord",
     "PhaseStatus",

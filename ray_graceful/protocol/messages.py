@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checkpoint.records import shard_key
+from ..checkpoint.records import ShardRecord, shard_key
 from ..config import GracefulConfig
 from ..health import HealthReport
 from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, check_version
@@ -132,6 +132,9 @@ class SaveAssignment:
     backup_for: int | None = None
     start_by: float = 0.0
     keepers: tuple[str, ...] = ()  # memory tier: the keepers that hold it (else: to ``root``)
+    # A warm restart's survivor saving its own shard: snapshot it, report it held, train on;
+    # the copy to ``keepers`` follows in the background (``LateSave``)
+    hold: bool = False
 
     @property
     def is_backup(self) -> bool:
@@ -218,6 +221,23 @@ class SaveResult:
     process_id: str
     cycle: int
     saved: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    reason: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class LateSave:
+    """A survivor's held shards reached the keepers after it trained on (or could not).
+
+    ``saved``: the copies' records (tier "memory"), one per held shard of cycle ``cycle``;
+    ``failed``: the shard keys that never got there, ``reason`` why. The coordinator commits
+    the cycle's step once every held shard's copy landed (``coordinator/held.py``).
+    """
+
+    process_id: str
+    cycle: int
+    saved: tuple[ShardRecord, ...] = ()
     failed: tuple[str, ...] = ()
     reason: str = ""
     version: int = PROTOCOL_VERSION

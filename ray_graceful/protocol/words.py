@@ -48,6 +48,9 @@ class Result(Word):
     """What a cycle came to (``TerminationOutcome.result``)."""
 
     COMMITTED = "committed"  # every shard of the plan at one step: a restart loads it
+    # every shard of the plan at one step, a warm restart's survivors holding theirs in memory:
+    # the group trains on from it; committed once their copies land (``Coordinator.durability``)
+    HELD = "held"
     ABANDONED = "abandoned"  # nothing committed, with the reason
     NO_CHECKPOINT = "no-checkpoint"  # nowhere to write: no checkpoint_dir, no memory tier
     RAY_TRAIN = "ray-train"  # the savers reported to Ray Train (ray.train.get_checkpoint())

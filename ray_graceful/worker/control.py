@@ -29,10 +29,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint import ShardRecord
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
 from ..protocol import (
     Ack,
+    LateSave,
     PollKind,
     PollState,
     RankSpec,
@@ -401,6 +403,19 @@ class ControlChannel:
             return
         message = SaveResult(self.process_id, self.cycle, tuple(saved), tuple(failed), reason)
         ray.get(self.handle.save_result.remote(message), timeout=REPORT_TIMEOUT_S)
+
+    def late_saved(
+        self, cycle: int, saved: list[ShardRecord], failed: list[str], reason: str
+    ) -> None:
+        """Tell the coordinator where this process's held shards of ``cycle`` landed."""
+        import ray
+
+        message = LateSave(self.process_id, cycle, tuple(saved), tuple(failed), reason)
+        reply = ray.get(self.handle.late_saved.remote(message), timeout=REPORT_TIMEOUT_S)
+        if isinstance(reply, Reply) and not reply.accepted:
+            logger.warning(
+                "ray_graceful: the late copy of cycle %s refused: %s", cycle, reply.reason
+            )
 
     def save_turn(self, cycle: int, key: str, wait_s: float) -> tuple[bool, str]:
         """As a backup saver: must this process save shard ``key``? Waits at most ``wait_s``."""

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import ShardRecord, write_shard
+from ..checkpoint import ShardRecord, shard_file_name, write_shard
 from ..config import GracefulConfig
 from .exit_path import write_stderr
-from .report import Skip
+from .late_copy import HeldShard
+from .report import Skip, ray_identity
 from .threads import run_bounded
 
 # How a rank writes one shard: ``saver(path, step)``, returning (bytes, crc32) or None.
@@ -48,6 +49,9 @@ class ShardSave:
     keepers: tuple[str, ...] = ()
     state: Callable[[], Any] | None = None
     namespace: str = ""
+    # A warm restart's survivor: snapshot ``state()`` and report it held; the copy to
+    # ``keepers`` follows once the group trains again (``late_copy.py``)
+    hold: bool = False
 
 
 class EmergencySave:
@@ -70,6 +74,7 @@ class EmergencySave:
         self.cycle = cycle
         self.on_saved = on_saved
         self.saved: list[ShardRecord] = []
+        self.held: list[HeldShard] = []  # snapshots of shards reported held, to copy later
         self.abandon = threading.Event()  # set: a save past its budget must never be renamed
         self._told = False
 
@@ -153,8 +158,59 @@ class EmergencySave:
         )
         return True
 
+    def _hold(self, order: ShardSave, step: int, done: list[str]) -> bool:
+        """A survivor's own shard: a snapshot in this process's memory, reported held. False
+        (saved as any other, and said so) where the snapshot does not fit or fails."""
+        from ..dcp import is_shard_files
+        from ..memory.tree import to_tree, tree_bytes
+
+        assert order.state is not None
+        budget = self._budget(order, done)
+        state = order.state
+        started = time.monotonic()
+        try:
+            value = run_bounded(state, budget, "hold-state")
+            if is_shard_files(value):
+                done.append(f"shard {order.shard!r}: a DCP shard is not held; saving it now")
+                return False
+            # The tree's leaves are its own copies: what the group trains on from here may
+            # change, the snapshot does not.
+            snapshot = to_tree({"step": step, "state": value}, copy=True)
+        except MemoryError:
+            done.append(f"shard {order.shard!r}: no memory for a snapshot; saving it now")
+            return False
+        nbytes = tree_bytes(snapshot)
+        if nbytes > self.config.memory_budget_mb << 20:
+            done.append(
+                f"shard {order.shard!r}: {nbytes} bytes do not fit memory_budget_mb="
+                f"{self.config.memory_budget_mb} for a snapshot; saving it now"
+            )
+            return False
+        record = ShardRecord(
+            shard=order.shard,
+            step=step,
+            file=shard_file_name(order.shard),
+            bytes=nbytes,
+            crc32=0,
+            group=order.group,
+            rank=order.rank,
+            seconds=time.monotonic() - started,
+            tier="held",
+            holders=(ray_identity()["node_id"],),
+        )
+        self.saved.append(record)
+        self.held.append(HeldShard(snapshot, record, order.keepers, order.namespace, budget))
+        done.append(
+            f"shard {order.shard!r}: {nbytes} bytes held by this process (a snapshot in "
+            f"{record.seconds:.2f}s), to the keepers once the group trains again"
+        )
+        return True
+
     def _save_one(self, order: ShardSave, step: int, done: list[str]) -> None:
-        if order.keepers and order.state is not None and self._hand_off(order, step, done):
+        in_memory = bool(order.keepers) and order.state is not None
+        if in_memory and order.hold and self._hold(order, step, done):
+            return
+        if in_memory and self._hand_off(order, step, done):
             return
         if order.keepers and order.state is None:
             done.append("memory tier: this rank registered a saver=, not state=; saving to disk")

@@ -30,6 +30,7 @@ from .control import ControlChannel, gpu_indices
 from .emergency_save import Saver, ShardSave
 from .exit_path import hard_exit, leave, write_stderr
 from .hard_deadline import hard_deadline
+from .late_copy import LateCopies
 from .lifecycle import (
     Action,
     ArmKernelDeadline,
@@ -98,6 +99,7 @@ class Registration:
         start_by: float = 0.0,
         keepers: tuple[str, ...] = (),
         namespace: str = "",
+        hold: bool = False,
     ) -> ShardSave:
         """Save ``shard`` under ``root`` with this rank's saver (which must exist).
 
@@ -117,6 +119,7 @@ class Registration:
             keepers,
             self.state,
             namespace,
+            hold,
         )
 
 
@@ -138,6 +141,7 @@ class ProcessRuntime:
     spare_id: str | None = None  # set while this process waits as a spare or standby
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
     peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
+    late: LateCopies = field(default_factory=LateCopies)  # held shards on their way to keepers
     machine: RankMachine = field(default_factory=lambda: RankMachine(GracefulConfig()))
     timers: Timers = field(default_factory=Timers)
 
@@ -205,6 +209,8 @@ class ProcessRuntime:
             case KeepAnswer(answer):
                 self.rendezvous = answer
             case Leave(reason):
+                # The step the group held must not vanish with this holder: its copy first.
+                self.late.finish(config.save_budget_s)
                 leave(config, reason)
             case HardExit(code, why):
                 running = self.teardown
@@ -297,6 +303,7 @@ class ProcessRuntime:
                     save.start_by,
                     save.keepers,
                     self.config_or_default().coordinator_namespace,
+                    save.hold,
                 )
             )
         return save_orders, skipped
@@ -311,6 +318,11 @@ class ProcessRuntime:
 
         def ask() -> None:
             teardown.done.wait(max(teardown.remaining(), 0.0) + margin_s)
+            # What it holds goes to the keepers once the group trains again (late_copy.py).
+            config = self.config_or_default()
+            self.late.take(
+                order.cycle, list(teardown.saving.held), control.late_saved, config.rejoin_timeout_s
+            )
             self.step(TeardownEnded(time.time()))
             answered_at = None
             while self.machine.phase is RankPhase.AWAITING_REJOIN:
@@ -429,6 +441,7 @@ class ProcessRuntime:
                 on_stop=self.stop_event.set,
                 on_report=self.control.report if self.control is not None else None,
                 on_saved=self.control.save_result if self.control is not None else None,
+                late=self.late,
                 training=self.loop,
                 exit_process=exit_process,
                 boundary_needed=boundary_needed,

@@ -105,6 +105,7 @@ def rejoin(
         # Joined with a SIGTERM held: the machine has it reported as the new group's first
         # notice, once the others have joined too (``ProcessRuntime._notice_again``).
         runtime.step(RejoinEnded(result.joined, time.time(), result.cycle, result.reason))
+        runtime.late.go()  # the group trains again: what this survivor held goes to keepers
     return result
 
 
@@ -296,7 +297,9 @@ def _fetch(config: GracefulConfig, coordinator: Any, answer: Rendezvous) -> Futu
 
     def fetch() -> tuple[LoadedShard | None, float, float]:
         began = time.monotonic()
-        loaded = load_shard(key, coordinator, checkpoint_dir, config.coordinator_namespace)
+        loaded = load_shard(
+            key, coordinator, checkpoint_dir, config.coordinator_namespace, step=answer.step
+        )
         return loaded, began, time.monotonic()
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="ray_graceful-fetch")

@@ -55,6 +55,7 @@ from .device import device_queue_finished
 from .emergency_save import EmergencySave, ShardSave
 from .exit_path import hard_exit, leave_without_finalization, skip_finalization, write_stderr
 from .hard_deadline import hard_deadline
+from .late_copy import LateCopies
 from .process_groups import GroupHandle, release_all
 from .report import (
     LOG_PREFIX,
@@ -106,8 +107,10 @@ class Teardown:
         training: TrainingThread | None = None,
         exit_process: bool = True,
         boundary_needed: bool = True,
+        late: LateCopies | None = None,
     ) -> None:
         self.config = config
+        self.late = late  # an earlier cycle's held shards, still on their way: finished first
         self.groups = groups
         self.skip_save_reason = skip_save_reason
         self.on_stop = on_stop
@@ -342,6 +345,12 @@ class Teardown:
             TeardownPhase.EXIT, PhaseStatus.RUNNING, started_s=time.monotonic() - self.t0
         )
         self.report.phases.append(record)
+        if self.exit_process and self.late is not None and self.late.pending():
+            # A held step of an earlier cycle whose copy is still running: this process may be
+            # its last holder. Within what is left before the watchdog.
+            left = self.remaining() - self.config.watchdog_margin_s
+            if not self.late.finish(max(left, 0.0)):
+                write_stderr("ray_graceful: leaving with a held shard's copy unfinished\n")
         if not self.exit_process:
             record.status, record.detail = PhaseStatus.SKIPPED, "exit_process=False"
             self._publish()

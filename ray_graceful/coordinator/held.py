@@ -1,0 +1,187 @@
+"""Steps the group holds in memory, committed once the survivors' copies land.
+
+A warm restart's survivor that parked at step k holds its own shard of step k: it is that
+shard's checkpoint. Where the memory tier is on (and ``warm_restart_holds``), its save order
+says ``hold``: it snapshots the shard into its own memory, reports it *held* and trains on as
+soon as the group re-formed; the copy to the keepers follows in the background and is reported
+on its own (``LateSave``). So the cycle concludes ``Result.HELD`` - every shard of the plan at
+one step, saved or held - and the group trains again without waiting for a save.
+
+The step becomes a checkpoint only when every held shard's copy has landed: then it is
+committed in memory exactly as any other (``memory/commit.py``), and made durable on disk in the
+background (manifest last). Until then nothing marks it committed: ``load_latest`` and a cold
+restart see the step before it, and ``Coordinator.durability(cycle)`` says which stage it is in:
+
+    held  ->  in the keepers  ->  on disk
+      \\-> lost (a copy failed, or did not land by ``until``: the step is never committed)
+
+Ray-free and clock-free: the actor feeds it the cycle's commit request, the late reports and
+the time; it answers what to commit and what to say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ..checkpoint import ShardRecord
+from ..protocol import LateSave
+from .conclusion import CommitRequest
+
+KEEP_HELD = 16  # held steps remembered, at most (their records: one per shard)
+
+
+class Stage(str, Enum):
+    """Where a held step is, as far as the coordinator knows."""
+
+    HELD = "held"  # every shard at one step; the survivors' copies on their way
+    COMMITTING = "committing"  # every copy landed: committing in memory
+    IN_KEEPERS = "in-keepers"  # committed in memory: ``load_latest`` returns it
+    ON_DISK = "on-disk"  # its manifest is written
+    LOST = "lost"  # a copy failed or never came: never committed (``reason``)
+
+
+@dataclass
+class HeldStep:
+    """One cycle's step, held by its survivors until their copies land."""
+
+    request: CommitRequest  # the cycle's, the survivors' "held" records among its records
+    until: float  # copies not in by then: the step is lost
+    held_at: float = field(default_factory=time.time)
+    landed: dict[str, ShardRecord] = field(default_factory=dict)  # shard key -> its copy
+    stage: Stage = Stage.HELD
+    reason: str = ""
+    at: dict[str, float] = field(default_factory=dict)  # stage -> when it was reached
+    durable_path: str | None = None
+
+    @property
+    def cycle(self) -> int:
+        return self.request.cycle
+
+    @property
+    def step(self) -> int:
+        return self.request.records[0].step if self.request.records else -1
+
+    @property
+    def held(self) -> dict[str, ShardRecord]:
+        return {r.shard: r for r in self.request.records if r.tier == "held"}
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.held) - set(self.landed))
+
+    def take(self, late: LateSave) -> str | None:
+        """Take one survivor's late report; the reason if it is refused."""
+        if self.stage is not Stage.HELD:
+            return f"cycle {self.cycle}'s held step is {self.stage.value} already"
+        held = self.held
+        for record in late.saved:
+            if not isinstance(record, ShardRecord):
+                return "a late save's records are ShardRecords"
+            mine = held.get(record.shard)
+            if mine is None:
+                return f"shard {record.shard!r} was not held in cycle {self.cycle}"
+            if record.tier != "memory" or record.step != mine.step or record.bytes != mine.bytes:
+                # What landed is not what the group trained on from: never commit it.
+                self.lose(
+                    f"the copy of shard {record.shard!r} is not what was held (step "
+                    f"{record.step}, {record.bytes} bytes, {record.tier}; held: step "
+                    f"{mine.step}, {mine.bytes} bytes)"
+                )
+                return None
+        if late.failed:
+            names = ", ".join(sorted(late.failed)[:3])
+            self.lose(f"the copy of shard(s) {names} did not land: {late.reason}"[:500])
+            return None
+        for record in late.saved:
+            self.landed[record.shard] = record
+        return None
+
+    def complete(self) -> bool:
+        return self.stage is Stage.HELD and not self.missing()
+
+    def commit_request(self) -> CommitRequest:
+        """The cycle's request with each held record replaced by its copy: a memory commit."""
+        self.stage, self.at[Stage.COMMITTING.value] = Stage.COMMITTING, time.time()
+        records = tuple(self.landed.get(r.shard, r) for r in self.request.records)
+        return dataclasses.replace(self.request, tier="memory", records=records)
+
+    def lose(self, reason: str, now: float | None = None) -> None:
+        self.stage, self.reason = Stage.LOST, reason
+        self.at[Stage.LOST.value] = now if now is not None else time.time()
+
+    def reached(self, stage: Stage, now: float | None = None, **fields: Any) -> None:
+        self.stage = stage
+        self.at[stage.value] = now if now is not None else time.time()
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``Coordinator.durability(cycle)`` answers: which step is held where."""
+        return {
+            "cycle": self.cycle,
+            "step": self.step,
+            "stage": self.stage.value,
+            "held": {k: list(r.holders) for k, r in sorted(self.held.items())},
+            "in_keepers": sorted(
+                {r.shard for r in self.request.records if r.tier == "memory"} | set(self.landed)
+            ),
+            "missing": self.missing(),
+            "durable_path": self.durable_path,
+            "held_at": self.held_at,
+            "at": dict(self.at),
+            "reason": self.reason,
+        }
+
+
+class HeldSteps:
+    """The held steps of a coordinator, by cycle (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, HeldStep] = {}
+
+    def expect(self, request: CommitRequest, until: float) -> HeldStep:
+        held = self.steps[request.cycle] = HeldStep(request, until)
+        for old in sorted(self.steps)[:-KEEP_HELD]:
+            del self.steps[old]
+        return held
+
+    def take(self, late: LateSave) -> tuple[HeldStep | None, str | None]:
+        """The held step ``late`` completes (None if it does not yet), or why it is refused."""
+        held = self.steps.get(late.cycle)
+        if held is None:
+            return None, f"no held step for cycle {late.cycle}"
+        why = held.take(late)
+        if why is not None:
+            return None, why
+        return (held if held.complete() else None), None
+
+    def overdue(self, cycle: int, now: float) -> HeldStep | None:
+        """Lose the held step of ``cycle`` if its copies are not all in by its ``until``."""
+        held = self.steps.get(cycle)
+        if held is None or held.stage is not Stage.HELD or now < held.until:
+            return None
+        held.lose(
+            f"the copies of {', '.join(held.missing()[:3])} did not land by the deadline",
+            now,
+        )
+        return held
+
+    def saved_copy(self, shard_key: str, step: int) -> ShardRecord | None:
+        """A keeper-held copy of ``shard_key`` at ``step`` from a held step not committed yet:
+        what a warm restart's spare loads (never a cold restart: the step is not a checkpoint)."""
+        for held in self.steps.values():
+            if held.step != step or held.stage is Stage.LOST:
+                continue
+            record = held.landed.get(shard_key) or next(
+                (r for r in held.request.records if r.shard == shard_key), None
+            )
+            if record is not None and record.tier == "memory":
+                return record
+        return None
+
+    def describe(self, cycle: int) -> dict[str, Any] | None:
+        held = self.steps.get(cycle)
+        return held.describe() if held is not None else None
