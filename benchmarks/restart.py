@@ -3,10 +3,15 @@
 One run compares three ways back to training after the same eviction, each repetition with its
 own eviction of a fresh node:
 
-- **warm**: ``warm_restart=True``. The survivors keep their processes; spares (started ahead of
-  time on a node that gets no notice, with their model allocated) take the evicted slots; the
-  group re-forms in place (``WarmGroup.restart``). The evicted shards' memory copies are put on
-  the spares' node (``memory/placement.py``);
+- **warm**: ``warm_restart=True``. The survivors keep their processes and hold their own shards
+  (a snapshot: they save nothing before training again; the copies reach the keepers, then
+  disk, behind the training - ``coordinator/held.py``); spares (started ahead of time on a node
+  that gets no notice, with their model allocated) take the evicted slots; the group re-forms
+  in place (``WarmGroup.restart``). The evicted shards' memory copies are put on the spares'
+  node (``memory/placement.py``);
+- **warm-save-first**: the same with ``warm_restart_holds=False``: every saver, survivors too,
+  hands its shard to the keepers before the step is committed and anyone trains again (the
+  warm restart before 0.2.0);
 - **cold-memory**: today's path. Every rank leaves; the driver starts a new group of actors that
   loads the memory tier's checkpoint (``load_latest``: the keeper on its node, else a peer);
 - **cold-disk**: no memory tier. Every rank leaves after saving to disk; a new group loads the
@@ -17,7 +22,9 @@ Per repetition: a group of N ranks (each its own shard of ``mb`` MB, one memory 
 on node A and on a fresh node B, which hosts N/4 of them (at least one). Node B is drained
 through Ray (``drain_node``) with a deadline. The clock starts at that call and stops when
 every rank of the new group has taken its first step (an all-reduce over a sum of its whole
-state). Nothing is simulated: real raylets (on this one machine), real actors, real gloo.
+state); *durable* stops when the step's manifest is on disk. Nothing is simulated: real
+raylets (on this one machine), real actors, real gloo. A row that would not fit this machine's
+memory is skipped, and the report says so.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from ray_graceful.worker.mixin import GracefulWorkerMixin
 
 from .memory import NAMESPACE, STATE_TENSORS
 
-WAYS = ("warm", "cold-memory", "cold-disk")
+WAYS = ("warm", "warm-save-first", "cold-memory", "cold-disk")
 
 
 class RestartRank(GracefulWorkerMixin, BenchRank):
@@ -129,13 +136,25 @@ def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
 
     from ray_graceful.tools.bench.kit import gpu_count, local_cluster
 
-    # At its peak a node's store holds every shard twice: each saver's own put and its
-    # keeper's copy (a saver's copy is dropped once held). Smaller, and Ray spills the
-    # hand-offs to disk mid-eviction: a measurement of spilling, not of the restart.
-    largest = max(args.sizes) << 20
-    store = 2 * largest * max(args.ranks) + (512 << 20)
     ways = [w for w in args.ways.split(",") if w]
     runs: list[dict[str, Any]] = []
+    rows = [(n, mb) for n in args.ranks for mb in args.sizes]
+    fitting = [(n, mb) for n, mb in rows if _row_bytes(n, mb) <= _MACHINE_SHARE * _machine_bytes()]
+    for n, mb in sorted(set(rows) - set(fitting)):
+        why = (
+            f"needs about {_row_bytes(n, mb) / 2**30:.0f} GiB at its peak; this machine has "
+            f"{_machine_bytes() / 2**30:.0f} GiB"
+        )
+        print(f"  N={n} {mb} MB: skipped, {why}", flush=True)
+        runs.append({"n": n, "mb": mb, "rep": 0, "way": "all", "skipped": why})
+    if not fitting:
+        return {"runs": runs, "table": _report(runs, ways, args)}
+    # At its peak a node's store holds every shard twice: each saver's own put and its
+    # keeper's copy (a saver's copy is dropped once held). Smaller, and Ray spills the
+    # hand-offs to disk mid-eviction: a measurement of spilling, not of the restart. Sized
+    # for the rows that fit, not for the largest asked: three raylets each count their store
+    # off the machine's memory, and too large a store left Ray no memory to place actors in.
+    store = max(2 * (mb << 20) * n for n, mb in fitting) + (512 << 20)
     gpus = gpu_count() if args.backend == "nccl" else 0
     with local_cluster(extra_nodes=1, head_cpus=2, object_store_bytes=store, num_gpus=gpus) as (
         cluster,
@@ -143,24 +162,36 @@ def bench_restart(args: argparse.Namespace) -> dict[str, Any]:
     ):
         node_a = nodes[0].node_id
         head = ray.get_runtime_context().get_node_id()
-        for n in args.ranks:
-            for mb in args.sizes:
-                # Repetition -1 is not counted: it faults in the object stores' pages (the
-                # first hand-off into an untouched store costs as much as a disk write).
-                for rep in range(-1, args.reps):
-                    for way in ways if rep % 2 == 0 else ways[::-1]:
-                        run = {"n": n, "mb": mb, "rep": rep, "way": way}
-                        try:
-                            run.update(
-                                _restart_once(ray, cluster, head, node_a, store, way, n, mb, args)
-                            )
-                        except Exception as exc:  # a failed run is a result: kept and counted
-                            run["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                        print(f"  {_line(run)}", flush=True)
-                        if rep >= 0:
-                            runs.append(run)
-                            _keep_partial(args, runs)
+        for n, mb in fitting:
+            # Repetition -1 is not counted: it faults in the object stores' pages (the
+            # first hand-off into an untouched store costs as much as a disk write).
+            for rep in range(-1, args.reps):
+                for way in ways if rep % 2 == 0 else ways[::-1]:
+                    run = {"n": n, "mb": mb, "rep": rep, "way": way}
+                    try:
+                        run.update(
+                            _restart_once(ray, cluster, head, node_a, store, way, n, mb, args)
+                        )
+                    except Exception as exc:  # a failed run is a result: kept and counted
+                        run["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    print(f"  {_line(run)}", flush=True)
+                    if rep >= 0:
+                        runs.append(run)
+                        _keep_partial(args, runs)
     return {"runs": runs, "table": _report(runs, ways, args)}
+
+
+_MACHINE_SHARE = 0.6  # of the machine's memory a row may take at its peak
+
+
+def _machine_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _row_bytes(n: int, mb: int) -> int:
+    """A row's peak: N ranks and as many successors (spares, or a new group), each with its
+    state, the object stores' two copies of every shard, and ~3 GiB of Ray and torch."""
+    return 4 * n * (mb << 20) + (3 << 30)
 
 
 def _keep_partial(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
@@ -200,7 +231,8 @@ def _restart_once(
         coordinator_name=f"bench-restart-{uuid.uuid4().hex[:8]}",
         memory_replicas=0 if way == "cold-disk" else 1,
         memory_budget_mb=mb * n * 2,
-        warm_restart=way == "warm",
+        warm_restart=way.startswith("warm"),
+        warm_restart_holds=way == "warm",
         rejoin_timeout_s=120.0,
         drain_poll_interval_s=args.drain_poll,
         health_probe="none",
@@ -229,7 +261,7 @@ def _restart_once(
         port = free_port()
         start_ranks(ray, workers, lambda i, w: w.join.remote(i, n, port), f"num_gpus={gpus}")
         group = None
-        if way == "warm":
+        if way.startswith("warm"):
             spares = [on(node_a).remote(mb, config, args.backend) for _ in range(evicted)]
             actors += spares
             ray.get([s.__ray_ready__.remote() for s in spares], timeout=300)  # imports done
@@ -243,7 +275,7 @@ def _restart_once(
         calls_ended_at = time.time()
         outcome = coordinator.wait_outcome(timeout=args.deadline + 60, cycle=0)
         committed_at = time.time()
-        if outcome is None or outcome.result != "committed":
+        if outcome is None or outcome.result not in ("committed", "held"):
             raise RuntimeError(f"no commit: {outcome and outcome.summary()}")
         step = int(outcome.committed["step"])
         if group is not None:
@@ -265,10 +297,18 @@ def _restart_once(
             if {m["step"] for m in marks} != {step}:
                 raise RuntimeError(f"loaded steps {sorted({m['step'] for m in marks})}, not {step}")
             result = _cold_times(t0, committed_at, marks)
+        durable_s = in_keepers_s = committed_at - t0  # cold-disk: the commit is the manifest
         if way != "cold-disk":  # the durable copy lands before the next run starts
-            coordinator.wait_durable(0, timeout=600)
+            durable = coordinator.wait_durable(0, timeout=600) or {}
+            if "at" not in durable:
+                raise RuntimeError(f"step {step} never durable: {durable}")
+            durable_s = durable["at"] - t0
+            where = coordinator.durability(0) or {}
+            in_keepers_s = where.get("at", {}).get("in-keepers", committed_at) - t0
         return {
             "commit_tier": outcome.committed.get("tier"),
+            "durable_s": durable_s,
+            "in_keepers_s": in_keepers_s,
             "outcome_timings": dict(outcome.timings),
             "teardowns": [
                 {s["name"]: round(s.get("duration_s") or 0.0, 3) for s in report["phases"]}
@@ -341,7 +381,10 @@ def _line(run: dict[str, Any]) -> str:
     where = f"N={run['n']} {run['mb']} MB rep {run['rep']} {run['way']}"
     if "error" in run:
         return f"{where}: FAILED {run['error']}"
-    return f"{where}: back in {run['back_s']:.3f} s (committed at {run['commit_s']:.3f} s)"
+    return (
+        f"{where}: back in {run['back_s']:.3f} s (outcome at {run['commit_s']:.3f} s, durable "
+        f"at {run['durable_s']:.3f} s)"
+    )
 
 
 def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespace) -> str:
@@ -351,12 +394,16 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
     for n in args.ranks:
         for mb in args.sizes:
             cell = [r for r in runs if r["n"] == n and r["mb"] == mb]
+            skipped = next((r["skipped"] for r in cell if "skipped" in r), None)
+            if skipped:
+                rows.append([n, mb, "skipped", *["-"] * 10, skipped])
+                continue
             warm = [r["back_s"] for r in cell if r["way"] == "warm" and "error" not in r]
             for way in ways:
                 done = [r for r in cell if r["way"] == way and "error" not in r]
                 failed = sum(1 for r in cell if r["way"] == way and "error" in r)
                 if not done:
-                    rows.append([n, mb, way, "-", "-", "-", "-", "-", "-", "-", "-", failed, "-"])
+                    rows.append([n, mb, way, *["-"] * 9, failed, "-"])
                     continue
                 back = [r["back_s"] for r in done]
 
@@ -378,6 +425,7 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
                         if warm
                         else "-",
                         med("commit_s"),
+                        med("durable_s"),
                         med("start_s"),
                         med("rendezvous_s"),
                         med("load_s"),
@@ -394,7 +442,8 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
             "back p50 s",
             "max s",
             "vs warm",
-            "committed s",
+            "outcome s",
+            "durable s",
             "new processes s",
             "rendezvous s",
             "load s",
@@ -408,8 +457,9 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
         f"\n{args.reps} repetitions per row; node B (N/4 of the ranks, at least 1) drained "
         f"through Ray with a {args.deadline:g} s deadline, drain polled every "
         f"{args.drain_poll:g} s. back = the drain call -> every rank of the new group took its "
-        "first step; committed = the drain call -> the driver holds the committed outcome; "
-        "new processes = committed -> the last new actor constructed (imports, state "
+        "first step; outcome = the drain call -> the driver holds the outcome (committed, or "
+        "held by the warm survivors); durable = the drain call -> the step's manifest on disk; "
+        "new processes = outcome -> the last new actor constructed (imports, state "
         "allocated); rendezvous = the new process group formed; load = the committed shard in "
         "the rank's tensors; first step = an all-reduce over a sum of the whole state. Warm: "
         "survivors keep their processes, spares (started ahead, on node A) take the slots."
@@ -444,7 +494,7 @@ def add_restart_parser(names: Any) -> Any:
         "--ways",
         type=comma_choices(*WAYS),
         default=",".join(WAYS),
-        help="warm, cold-memory, cold-disk (default: all)",
+        help="warm, warm-save-first, cold-memory, cold-disk (default: all)",
     )
     restart.add_argument(
         "--deadline",

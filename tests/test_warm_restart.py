@@ -78,7 +78,7 @@ def test_survivors_hold_their_shards_and_train_on_before_the_step_is_committed(n
     ):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
 
         restart = group.restart(timeout=60)
         outcome = restart.outcome

@@ -70,10 +70,16 @@ def warm_job(
         coordinator.shutdown()
 
 
-def training_until_evicted(coordinator: Coordinator, workers: list, victim: int) -> None:
-    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended."""
+def training_until_evicted(
+    coordinator: Coordinator, workers: list, victim: int, step_s: float = 0.02
+) -> None:
+    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended.
+
+    ``step_s``: the pause between steps. Longer, and the order almost always finds every
+    training thread between steps, where it parks at ``should_stop`` (its state provably the
+    step); shorter, and some are inside a step's collective when a peer is released."""
     ray.get([w.train.remote(3) for w in workers], timeout=60)
-    running = [w.train.remote(10_000, 0.02) for w in workers]
+    running = [w.train.remote(10_000, step_s) for w in workers]
     wait_for(
         lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
         60,

@@ -75,6 +75,9 @@ class EmergencySave:
         self.on_saved = on_saved
         self.saved: list[ShardRecord] = []
         self.held: list[HeldShard] = []  # snapshots of shards reported held, to copy later
+        # The teardown's word: the training thread parked at the step saved (its state is
+        # provably that step, so the rank trains on from it). Else a hold is a save.
+        self.may_hold = True
         self.abandon = threading.Event()  # set: a save past its budget must never be renamed
         self._told = False
 
@@ -208,7 +211,9 @@ class EmergencySave:
 
     def _save_one(self, order: ShardSave, step: int, done: list[str]) -> None:
         in_memory = bool(order.keepers) and order.state is not None
-        if in_memory and order.hold and self._hold(order, step, done):
+        if in_memory and order.hold and not self.may_hold:
+            done.append(f"shard {order.shard!r}: not parked at its step boundary; saving, not held")
+        elif in_memory and order.hold and self._hold(order, step, done):
             return
         if in_memory and self._hand_off(order, step, done):
             return

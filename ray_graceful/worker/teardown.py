@@ -306,6 +306,9 @@ class Teardown:
                 "checkpoint can be labelled with the step it holds"
             )
         self.report.last_step = step
+        # Only a rank that provably is that step trains on from its own state (rejoin.py): one
+        # that is not must load its shard back, so it is saved now, not held.
+        self.saving.may_hold = self.clean_step == step
         return self.saving.run(step)
 
     def _how_the_save_went(self) -> str:
@@ -340,17 +343,21 @@ class Teardown:
             except Exception as exc:
                 write_stderr(f"ray_graceful: could not deliver the report: {exc!r}\n")
 
+    def _finish_late_copy(self) -> None:
+        """A held step of an earlier cycle whose copy is still running: this process may be
+        its last holder. Finished within what is left before the watchdog."""
+        if not self.exit_process or self.late is None or not self.late.pending():
+            return
+        left = self.remaining() - self.config.watchdog_margin_s
+        if not self.late.finish(max(left, 0.0)):
+            write_stderr("ray_graceful: leaving with a held shard's copy unfinished\n")
+
     def _finish(self) -> None:
         record = PhaseRecord(
             TeardownPhase.EXIT, PhaseStatus.RUNNING, started_s=time.monotonic() - self.t0
         )
         self.report.phases.append(record)
-        if self.exit_process and self.late is not None and self.late.pending():
-            # A held step of an earlier cycle whose copy is still running: this process may be
-            # its last holder. Within what is left before the watchdog.
-            left = self.remaining() - self.config.watchdog_margin_s
-            if not self.late.finish(max(left, 0.0)):
-                write_stderr("ray_graceful: leaving with a held shard's copy unfinished\n")
+        self._finish_late_copy()
         if not self.exit_process:
             record.status, record.detail = PhaseStatus.SKIPPED, "exit_process=False"
             self._publish()

@@ -122,3 +122,45 @@ def test_a_spare_that_left_is_dropped_and_the_next_restart_takes_the_assigned_on
         assert ray.get([x.all_reduce_rank.remote() for x in group.workers]) == [3.0, 3.0]
         fault_log.record("a waiting spare left before the eviction", 2, 2, 0, "committed", pids)
         assert not alive(leaving)
+
+
+@pytest.mark.timeout(300)
+def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committed(nodes, tmp_path):
+    """Every keeper killed after the cycle concluded *held*, before the group trained again.
+    The spare had fetched its shard already (it waits in ``rejoin`` from the start), so the
+    group re-forms and trains on; the survivors' copies of the held step find no keeper. That
+    step is lost - never committed, and said so - and a cold restart would not load it."""
+    from ray_graceful import latest_committed
+
+    placed = ("node_a", "node_b")
+    with warm_job(tmp_path, 3, 1, own_shards=True, on=placed, memory_replicas=1) as (
+        config,
+        coordinator,
+        workers,
+        [spare],
+    ):
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
+        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+        for stats in coordinator.keeper_stats().values():
+            ray.kill(ray.get_actor(stats["name"], namespace=config.coordinator_namespace))
+        wait_for(
+            lambda: all("error" in s for s in coordinator.keeper_stats().values()),
+            30,
+            "every keeper gone",
+        )
+
+        restart = group.restart(timeout=90)
+        assert (
+            ray.get([w.train.remote(2) for w in group.workers], timeout=60)
+            == [restart.step + 2] * 3
+        )
+
+        durable = coordinator.wait_durable(0, timeout=90)
+        assert durable is not None and "lost" in durable.get("error", ""), durable
+        where = coordinator.durability(0)
+        assert where["stage"] == "lost", where
+        assert "did not land" in where["reason"], where
+        assert latest_committed(config.checkpoint_dir) is None
