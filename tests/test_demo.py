@@ -22,7 +22,12 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     assert "rank 4 (C, pid" in out and "survivor of rank 4" in out
     assert "rank 0 (" in out and "spare for rank 0" in out
     outcome = json.loads((tmp_path / "outcome.json").read_text())
-    assert outcome["result"] == "committed"
+    # Ranks 4 and 5 parked at the step hold their shards and save nothing ("held"); ranks
+    # released from inside a step would have saved them first ("committed").
+    assert outcome["result"] in ("held", "committed"), outcome["reason"]
+    if outcome["result"] == "held":
+        assert "HELD      step" in out and "IN KEEPERS" in out
+        assert set(outcome["committed"]["held"]) <= {"demo/1", "demo/2"}  # C's survivors
     savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] == "save"}
     assert savers.isdisjoint({0, 1}), "ranks on the FAULTY node A never save"
     assert (tmp_path / "timeline.png").stat().st_size > 0

@@ -64,11 +64,32 @@ def test_survivors_hold_their_own_shards_where_a_spare_takes_every_evicted_slot(
     assert part.may_hold(the_plan, part.spare_nodes(the_plan, [])) == set()
 
 
-def test_a_replica_of_an_evicted_slots_shard_saves_it_first_for_the_spare_that_loads_it():
+def test_a_spare_receives_the_shard_a_surviving_replica_holds_from_it_over_the_group():
     part = warm({1: "s0", 2: "s2", 3: "s3"})  # rank 1 holds the evicted rank 0's shard too
     the_plan = plan({0: "s0", 1: "s0", 2: "s2", 3: "s3"})
     spare_nodes = part.spare_nodes(the_plan, [Spare("a", "spare", "na", 1)])
-    assert part.may_hold(the_plan, spare_nodes) == {("g", 2), ("g", 3)}
+    assert part.may_hold(the_plan, spare_nodes) == {("g", 1), ("g", 2), ("g", 3)}
+
+    held = {"g/s0": ("p1", 4096), "g/s2": ("p2", 10), "g/s3": ("p3", 10)}
+    record = part.decide(
+        0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}},
+        [Spare("a", "spare", "na", 1)], frozenset(), held,
+    )  # fmt: skip
+    assert record is not None and record.result == "rejoining", record.reason
+    spare, holder = record.members["a"], record.members["p1"]
+    assert (spare.rank, spare.peer, spare.shard_bytes) == (0, 1, 4096)
+    assert holder.send_to == (0,)
+    assert record.members["p2"].send_to == () and record.members["p3"].peer == -1
+
+
+def test_a_spare_whose_shard_no_survivor_holds_loads_it_from_a_keeper():
+    part = warm({1: "s1", 2: "s2", 3: "s3"})
+    spares = [Spare("a", "spare", "na", 1)]
+    held = {f"g/s{r}": (f"p{r}", 10) for r in (1, 2, 3)}
+    record = part.decide(0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}},
+                         spares, frozenset(), held)  # fmt: skip
+    assert record.members["a"].peer == -1  # the evicted rank saved s0 itself
+    assert all(record.members[f"p{r}"].send_to == () for r in (1, 2, 3))
 
 
 def test_nobody_holds_without_a_memory_tier_or_with_holding_off():

@@ -70,7 +70,7 @@ def test_survivors_hold_their_shards_and_train_on_before_the_step_is_committed(n
     # The group on node a, its spare on node b, the coordinator (and a keeper) on the head:
     # a SIGTERMed rank's node keeps no copy (its keeper may be going too).
     placed = ("node_a", "node_b")
-    with warm_job(tmp_path, 3, 1, own_shards=True, on=placed, memory_replicas=1) as (
+    with warm_job(tmp_path, 3, 1, shards=["r0", "r1", "r2"], on=placed, memory_replicas=1) as (
         config,
         coordinator,
         workers,
@@ -109,6 +109,47 @@ def test_survivors_hold_their_shards_and_train_on_before_the_step_is_committed(n
             saved = load_committed_shard(committed, f"policy/r{snap['rank']}")["state"]
             for name, tensor in saved["model"].items():
                 assert torch.equal(snap["state"][name], tensor), (snap["rank"], name)
+
+
+@pytest.mark.timeout(240)
+def test_a_spare_receives_the_shard_a_surviving_replica_holds_over_the_new_group(nodes, tmp_path):
+    """Replicas (shards a, b, a, b): rank 0 evicted, the surviving replica of its shard (rank 2)
+    holds it and saves nothing; the spare taking rank 0 receives it from rank 2 once the group
+    formed, checks its step and size, and the group trains on before the step is durable."""
+    placed = ("node_a", "node_b")
+    with warm_job(tmp_path, 4, 1, shards=["a", "b", "a", "b"], on=placed, memory_replicas=1) as (
+        config,
+        coordinator,
+        workers,
+        [spare],
+    ):
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+
+        restart = group.restart(timeout=60)
+        assert restart.outcome.result == "held", restart.outcome.reason
+        assert sorted(restart.outcome.committed["held"]) == ["policy/a", "policy/b"]
+        members = {m.rank: m for m in restart.members}
+        assert members[0].was == "spare for rank 0"
+        assert members[0].loaded_from == "group-peer"
+        assert {members[r].loaded_from for r in (1, 2, 3)} == {"own state"}
+        assert "sent" in members[2].seconds  # the holder of shard a sent it
+
+        at_restart = ray.get([w.snapshot.remote() for w in group.workers])
+        for snap in at_restart[1:]:  # data-parallel: every replica holds the same state
+            for name, tensor in snap["state"].items():
+                assert torch.equal(at_restart[0]["state"][name], tensor), (snap["rank"], name)
+        assert ray.get([w.all_reduce_rank.remote() for w in group.workers]) == [10.0] * 4
+        ray.get([w.train.remote(2) for w in group.workers], timeout=60)
+
+        durable = coordinator.wait_durable(restart.outcome.cycle, timeout=60)
+        assert durable is not None and durable.get("path"), durable
+        committed = latest_committed(config.checkpoint_dir)
+        assert committed is not None and committed.step == restart.step
+        saved = load_committed_shard(committed, "policy/a")["state"]
+        for name, tensor in saved["model"].items():
+            assert torch.equal(at_restart[0]["state"][name], tensor), name
 
 
 @pytest.mark.timeout(240)

@@ -42,15 +42,14 @@ class WarmWorker(GracefulWorkerMixin):
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
 
-    def init(self, config: GracefulConfig, own_shard: bool = False) -> str:
-        """``own_shard``: each rank its own shard ("r0", "r1", ...), as under FSDP; else every
-        rank a replica of shard "model"."""
+    def init(self, config: GracefulConfig, shard: str = "model") -> str:
+        """``shard``: this rank's shard label (default: every rank a replica of "model")."""
         world, rank, addr, port = self._group
         init_gloo(rank, world, addr, port)
         return str(
             self.graceful_setup(
                 "policy",
-                shard=f"r{rank}" if own_shard else "model",
+                shard=shard,
                 state_dict=self.state,
                 load_state_dict=self.load,
                 config=config,

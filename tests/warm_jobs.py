@@ -35,13 +35,15 @@ def warm_config(tmp_path, **overrides) -> GracefulConfig:
 
 
 def start_group(
-    config: GracefulConfig, world: int, own_shards: bool = False, on: str | None = None
+    config: GracefulConfig, world: int, shards: list[str] | None = None, on: str | None = None
 ) -> list:
-    """``on``: a node's custom resource (the ``nodes`` fixture's "node_a") to place them on."""
+    """``shards``: each rank's shard label (default: replicas of one); ``on``: a node's custom
+    resource (the ``nodes`` fixture's "node_a") to place them on."""
     port = free_port()
     placed = Worker.options(resources={on: 1}) if on else Worker
     workers = [placed.remote(world, r, "127.0.0.1", port) for r in range(world)]
-    ray.get([w.init.remote(config, own_shards) for w in workers], timeout=120)
+    labels = shards or ["model"] * world
+    ray.get([w.init.remote(config, labels[i]) for i, w in enumerate(workers)], timeout=120)
     return workers
 
 
@@ -50,7 +52,7 @@ def warm_job(
     tmp_path,
     world: int,
     spares: int = 0,
-    own_shards: bool = False,
+    shards: list[str] | None = None,
     on: tuple[str | None, str | None] = (None, None),
     **overrides,
 ):
@@ -61,7 +63,7 @@ def warm_job(
     coordinator = Coordinator.start(config)
     workers, spare_actors = [], []
     try:
-        workers = start_group(config, world, own_shards, on[0])
+        workers = start_group(config, world, shards, on[0])
         placed = Worker.options(resources={on[1]: 1}) if on[1] else Worker
         spare_actors = [placed.remote(config=config) for _ in range(spares)]
         yield config, coordinator, workers, spare_actors

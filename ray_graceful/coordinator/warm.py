@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import GracefulConfig
@@ -197,8 +197,9 @@ class WarmRestarts:
     def may_hold(self, plan: TerminationPlan, spare_nodes: dict[str, list[str]]) -> set[RankKey]:
         """The survivors' ranks that hold their own shard instead of saving it before anyone
         trains again (``coordinator/held.py``): with a memory tier and ``warm_restart_holds``,
-        where every evicted slot of their group has a spare (the warm restart should go ahead)
-        and no spare is to load their shard (a replica's spare loads what they save)."""
+        where every evicted slot of their group has a spare (the warm restart should go ahead).
+        A spare whose shard such a survivor holds receives it from that survivor over the new
+        group (``decide``)."""
         if not (self.survivors and self.config.warm_restart_holds):
             return set()
         if self.config.memory_replicas <= 0:
@@ -216,7 +217,6 @@ class WarmRestarts:
             s.spec.key
             for s in self.survivors.values()
             if evicted.get(s.spec.group, 0) <= spared.get(s.spec.group, 0)
-            and shard_key(s.spec.group, s.spec.shard) not in spare_nodes
         }
 
     # --- 2. when the cycle concluded ---------------------------------------------------------
@@ -230,8 +230,13 @@ class WarmRestarts:
         evicted_ranks: dict[str, dict[int, str]],
         spares: list[SpareRecord],
         evicted_nodes: frozenset[str],
+        held: dict[str, tuple[str, int]] | None = None,
     ) -> WarmRecord | None:
         """The next cycle's membership, or every survivor told to leave (with the reason).
+
+        ``held``: shard key -> (the survivor's process id, bytes) for each shard a survivor
+        holds without a copy anywhere yet; a spare that takes such a shard receives it from
+        that survivor over the new group.
 
         ``reported``: survivor process id -> whether its teardown reported in time (one that did
         not cannot be trusted to be out of its collective). ``evicted_ranks``: group -> the
@@ -244,6 +249,8 @@ class WarmRestarts:
         why = self._why_not(step, committed, reported)
         if why is None:
             why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
+        if why is None:
+            self._peers(record, held or {})
         if why is not None:
             record.result, record.reason = "cold", why
             record.members = {}
@@ -308,6 +315,18 @@ class WarmRestarts:
                 record.members[member] = self._rendezvous(record, group, rank, world, shard, was)
         return None
 
+    def _peers(self, record: WarmRecord, held: dict[str, tuple[str, int]]) -> None:
+        """A spare whose shard a survivor holds (no keeper has it yet) receives it from that
+        survivor once the new group formed: the survivor sends, the spare checks the size."""
+        for member, answer in list(record.members.items()):
+            holder, nbytes = held.get(shard_key(answer.group, answer.shard), ("", 0))
+            source = record.members.get(holder)
+            if member in self.survivors or source is None or source.group != answer.group:
+                continue
+            record.members[member] = replace(answer, peer=source.rank, shard_bytes=nbytes)
+            source = record.members[holder]
+            record.members[holder] = replace(source, send_to=(*source.send_to, answer.rank))
+
     def _why_not_smaller(
         self, group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str]
     ) -> str | None:
@@ -360,6 +379,12 @@ class WarmRestarts:
         if not self.survivors:
             return None, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
+        held = {
+            record.shard: (p.process_id, record.bytes)
+            for p in involved
+            for record in (p.report.saved if p.report is not None else ())
+            if record.tier == "held"
+        }
         evicted: dict[str, dict[int, str]] = {}
         for spec, process in registry.ranks_of(cycle.number):
             if process.process_id not in self.survivors:
@@ -375,6 +400,7 @@ class WarmRestarts:
             # process of which was signalled stays: were the node going, it would be signalled
             # too, and leave the pool (worker/spares.py).
             frozenset(n.node_id for n in cycle.notices + cycle.late_notices if n.node_id),
+            held,
         )
         by_id = {s.spare_id: s for s in spares}
         told = []

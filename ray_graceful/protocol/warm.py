@@ -14,7 +14,8 @@ class Rendezvous:
     """A warm restart's answer to one member: "join" group ``group`` as ``rank`` of
     ``world_size`` through the store at ``store_host:store_port`` under ``prefix`` (one per
     cycle and group: a stale rank cannot join), then hold shard ``shard`` of step ``step`` -
-    its own state if it can prove it is that step, else loaded; or "leave", with ``reason``."""
+    its own state if it can prove it is that step, else loaded (from the memory tier, disk, or
+    a survivor that holds it: ``peer``); or "leave", with ``reason``."""
 
     action: RendezvousAction
     reason: str = ""
@@ -29,6 +30,12 @@ class Rendezvous:
     prefix: str = ""
     timeout_s: float = 30.0
     was: str = ""  # "survivor of rank N" | "spare for rank N"
+    # Its shard is held by a survivor, not yet in any keeper: received from rank ``peer`` of
+    # the new group once it formed, ``shard_bytes`` long (``memory/tree.py``'s count)
+    peer: int = -1
+    shard_bytes: int = 0
+    # A survivor holding a shard that spares need: it sends it to these ranks of the new group
+    send_to: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "action", RendezvousAction(self.action))

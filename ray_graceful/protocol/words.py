@@ -87,6 +87,7 @@ class LoadedFrom(Word):
     OWN_STATE = "own state"  # a warm restart's survivor proved it holds the step: no load
     MEMORY_LOCAL = "memory-local"  # the memory tier, a keeper on this node
     MEMORY_PEER = "memory-peer"  # the memory tier, a keeper on another node
+    GROUP_PEER = "group-peer"  # a warm restart: sent by the survivor that holds it, over the group
     DISK = "disk"  # the committed checkpoint on disk
 
 

@@ -234,19 +234,12 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         _show_teardown(outcome, clock)
         ray.wait(training, num_returns=len(training), timeout=10)
 
-        if outcome.result != "committed":
+        if outcome.result not in ("committed", "held"):
             clock.say(f"no committed checkpoint: {outcome.reason}")
             return 1
         names = {node.node_id: name for name, node in nodes.items()}
         names[ray.get_runtime_context().get_node_id()] = "head"
-        holders = outcome.committed.get("holders", {})
-        clock.say(
-            f"COMMITTED step {outcome.committed['step']} in memory: "
-            + ", ".join(
-                f"{shard} held by {'+'.join(names.get(n, n[:8]) for n in held)}"
-                for shard, held in sorted(holders.items())
-            )
-        )
+        clock.say(_checkpoint_line(outcome, names))
         last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
         lost = max(last_steps) - int(outcome.committed["step"]) if last_steps else 0
 
@@ -264,9 +257,11 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         ray.get([r.train.remote(1) for r in group.workers], timeout=120)
         first_step_at = time.time()  # every rank of the new group has taken its first step
         steps = ray.get([r.train.remote(1) for r in group.workers], timeout=120)
+        first = min(n["received_at"] for n in outcome.notices)
         clock.say(
-            f"resumed at step {restart.step} in the same group, re-formed in place, trained to "
-            f"step {steps[0]}: {lost} step(s) lost"
+            f"resumed at step {restart.step} in the same group, re-formed in place: training "
+            f"again +{first_step_at - first:.1f}s after the first notice, trained to step "
+            f"{steps[0]}: {lost} step(s) lost"
         )
 
         # The durable copy starts once every member rejoined: the keepers served them first.
@@ -275,7 +270,12 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         if committed is None or "at" not in durable:
             clock.say(f"the durable copy did not land: {durable}")
             return 1
-        first = min(n["received_at"] for n in outcome.notices)
+        in_keepers = ((coordinator.durability(0) or {}).get("at") or {}).get("in-keepers")
+        if in_keepers is not None:
+            clock.say(
+                f"IN KEEPERS the survivors' snapshots reached the keepers behind the training: "
+                f"committed in memory +{in_keepers - first:.1f}s after the first notice"
+            )
         clock.say(
             f"DURABLE   the keepers wrote it to disk in the background, "
             f"+{durable['at'] - first:.1f}s after the first notice; manifest last "
@@ -306,10 +306,15 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
             f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
         )
         spares_joined = sum(m.was.startswith("spare") for m in restart.members)
+        how = (
+            "held by the survivors, trained on at once, committed in the keepers and durable "
+            "behind the training"
+            if outcome.result == "held"
+            else "committed in the memory of the surviving nodes, durable in the background"
+        )
         print(
-            f"  checkpoint: committed at step {committed.step} in the memory of the surviving "
-            f"nodes, durable in the background; resumed there, {lost} lost, by a warm restart "
-            f"({len(restart.members) - spares_joined} survivors, {spares_joined} spares)"
+            f"  checkpoint: step {committed.step} {how}; resumed there, {lost} lost, by a warm "
+            f"restart ({len(restart.members) - spares_joined} survivors, {spares_joined} spares)"
         )
         print(f"  wrote:      {path}" + (f", {png}" if png else ""))
         print(f"  outcome:    {TerminationOutcome.from_dict(outcome.to_dict()).summary()}")
@@ -350,6 +355,34 @@ def _wait_steps(coordinator: Any, steps: int, clock: _Clock) -> None:
     raise TimeoutError("training did not progress")
 
 
+def _checkpoint_line(outcome: Any, names: dict[str, str]) -> str:
+    """What the cycle left: every shard in a keeper's memory (committed), or - a warm
+    restart's survivors parked at the step - some held by the survivors themselves (held)."""
+    committed = outcome.committed or {}
+
+    def where(nodes: list[str]) -> str:
+        return "+".join(names.get(n, n[:8]) for n in nodes)
+
+    if outcome.result == "held":
+        kept = {
+            record["shard"]: record["holders"]
+            for report in outcome.reports
+            for record in report["saved"]
+            if record["tier"] == "memory"
+        }
+        return (
+            f"HELD      step {committed['step']}, nothing saved by the survivors: "
+            + ", ".join(
+                f"{s} held by the survivor on {where(n)}" for s, n in committed["held"].items()
+            )
+            + "; "
+            + ", ".join(f"{s} in the keeper on {where(n)}" for s, n in sorted(kept.items()))
+        )
+    return f"COMMITTED step {committed['step']} in memory: " + ", ".join(
+        f"{shard} held by {where(held)}" for shard, held in sorted(committed["holders"].items())
+    )
+
+
 def _show_teardown(outcome: Any, clock: _Clock) -> None:
     t0 = min(n["received_at"] for n in outcome.notices)
     clock.say("TEARDOWN  each rank, from the first notice:")
@@ -362,7 +395,10 @@ def _show_teardown(outcome: Any, clock: _Clock) -> None:
             for s in report["phases"]
             if s["name"] != "exit"
         )
-        saved = f" SAVED {report['saved'][0]['shard']}" if report["saved"] else ""
+        saved = ""
+        if report["saved"]:
+            record = report["saved"][0]
+            saved = f" {'HELD' if record['tier'] == 'held' else 'SAVED'} {record['shard']}"
         print(
             f"    rank {rank} ({PLACEMENT[rank]}): order at +{start:.2f}s, out at "
             f"+{start + (report['finished_s'] or 0):.2f}s{saved}  [{steps}]"

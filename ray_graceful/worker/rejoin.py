@@ -47,6 +47,7 @@ from ..protocol import (
     SpareAction,
     shard_key,
 )
+from . import peer_transfer
 from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
 from .lifecycle import RankPhase, RejoinBegun, RejoinEnded
@@ -219,8 +220,13 @@ def _join(
     )
     loader = (load_state_dict or survivor.load_state) if survivor is not None else load_state_dict
     # The committed shard is fetched while the group forms: on NCCL the communicator is built
-    # inside the rendezvous (``eager_device``), and neither waits for the other.
-    fetch = None if own_state or loader is None else _fetch(config, coordinator, answer)
+    # inside the rendezvous (``eager_device``), and neither waits for the other. A shard a
+    # survivor holds comes from that survivor once the group formed.
+    from_peer = answer.peer >= 0
+    fetch = (
+        None if own_state or loader is None or from_peer else _fetch(config, coordinator, answer)
+    )
+    held = list(runtime.teardown.saving.held) if runtime.teardown is not None else []
     store.form_group(answer, backend)
     formed = time.monotonic()
     if survivor is not None:
@@ -243,6 +249,11 @@ def _join(
     seconds = {"rendezvous": formed - started, "register": registered - formed}
     if own_state:
         loaded_from = LoadedFrom.OWN_STATE
+        if answer.send_to:
+            peer_transfer.send(held, answer)
+            seconds["sent"] = time.monotonic() - registered
+    elif from_peer:
+        loaded_from = peer_transfer.receive(answer, loader)
     else:
         loaded_from, fetched = _load(answer, loader, fetch)
         # The fetch's own span, from this call's start: it began before the group formed.

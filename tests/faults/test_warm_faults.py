@@ -133,7 +133,7 @@ def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committ
     from ray_graceful import latest_committed
 
     placed = ("node_a", "node_b")
-    with warm_job(tmp_path, 3, 1, own_shards=True, on=placed, memory_replicas=1) as (
+    with warm_job(tmp_path, 3, 1, shards=["r0", "r1", "r2"], on=placed, memory_replicas=1) as (
         config,
         coordinator,
         workers,
