@@ -105,7 +105,9 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
         dist.all_reduce(total)
         if total.is_cuda:
             torch.cuda.synchronize()  # NCCL's all-reduce returns before it ran
-        return {**self.marks, "stepped_at": time.time()}
+        stepped_at = time.time()
+        self.should_stop()  # a step ends at its boundary: a held shard's copy starts there
+        return {**self.marks, "stepped_at": stepped_at}
 
     # --- cold: a new group ---------------------------------------------------------------------
 

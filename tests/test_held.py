@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from ray_graceful import GracefulConfig
@@ -215,7 +214,38 @@ def test_a_held_snapshot_is_its_own_copy_whatever_the_training_does_next():
 def test_a_snapshot_over_the_memory_budget_is_not_held_and_the_save_says_so():
     big = {"w": torch.zeros(1 << 19)}  # 2 MiB, budget 1 MiB
     save = saving(big, memory_budget_mb=1)
-    # Then saved as before: the hand-off to keepers and disk are tried (here: no Ray, no root).
-    with pytest.raises(RuntimeError, match="do not fit memory_budget_mb=1 for a snapshot"):
-        save.run(STEP)
-    assert save.held == []
+    done: list[str] = []
+    # Not held: the save goes on as before (the hand-off to keepers, then disk).
+    assert save._hold(save.orders[0], STEP, done) is False
+    assert "do not fit memory_budget_mb=1 for a snapshot; saving it now" in done[-1]
+    assert save.held == [] and save.saved == []
+
+
+# --- the late copy --------------------------------------------------------------------------------
+
+
+def test_a_late_copy_waits_for_the_group_then_reports_what_did_not_land():
+    """It starts at ``go()`` (the group trains again), not before; a copy that fails (a keeper
+    gone) is reported failed with its reason, one that lands with its record - none dropped."""
+    from ray_graceful.memory.handoff import MemoryTierError
+    from ray_graceful.memory.tree import to_tree
+    from ray_graceful.worker.late_copy import HeldShard, LateCopies
+
+    def keepers(state, step, shard, keepers, *rest) -> ShardRecord:
+        if keepers == ("gone",):
+            raise MemoryTierError("keeper gone")
+        return record(shard, "memory", step=step)
+
+    told: list[tuple] = []
+    snapshot = to_tree({"step": STEP, "state": {"w": torch.ones(4)}}, copy=True)
+    shards = [
+        HeldShard(snapshot, record("g/1", "held"), ("gone",), "ns", 1.0),
+        HeldShard(snapshot, record("g/2", "held"), ("here",), "ns", 1.0),
+    ]
+    late = LateCopies(keepers)
+    late.take(3, shards, lambda *args: told.append(args), wait_s=30.0)
+    assert late.waiting and late.pending() and told == []  # until the group trains again
+    assert late.finish(10.0)  # the process leaves: copy now, and wait for it
+    [(cycle, saved, failed, why)] = told
+    assert (cycle, [r.shard for r in saved], failed) == (3, ["g/2"], ["g/1"])
+    assert why == "g/1: MemoryTierError: keeper gone"

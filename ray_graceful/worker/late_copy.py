@@ -5,8 +5,9 @@ of the shard - a copy in this process's memory, the training state free to move 
 reported it held. What is left is the copy to the keepers its order named, and a word to the
 coordinator, which commits the step once every held shard's copy landed (``LateSave``).
 
-That copy waits until the group is training again - ``go()``, when ``rejoin()`` ended - so that
-it never takes CPU or memory bandwidth from the re-formation, and starts anyway after
+That copy waits until the group trains again - ``go()``, at the first ``should_stop`` after the
+rejoin, once the new group's first step is done - so that it takes no CPU or memory bandwidth
+from the re-formation, the other members' loads or that first step; it starts anyway after
 ``wait_s``. A process that leaves first finishes it before it goes (``finish``), within what is
 left of its deadline: the step the group held must not vanish with its last holder.
 """
@@ -40,9 +41,12 @@ class HeldShard:
 class LateCopies:
     """This process's held shards on their way to the keepers (one cycle's at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hand_off: Callable[..., ShardRecord] | None = None) -> None:
+        # ``memory.handoff.hand_off`` unless given (a unit test's stand-in for the keepers)
+        self._hand_off = hand_off
         self._go = threading.Event()
         self._thread: threading.Thread | None = None
+        self.waiting = False  # a copy waits for ``go()``: read on every ``should_stop``
 
     def take(self, cycle: int, shards: list[HeldShard], tell: Tell | None, wait_s: float) -> None:
         """Copy ``shards`` once ``go()`` is called or ``wait_s`` passed; then ``tell``."""
@@ -50,9 +54,14 @@ class LateCopies:
             return
         self.finish(0.0)  # an earlier cycle's copy still running: it goes on, unwaited
         self._go = go = threading.Event()
+        self.waiting = True
+        if self._hand_off is None:
+            from ..memory.handoff import hand_off
+
+            self._hand_off = hand_off
         self._thread = threading.Thread(
             target=self._copy,
-            args=(cycle, shards, tell, go, wait_s),
+            args=(self._hand_off, cycle, shards, tell, go, wait_s),
             name="ray_graceful-late-copy",
             daemon=True,
         )
@@ -60,6 +69,7 @@ class LateCopies:
 
     def go(self) -> None:
         """The group trains again (or this process leaves): copy now."""
+        self.waiting = False
         self._go.set()
 
     def pending(self) -> bool:
@@ -67,7 +77,7 @@ class LateCopies:
 
     def finish(self, timeout: float) -> bool:
         """Copy now and wait at most ``timeout``; True if no copy is left running."""
-        self._go.set()
+        self.go()
         thread = self._thread
         if thread is not None and timeout > 0:
             thread.join(timeout)
@@ -75,10 +85,13 @@ class LateCopies:
 
     @staticmethod
     def _copy(
-        cycle: int, shards: list[HeldShard], tell: Tell | None, go: threading.Event, wait_s: float
+        hand_off: Callable[..., ShardRecord],
+        cycle: int,
+        shards: list[HeldShard],
+        tell: Tell | None,
+        go: threading.Event,
+        wait_s: float,
     ) -> None:
-        from ..memory.handoff import hand_off
-
         go.wait(wait_s)
         saved: list[ShardRecord] = []
         failed: list[str] = []

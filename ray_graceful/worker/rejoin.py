@@ -105,8 +105,9 @@ def rejoin(
     finally:
         # Joined with a SIGTERM held: the machine has it reported as the new group's first
         # notice, once the others have joined too (``ProcessRuntime._notice_again``).
+        # Joined: what this survivor holds goes to the keepers after the group's first step
+        # (``should_stop``); leaving: the machine's Leave finishes it first.
         runtime.step(RejoinEnded(result.joined, time.time(), result.cycle, result.reason))
-        runtime.late.go()  # the group trains again: what this survivor held goes to keepers
     return result
 
 

@@ -208,6 +208,8 @@ def should_stop(step: int | None = None) -> bool:
     runtime = process_runtime()
     if step is not None:
         runtime.loop.mark(step)
+    if runtime.late.waiting:  # a held step's copy waits for the group's first step: this one
+        runtime.late.go()
     if not runtime.stop_event.is_set():
         return False
     if step is not None:
