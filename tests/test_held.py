@@ -204,11 +204,11 @@ def test_a_held_snapshot_is_its_own_copy_whatever_the_training_does_next():
     state["rng"].append(3)
     from ray_graceful.memory.tree import from_tree, tree_bytes
 
-    snapshot = from_tree(held.snapshot)
+    snapshot = from_tree(held.snapshot.value())  # outside Ray: a tree of copies
     assert snapshot["step"] == STEP
     assert torch.equal(snapshot["state"]["model"]["w"], torch.arange(8, dtype=torch.float32))
     assert snapshot["state"]["rng"] == [1, 2]
-    assert held.record.bytes == tree_bytes(held.snapshot)
+    assert held.record.bytes == held.snapshot.nbytes == tree_bytes(held.snapshot.value())
 
 
 def test_a_snapshot_over_the_memory_budget_is_not_held_and_the_save_says_so():
@@ -227,17 +227,16 @@ def test_a_snapshot_over_the_memory_budget_is_not_held_and_the_save_says_so():
 def test_a_late_copy_waits_for_the_group_then_reports_what_did_not_land():
     """It starts at ``go()`` (the group trains again), not before; a copy that fails (a keeper
     gone) is reported failed with its reason, one that lands with its record - none dropped."""
-    from ray_graceful.memory.handoff import MemoryTierError
-    from ray_graceful.memory.tree import to_tree
+    from ray_graceful.memory.handoff import MemoryTierError, take_snapshot
     from ray_graceful.worker.late_copy import HeldShard, LateCopies
 
-    def keepers(state, step, shard, keepers, *rest) -> ShardRecord:
+    def keepers(snapshot, shard, keepers, *rest) -> ShardRecord:
         if keepers == ("gone",):
             raise MemoryTierError("keeper gone")
-        return record(shard, "memory", step=step)
+        return record(shard, "memory", step=snapshot.step)
 
     told: list[tuple] = []
-    snapshot = to_tree({"step": STEP, "state": {"w": torch.ones(4)}}, copy=True)
+    snapshot = take_snapshot({"w": torch.ones(4)}, STEP, 1 << 20)
     shards = [
         HeldShard(snapshot, record("g/1", "held"), ("gone",), "ns", 1.0),
         HeldShard(snapshot, record("g/2", "held"), ("here",), "ns", 1.0),

@@ -162,38 +162,34 @@ class EmergencySave:
         return True
 
     def _hold(self, order: ShardSave, step: int, done: list[str]) -> bool:
-        """A survivor's own shard: a snapshot in this process's memory, reported held. False
-        (saved as any other, and said so) where the snapshot does not fit or fails."""
+        """A survivor's own shard: a snapshot (``memory.handoff.take_snapshot``), reported
+        held. False (saved as any other, and said so) where it does not fit or fails."""
         from ..dcp import is_shard_files
-        from ..memory.tree import to_tree, tree_bytes
+        from ..memory.handoff import take_snapshot
 
         assert order.state is not None
         budget = self._budget(order, done)
         state = order.state
         started = time.monotonic()
-        try:
-            value = run_bounded(state, budget, "hold-state")
+
+        def snap() -> Any:
+            value = state()
             if is_shard_files(value):
-                done.append(f"shard {order.shard!r}: a DCP shard is not held; saving it now")
-                return False
-            # The tree's leaves are its own copies: what the group trains on from here may
-            # change, the snapshot does not.
-            snapshot = to_tree({"step": step, "state": value}, copy=True)
+                return "a DCP shard is not held"
+            return take_snapshot(value, step, self.config.memory_budget_mb << 20)
+
+        try:
+            snapshot = run_bounded(snap, budget, "hold-snapshot")
         except MemoryError:
-            done.append(f"shard {order.shard!r}: no memory for a snapshot; saving it now")
-            return False
-        nbytes = tree_bytes(snapshot)
-        if nbytes > self.config.memory_budget_mb << 20:
-            done.append(
-                f"shard {order.shard!r}: {nbytes} bytes do not fit memory_budget_mb="
-                f"{self.config.memory_budget_mb} for a snapshot; saving it now"
-            )
+            snapshot = "no memory for a snapshot"
+        if isinstance(snapshot, str):
+            done.append(f"shard {order.shard!r}: {snapshot}; saving it now")
             return False
         record = ShardRecord(
             shard=order.shard,
             step=step,
             file=shard_file_name(order.shard),
-            bytes=nbytes,
+            bytes=snapshot.nbytes,
             crc32=0,
             group=order.group,
             rank=order.rank,
@@ -204,8 +200,8 @@ class EmergencySave:
         self.saved.append(record)
         self.held.append(HeldShard(snapshot, record, order.keepers, order.namespace, budget))
         done.append(
-            f"shard {order.shard!r}: {nbytes} bytes held by this process (a snapshot in "
-            f"{record.seconds:.2f}s), to the keepers once the group trains again"
+            f"shard {order.shard!r}: {snapshot.nbytes} bytes held by this process (a snapshot "
+            f"in {record.seconds:.2f}s), to the keepers once the group trains again"
         )
         return True
 

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..checkpoint import ShardRecord
+from ..memory.handoff import Snapshot
 from .exit_path import write_stderr
 
 # How the coordinator is told: (cycle, records of the copies, shard keys that failed, why)
@@ -31,7 +31,7 @@ Tell = Callable[[int, list[ShardRecord], list[str], str], None]
 class HeldShard:
     """One shard held by snapshot: what to copy, where, and the record it was reported with."""
 
-    snapshot: Any  # memory/tree.py's tree of the state, every leaf a copy
+    snapshot: Snapshot  # the state at the held step, copied out of the live state
     record: ShardRecord  # tier "held"
     keepers: tuple[str, ...]
     namespace: str
@@ -42,7 +42,7 @@ class LateCopies:
     """This process's held shards on their way to the keepers (one cycle's at a time)."""
 
     def __init__(self, hand_off: Callable[..., ShardRecord] | None = None) -> None:
-        # ``memory.handoff.hand_off`` unless given (a unit test's stand-in for the keepers)
+        # ``memory.handoff.hand_off_snapshot`` unless given (a unit test's keepers)
         self._hand_off = hand_off
         self._go = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,9 +56,9 @@ class LateCopies:
         self._go = go = threading.Event()
         self.waiting = True
         if self._hand_off is None:
-            from ..memory.handoff import hand_off
+            from ..memory.handoff import hand_off_snapshot
 
-            self._hand_off = hand_off
+            self._hand_off = hand_off_snapshot
         self._thread = threading.Thread(
             target=self._copy,
             args=(self._hand_off, cycle, shards, tell, go, wait_s),
@@ -101,8 +101,7 @@ class LateCopies:
             started = time.monotonic()
             try:
                 record = hand_off(
-                    shard.snapshot["state"],
-                    held.step,
+                    shard.snapshot,
                     held.shard,
                     shard.keepers,
                     shard.namespace,

@@ -27,8 +27,9 @@ def send(held: list[HeldShard], answer: Rendezvous) -> None:
     snapshot = next((h.snapshot for h in held if h.record.shard == key), None)
     if snapshot is None:
         raise RuntimeError(f"asked to send shard {key!r}, which this survivor does not hold")
+    tree = snapshot.value()
     for rank in answer.send_to:
-        dist.send_object_list([snapshot], dst=rank)
+        dist.send_object_list([tree], dst=rank)
 
 
 def receive(answer: Rendezvous, loader: Callable[[Any], Any] | None) -> LoadedFrom:
