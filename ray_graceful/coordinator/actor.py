@@ -319,9 +319,11 @@ class CoordinatorActor(NodeFacingCalls):
     # --- held steps: committed once the survivors' copies land (``held.py``) -----------------
 
     def _expect_copies(self, request: CommitRequest) -> None:
-        """The cycle's step is held: its survivors' copies are due within a save budget of the
-        moment the last of them rejoined, at most ``rejoin_timeout_s`` from now."""
-        until = time.time() + self.config.rejoin_timeout_s + self.config.save_budget_s
+        """The cycle's step is held: each survivor's copy starts at its group's first step, or
+        at the latest ``rejoin_timeout_s`` after its teardown (``late_copy.py``), and takes at
+        most a save budget; past that, the step is lost."""
+        config = self.config
+        until = time.time() + config.rejoin_timeout_s + config.save_budget_s + REPORT_GRACE_S
         held = self.held.expect(request, until)
         self._publish_held(held)
         self._spawn(self._held_deadline(held.cycle, until))
