@@ -110,14 +110,7 @@ def carry_out(request: CommitRequest) -> CommitResult:
         result, reason, committed = _check_held(request)
     elif request.tier == "memory":
         try:
-            memory = commit_in_memory(
-                request.job_id,
-                request.cycle,
-                list(request.expected),
-                list(request.records),
-                request.replicas,
-                request.evicted_nodes,
-            )
+            memory = _in_memory(request)
             result, committed = Result.COMMITTED, memory.describe()
         except CheckpointError as exc:
             result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
@@ -143,19 +136,24 @@ def carry_out(request: CommitRequest) -> CommitResult:
     return CommitResult(result, reason, committed, memory, resume_from)
 
 
+def _in_memory(request: CommitRequest) -> MemoryCheckpoint:
+    """The request's records as a memory checkpoint, or CheckpointError saying what is amiss."""
+    return commit_in_memory(
+        request.job_id,
+        request.cycle,
+        list(request.expected),
+        list(request.records),
+        request.replicas,
+        request.evicted_nodes,
+    )
+
+
 def _check_held(request: CommitRequest) -> tuple[Result, str, dict[str, Any] | None]:
     """A cycle whose survivors hold their shards: everything a memory commit checks, held
     shards counted as present. HELD, not COMMITTED: nothing is committed until their copies
     land (``held.py``); a restart meanwhile loads the checkpoint before it."""
     try:
-        checked = commit_in_memory(
-            request.job_id,
-            request.cycle,
-            list(request.expected),
-            list(request.records),
-            request.replicas,
-            request.evicted_nodes,
-        )
+        checked = _in_memory(request)
     except CheckpointError as exc:
         return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
     held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier == "held"}
