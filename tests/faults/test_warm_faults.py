@@ -127,13 +127,14 @@ def test_a_spare_that_left_is_dropped_and_the_next_restart_takes_the_assigned_on
 @pytest.mark.timeout(300)
 def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committed(nodes, tmp_path):
     """Every keeper killed after the cycle concluded *held*, before the group trained again.
-    The spare had fetched its shard already (it waits in ``rejoin`` from the start), so the
-    group re-forms and trains on; the survivors' copies of the held step find no keeper. That
-    step is lost - never committed, and said so - and a cold restart would not load it."""
+    Replicas (shards a, b, a; rank 0 evicted): the spare gets shard a from the survivor that
+    holds it, over the new group - no keeper needed - so the group re-forms and trains on; the
+    survivors' copies of the held step find no keeper. That step is lost - never committed, and
+    said so - and a cold restart would not load it."""
     from ray_graceful import latest_committed
 
     placed = ("node_a", "node_b")
-    with warm_job(tmp_path, 3, 1, shards=["r0", "r1", "r2"], on=placed, memory_replicas=1) as (
+    with warm_job(tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1) as (
         config,
         coordinator,
         workers,
@@ -153,6 +154,7 @@ def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committ
         )
 
         restart = group.restart(timeout=90)
+        assert restart.members[0].loaded_from == "group-peer"
         assert (
             ray.get([w.train.remote(2) for w in group.workers], timeout=60)
             == [restart.step + 2] * 3
