@@ -12,6 +12,7 @@ caller gets the same ``{"step", "state"}`` whichever it was.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class Snapshot:
     nbytes: int
     ref: Any = None  # the tree's ObjectRef (inside Ray)
     tree: Any = None  # the tree itself (outside Ray)
+    chunks: dict[str, Any] | None = None  # a dcp_saver's shard: its chunks (dcp.chunk_summary)
 
     def value(self) -> Any:
         """The tree (``memory/tree.py``); from this node's object store without a copy."""
@@ -70,25 +72,6 @@ def take_snapshot(state: Any, step: int, max_bytes: int) -> Snapshot | str:
     return Snapshot(step, nbytes, tree=tree)
 
 
-def hand_off_snapshot(
-    snapshot: Snapshot,
-    shard_key: str,
-    keepers: tuple[str, ...],
-    namespace: str,
-    cycle: int,
-    timeout_s: float,
-    group: str = "",
-    rank: int = -1,
-) -> ShardRecord:
-    """Give a ``Snapshot`` to every keeper named (a held shard's late copy)."""
-    import ray
-
-    started = time.monotonic()
-    ref = snapshot.ref if snapshot.ref is not None else ray.put(snapshot.tree)
-    return _give(ref, snapshot.nbytes, None, snapshot.step, shard_key, keepers, namespace,
-                 cycle, timeout_s, group, rank, started)  # fmt: skip
-
-
 def hand_off(
     state: Any,
     step: int,
@@ -108,29 +91,30 @@ def hand_off(
     # keepers: each keeps it beside the shard)
     chunks = chunk_summary(state) if is_shard_files(state) else None
     tree = to_tree({"step": step, "state": state})
-    nbytes = tree_bytes(tree)
-    ref = ray.put(tree)
-    return _give(ref, nbytes, chunks, step, shard_key, keepers, namespace, cycle, timeout_s,
-                 group, rank, started)  # fmt: skip
+    snapshot = Snapshot(step, tree_bytes(tree), ref=ray.put(tree), chunks=chunks)
+    record = hand_off_snapshot(
+        snapshot, shard_key, keepers, namespace, cycle, timeout_s, group, rank
+    )
+    return dataclasses.replace(record, seconds=time.monotonic() - started)  # the put included
 
 
-def _give(
-    ref: Any,
-    nbytes: int,
-    chunks: dict[str, Any] | None,
-    step: int,
+def hand_off_snapshot(
+    snapshot: Snapshot,
     shard_key: str,
     keepers: tuple[str, ...],
     namespace: str,
     cycle: int,
     timeout_s: float,
-    group: str,
-    rank: int,
-    started: float,
+    group: str = "",
+    rank: int = -1,
 ) -> ShardRecord:
-    """Every keeper named takes its copy of the object ``ref``; the record says where."""
+    """Every keeper named takes its copy of ``snapshot``; the record says where (a held
+    shard's late copy, and the last part of every ``hand_off``)."""
     import ray
 
+    started = time.monotonic()
+    ref = snapshot.ref if snapshot.ref is not None else ray.put(snapshot.tree)
+    step, nbytes, chunks = snapshot.step, snapshot.nbytes, snapshot.chunks
     handles = [ray.get_actor(name, namespace=namespace) for name in keepers]
     calls = [
         h.hold.remote(cycle, step, shard_key, [ref], nbytes, group, rank, timeout_s, chunks)

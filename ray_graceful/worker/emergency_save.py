@@ -75,9 +75,7 @@ class EmergencySave:
         self.on_saved = on_saved
         self.saved: list[ShardRecord] = []
         self.held: list[HeldShard] = []  # snapshots of shards reported held, to copy later
-        # The teardown's word: the training thread parked at the step saved (its state is
-        # provably that step, so the rank trains on from it). Else a hold is a save.
-        self.may_hold = True
+        self.may_hold = True  # ``run``'s word for this run: see there
         self.abandon = threading.Event()  # set: a save past its budget must never be renamed
         self._told = False
 
@@ -85,8 +83,12 @@ class EmergencySave:
         """Seconds left before the watchdog fires."""
         return self.until - time.monotonic()
 
-    def run(self, step: int) -> str:
-        """Save every ordered shard as the state of ``step``; what was done, in words."""
+    def run(self, step: int, may_hold: bool = True) -> str:
+        """Save every ordered shard as the state of ``step``; what was done, in words.
+
+        ``may_hold``: the training thread parked at ``step`` (its state provably is that step,
+        so the rank trains on from it); else an order to hold is a save."""
+        self.may_hold = may_hold
         done = [f"state of step {step}"]
         own = [o for o in self.orders if o.turn is None]
         backups = [o for o in self.orders if o.turn is not None]

@@ -32,16 +32,11 @@ def send(held: list[HeldShard], answer: Rendezvous) -> None:
         dist.send_object_list([tree], dst=rank)
 
 
-def receive(answer: Rendezvous, loader: Callable[[Any], Any] | None) -> LoadedFrom:
+def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
     """Receive shard ``answer.shard`` from rank ``answer.peer``; load it once it is proven to
     be step ``answer.step`` at the size the survivor held."""
     import torch.distributed as dist
 
-    if loader is None:
-        raise RuntimeError(
-            "this rank must load the committed step but registered no load_state_dict=: pass "
-            "load_state_dict= to graceful_setup (or to graceful_rejoin)"
-        )
     key = shard_key(answer.group, answer.shard)
     box: list[Any] = [None]
     dist.recv_object_list(box, src=answer.peer)

@@ -253,12 +253,8 @@ def _join(
         if answer.send_to:
             peer_transfer.send(held, answer)
             seconds["sent"] = time.monotonic() - registered
-    elif from_peer:
-        loaded_from = peer_transfer.receive(answer, loader)
     else:
-        loaded_from, fetched = _load(answer, loader, fetch)
-        # The fetch's own span, from this call's start: it began before the group formed.
-        seconds.update(fetch_began=fetched[0] - started, fetch_ended=fetched[1] - started)
+        loaded_from = _load(answer, loader, fetch, started, seconds)
     seconds["load"] = time.monotonic() - registered  # what was left of the fetch, and the load
     runtime.loop.last_step = answer.step
     result = _result(
@@ -322,17 +318,27 @@ def _fetch(config: GracefulConfig, coordinator: Any, answer: Rendezvous) -> Futu
 
 
 def _load(
-    answer: Rendezvous, loader: Callable[[Any], Any] | None, fetch: Future | None
-) -> tuple[LoadedFrom, tuple[float, float]]:
-    """Load the fetched shard of step ``answer.step`` into this rank; where it came from, and
-    when the fetch began and ended (``time.monotonic()``)."""
-    if loader is None or fetch is None:
+    answer: Rendezvous,
+    loader: Callable[[Any], Any] | None,
+    fetch: Future | None,
+    started: float,
+    seconds: dict[str, float],
+) -> LoadedFrom:
+    """Load the shard of step ``answer.step`` into this rank - from the survivor that holds it
+    (``answer.peer``), else the fetch begun before the group formed (its span goes into
+    ``seconds``, counted from ``started``); where it came from."""
+    if loader is None:
         raise SetupError(
             "this rank must load the committed step but registered no load_state_dict=: pass "
             "load_state_dict= to graceful_setup (or to graceful_rejoin)"
         )
+    if answer.peer >= 0:
+        return peer_transfer.receive(answer, loader)
+    assert fetch is not None  # begun wherever there is a loader and no peer
     key = shard_key(answer.group, answer.shard)
     loaded, began, ended = fetch.result()
+    # The fetch's own span, from this call's start: it began before the group formed.
+    seconds.update(fetch_began=began - started, fetch_ended=ended - started)
     if loaded is None:
         raise RuntimeError(f"no committed copy of shard {key!r} to load")
     if loaded.step != answer.step:
@@ -341,7 +347,7 @@ def _load(
             f"{answer.step}: training on would mix steps"
         )
     loader(loaded.state)
-    return loaded.tier, (began, ended)
+    return loaded.tier
 
 
 def _result(answer: Rendezvous, member: str, action: RejoinResult, **fields: Any) -> Rejoined:

@@ -308,8 +308,7 @@ class Teardown:
         self.report.last_step = step
         # Only a rank that provably is that step trains on from its own state (rejoin.py): one
         # that is not must load its shard back, so it is saved now, not held.
-        self.saving.may_hold = self.clean_step == step
-        return self.saving.run(step)
+        return self.saving.run(step, may_hold=self.clean_step == step)
 
     def _how_the_save_went(self) -> str:
         try:
