@@ -1,110 +1,164 @@
-"""What each setting of ``GracefulConfig`` allows: one check per kind of value.
+"""The kinds of value a ``GracefulConfig`` setting takes: pydantic types that say what is allowed.
 
-Each check returns None when a value is fine, else a description of what is allowed - the
-words a ``ConfigError`` (and an environment variable's error) shows the user.
+Each kind is an ``Annotated`` type: pydantic's constraints check the value, and an ``Allowed``
+marker carries the words a ``ConfigError`` shows the user ("a number of seconds > 0 and <=
+86400"). The same words serve a bad ``RAY_GRACEFUL_*`` variable, which ``from_text`` parses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable
-from typing import Any
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
 
 from .notices import short
 
 # The longest duration any setting may have: a day. Longer is a unit mistake (ms for s).
 MAX_SECONDS = 86_400.0
-HEALTH_PROBES = ("auto", "nvml", "none", "scripted")
-NODE_AGENT_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
     """A configuration value is not allowed; the message names it and what is allowed."""
 
 
-def between(low: float, high: float, low_open: bool = True) -> Callable[[Any], str | None]:
-    """A check for a number of seconds in (low, high] (or [low, high] with low_open=False)."""
+@dataclass(frozen=True)
+class Allowed:
+    """What a setting allows, in the words its error shows (pydantic keeps it in the metadata)."""
+
+    text: str
+
+
+def allowed_text(metadata: list[Any]) -> str:
+    """The ``Allowed`` words among a field's metadata."""
+    return next(m.text for m in metadata if isinstance(m, Allowed))
+
+
+# --- closed sets ---------------------------------------------------------------------------
+
+
+class Mode(str, enum.Enum):
+    """A setting's closed set of words; compares, prints and serialises as its plain string.
+
+    (``protocol.words.Word`` in shape; not imported from there, which imports this config.)
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class NodeAgentMode(Mode):
+    """Whether a node's ranks relay through one node agent."""
+
+    AUTO = "auto"  # on for groups of 32 ranks or more
+    ON = "on"
+    OFF = "off"
+
+
+class HealthProbe(Mode):
+    """Where a node's GPU health comes from."""
+
+    AUTO = "auto"
+    NVML = "nvml"
+    NONE = "none"
+    SCRIPTED = "scripted"  # tests and the demo
+
+
+class TrainShards(Mode):
+    """What each rank of a Ray Train job holds."""
+
+    PER_RANK = "per_rank"
+    REPLICATED = "replicated"
+
+
+class CloudNotices(Mode):
+    """Which cloud's metadata service a node polls for eviction notices."""
+
+    OFF = "off"
+    AUTO = "auto"
+    AWS = "aws"
+    GCE = "gce"
+    AZURE = "azure"
+
+
+def _one_of(modes: type[Mode]) -> str:
+    names = [repr(m.value) for m in modes]
+    return " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
+
+
+def mode(modes: type[Mode]) -> Any:
+    """A setting that is one of ``modes``; the plain string works as well as the member."""
+    return Annotated[modes, Field(strict=False), Allowed(_one_of(modes))]
+
+
+# --- numbers -------------------------------------------------------------------------------
+
+
+def seconds(low: float = 0.0, high: float = MAX_SECONDS, low_open: bool = True) -> Any:
+    """A number of seconds in (low, high], or [low, high] with ``low_open=False``."""
+    if low_open:
+        bound = Field(gt=low, le=high, allow_inf_nan=False)
+    else:
+        bound = Field(ge=low, le=high, allow_inf_nan=False)
     sign = ">" if low_open else ">="
-
-    def check(value: Any) -> str | None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        above = ok and math.isfinite(value) and (value > low if low_open else value >= low)
-        if above and value <= high:
-            return None
-        return f"a number of seconds {sign} {low:g} and <= {high:g}"
-
-    return check
+    return Annotated[float, bound, Allowed(f"a number of seconds {sign} {low:g} and <= {high:g}")]
 
 
-seconds = between(0.0, MAX_SECONDS)
-seconds_or_zero = between(0.0, MAX_SECONDS, low_open=False)
+def count(low: int, high: int, what: str) -> Any:
+    """An integer in [low, high], ``what`` saying what it counts."""
+    return Annotated[
+        int, Field(ge=low, le=high), Allowed(f"{what}: an integer from {low} to {high}")
+    ]
 
 
-def exit_code(value: Any) -> str | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255:
-        return None
-    return "an integer from 0 to 255"
+Seconds = seconds()
+SecondsOrZero = seconds(low_open=False)
+ExitCode = Annotated[int, Field(ge=0, le=255), Allowed("an integer from 0 to 255")]
+Switch = Annotated[bool, Allowed("true or false")]
+Xids = Annotated[
+    tuple[Annotated[int, Field(gt=0, lt=65536)], ...],
+    Allowed("a tuple of XID numbers from 1 to 65535 (in the environment: '48,79,95')"),
+]
+
+# --- names and paths -----------------------------------------------------------------------
 
 
-def boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else "true or false"
+def _trimmed(value: str) -> str:
+    if not value.strip() or value != value.strip() or "\0" in value:
+        raise ValueError("empty, surrounded by spaces, or with a NUL")
+    return value
 
 
-def name(value: Any) -> str | None:
-    if isinstance(value, str) and value.strip() and value == value.strip():
-        return None
-    return "a non-empty name without surrounding spaces"
+def _trimmed_or_empty(value: str) -> str:
+    return value if value == "" else _trimmed(value)
 
 
-def optional_name(value: Any) -> str | None:
-    return None if value == "" else name(value)
+def _trimmed_or_none(value: str | None) -> str | None:
+    return value if value is None else _trimmed(value)
 
 
-def path(value: Any) -> str | None:
-    if isinstance(value, str) and value.strip() and value == value.strip() and "\0" not in value:
-        return None
-    return "a non-empty path without surrounding spaces"
+Name = Annotated[
+    str, AfterValidator(_trimmed), Allowed("a non-empty name without surrounding spaces")
+]
+NameOrEmpty = Annotated[
+    str, AfterValidator(_trimmed_or_empty), Allowed("a non-empty name without surrounding spaces")
+]
+Path = Annotated[
+    str, AfterValidator(_trimmed), Allowed("a non-empty path without surrounding spaces")
+]
+OptionalPath = Annotated[
+    str | None,
+    AfterValidator(_trimmed_or_none),
+    Allowed("a non-empty path without surrounding spaces"),
+]
 
+# --- the environment's text ----------------------------------------------------------------
 
-def optional_path(value: Any) -> str | None:
-    return None if value is None else path(value)
-
-
-def xids(value: Any) -> str | None:
-    if isinstance(value, tuple) and all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 < x < 65536 for x in value
-    ):
-        return None
-    return "a tuple of XID numbers from 1 to 65535 (in the environment: '48,79,95')"
-
-
-def probe(value: Any) -> str | None:
-    if value in HEALTH_PROBES:
-        return None
-    return "one of " + ", ".join(repr(p) for p in HEALTH_PROBES)
-
-
-def cloud(value: Any) -> str | None:
-    allowed = ("off", "auto", "aws", "gce", "azure")
-    return None if value in allowed else "one of " + ", ".join(repr(a) for a in allowed)
-
-
-def node_agent(value: Any) -> str | None:
-    return None if value in NODE_AGENT_MODES else "one of " + ", ".join(map(repr, NODE_AGENT_MODES))
-
-
-def train_shards(value: Any) -> str | None:
-    return None if value in ("per_rank", "replicated") else "'per_rank' or 'replicated'"
-
-
-def count(low: int, high: int, what: str) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-            return None
-        return f"{what}: an integer from {low} to {high}"
-
-    return check
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def env_text(value: Any) -> str:
@@ -116,40 +170,38 @@ def env_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def parse_env_text(name: str, raw: str, f: dataclasses.Field) -> Any:
-    """The value of setting ``f`` that variable ``name`` holds as ``raw``, or ConfigError."""
+def from_text(name: str, raw: str, annotation: Any, allowed: str) -> Any:
+    """The value a ``RAY_GRACEFUL_*`` variable ``name`` holds as ``raw``, or ConfigError.
+
+    Only the text is read here; the range is the model's to check, so an out-of-range number
+    gets the same error as it would as a keyword argument.
+    """
     text = raw.strip()
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
-    def bad(allowed: str) -> ConfigError:
-        return ConfigError(f"{name}={short(raw)} is not allowed: must be {allowed}.")
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{name}={short(raw)} is not allowed: must be {what}.")
 
-    if kind == "float":
+    base = (
+        typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+    )
+    optional = typing.get_origin(base) in (typing.Union, types.UnionType)
+    if base is float or base is int:
         try:
-            return float(text)
+            return base(text)
         except ValueError:
-            raise bad(f.metadata["check"]("x") or "a number") from None
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise bad(f.metadata["check"]("x") or "an integer") from None
-    if kind == "bool":
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise bad("one of 1, true, yes, on, 0, false, no, off")
-    if kind.startswith("tuple"):
+            raise bad(allowed) from None
+    if base is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise bad("one of " + ", ".join(_TRUE + _FALSE))
+    if typing.get_origin(base) is tuple:
         try:
             return tuple(int(x) for x in text.split(",") if x.strip())
         except ValueError:
             raise bad("comma-separated XID numbers, e.g. '48,79,95'") from None
-    if kind == "str | None":
+    if optional:
         if raw == "":
             return None  # set but empty: unset, as for any optional setting
         if not text:
             raise bad("a non-empty path, or the empty string for none")
-        return raw
     return raw

@@ -34,6 +34,13 @@ def test_defaults_fit_a_30s_kubernetes_grace_period():
         ("coordinator_name", " ", "coordinator_name = ' ' is not allowed"),
         ("fatal_xids", (48, -1), "fatal_xids = (48, -1) is not allowed"),
         ("health_probe", "magic", "health_probe = 'magic' is not allowed: must be one of 'auto'"),
+        ("save_budget_s", "5", "save_budget_s = '5' is not allowed: must be a number of seconds"),
+        ("fatal_xids", [48], "fatal_xids = [48] is not allowed: must be a tuple of XID numbers"),
+        (
+            "save_budgt_s",
+            3,
+            "GracefulConfig has no setting 'save_budgt_s'. Did you mean save_budget_s?",
+        ),
     ],
 )
 def test_bad_field_names_field_value_and_allowed(field, value, expected):
@@ -42,10 +49,28 @@ def test_bad_field_names_field_value_and_allowed(field, value, expected):
     assert expected in str(info.value)
 
 
+def test_a_mode_is_its_enum_or_its_plain_string():
+    from ray_graceful.config import NodeAgentMode
+
+    assert GracefulConfig(node_agent="on") == GracefulConfig(node_agent=NodeAgentMode.ON)
+    assert GracefulConfig(node_agent="on").node_agent == "on"
+    assert (
+        GracefulConfig.from_env({"RAY_GRACEFUL_NODE_AGENT": "off"}).node_agent is NodeAgentMode.OFF
+    )
+
+
+def test_replace_validates_the_copy_and_leaves_the_original():
+    config = GracefulConfig(save_budget_s=10)
+    assert config.replace(save_budget_s=12).save_budget_s == 12.0
+    assert config.save_budget_s == 10.0
+    with pytest.raises(ConfigError, match="save_budget_s = 0 is not allowed"):
+        config.replace(save_budget_s=0)
+
+
 def test_cross_field_rules():
-    with pytest.raises(ConfigError, match="save_budget_s = 25 does not fit"):
+    with pytest.raises(ConfigError, match="save_budget_s = 25.0 does not fit"):
         GracefulConfig(save_budget_s=25)
-    with pytest.raises(ConfigError, match="watchdog_margin_s = 30 must be smaller"):
+    with pytest.raises(ConfigError, match="watchdog_margin_s = 30.0 must be smaller"):
         GracefulConfig(watchdog_margin_s=30)
     with pytest.raises(ConfigError, match=r"XIDs \[48\] are both fatal_xids and ignored_xids"):
         GracefulConfig(ignored_xids=(48,))

@@ -21,7 +21,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 
 from ..config import ConfigError, GracefulConfig, config_reference_markdown, is_rays_own
 from .arguments import (
@@ -208,7 +207,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(config_reference_markdown())
         return 0
-    print(json.dumps(asdict(GracefulConfig.from_env()), indent=2, sort_keys=True))
+    print(json.dumps(GracefulConfig.from_env().model_dump(mode="json"), indent=2, sort_keys=True))
     return 0
 
 

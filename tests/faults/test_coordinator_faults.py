@@ -9,7 +9,6 @@ four gloo ranks (two shards, two replicas each) as ``test_faults.py``; same book
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -111,7 +110,7 @@ def test_killed_while_gathering(rep, fault_log, coordinator_with, config, exit_r
     """The SIGTERM reached the old coordinator only: the rank tells the new one, or leaves
     alone and its peers see it go; either way every rank is out and nothing torn is kept."""
     # A gathering window long enough to kill the coordinator inside it (the default is 0.2 s).
-    coordinator = coordinator_with(dataclasses.replace(config, notice_gather_s=3.0))
+    coordinator = coordinator_with(config.replace(notice_gather_s=3.0))
     ranks, pids = start(config, exit_recorder)
     os.kill(pids[1], signal.SIGTERM)
     wait_for(lambda: coordinator.status()["phase"] == "gathering", 10, "the gathering")
@@ -130,7 +129,7 @@ def test_a_sigterm_while_it_restarts_is_planned_by_the_new_one(
     Going alone at once, the cycle was abandoned (and unseen: nobody was left registered)."""
     # The default 25 s of teardown: the wait may last until 25 - 1 - 2 - 6 = 16 s after the
     # signal, far more than a restart needs even on a loaded machine.
-    config = dataclasses.replace(config, teardown_timeout_s=25.0)
+    config = config.replace(teardown_timeout_s=25.0)
     coordinator = coordinator_with(config)
     ranks, pids = start(config, exit_recorder)
     kill_coordinator(coordinator)
@@ -204,7 +203,7 @@ def test_gone_for_good_one_sigterm_releases_every_peer(
     rep, fault_log, ray_cluster, config, exit_recorder
 ):
     """The issue's run: no restart left, one rank SIGTERMed 6 s later - every peer leaves too."""
-    coord = Coordinator.start(dataclasses.replace(config, coordinator_max_restarts=0))
+    coord = Coordinator.start(config.replace(coordinator_max_restarts=0))
     try:
         ranks, pids = start(config, exit_recorder)
         kill_coordinator(coord)
