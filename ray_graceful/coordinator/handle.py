@@ -11,6 +11,7 @@ import contextlib
 import time
 from typing import Any
 
+from ..bounded import NoAnswer, Why, call, wait_until
 from ..config import GracefulConfig
 from ..outcome import TerminationOutcome
 from ..protocol import DEFAULT_NAME, JobClosed, Reply, SpareAssigned, coordinator_name
@@ -247,21 +248,15 @@ class Coordinator:
         """
         import ray
 
-        try:
-            keepers = ray.get(self.handle.keeper_stats.remote(), timeout=2.0)
-        except Exception:
-            keepers = {}
+        keepers = call(self.handle.keeper_stats, timeout=2.0)
         ray.kill(self.handle)
         namespace = self.config.coordinator_namespace
-        for stats in keepers.values():
+        for stats in keepers.values() if isinstance(keepers, dict) else ():
             with contextlib.suppress(Exception):
                 ray.kill(ray.get_actor(stats["name"], namespace=namespace))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                ray.get(self.handle.ping.remote(), timeout=1.0)
-            except ray.exceptions.RayActorError:
-                break  # dead: its name is released with it
-            except ray.exceptions.GetTimeoutError:
-                continue
-            time.sleep(0.05)
+
+        def dead() -> bool:  # then its name is released with it
+            answer = call(self.handle.ping, timeout=1.0)
+            return isinstance(answer, NoAnswer) and answer.why is Why.DEAD
+
+        wait_until(dead, timeout, every=0.05)

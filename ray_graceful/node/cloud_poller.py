@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..bounded import NoAnswer, call
 from ..config import GracefulConfig
 
 logger = logging.getLogger(__name__)
@@ -47,28 +48,21 @@ class CloudWatch:
         )
 
     def _tell(self, event: Any) -> None:
-        import ray
-
         from .. import ray_adapter
 
         self.events.append({"kind": event.kind, "deadline": event.deadline})
         logger.warning("ray_graceful: %s %s on node %s", event.cloud, event.kind, self.node_id)
-        try:
-            reply = ray.get(
-                self.coordinator.notify.remote(
-                    {
-                        "source": "cloud",
-                        "node_id": self.node_id,
-                        "reason": f"{event.cloud} {event.kind}: {event.detail}"[:500],
-                        "deadline": event.deadline,
-                    }
-                ),
-                timeout=10,
-            )
-            if not reply.accepted:
-                logger.warning("ray_graceful: the coordinator refused it: %s", reply.reason)
-        except Exception as exc:
-            logger.warning("ray_graceful: could not tell the coordinator: %r", exc)
+        notice = {
+            "source": "cloud",
+            "node_id": self.node_id,
+            "reason": f"{event.cloud} {event.kind}: {event.detail}"[:500],
+            "deadline": event.deadline,
+        }
+        reply = call(self.coordinator.notify, notice, timeout=10)
+        if isinstance(reply, NoAnswer):
+            logger.warning("ray_graceful: could not tell the coordinator: %s", reply)
+        elif not reply.accepted:
+            logger.warning("ray_graceful: the coordinator refused it: %s", reply.reason)
         if self.config.cloud_drain:
             try:
                 ray_adapter.drain_node(self.node_id, event.deadline, f"{event.cloud} {event.kind}")

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..bounded import NoAnswer, Why, call
 from ..checkpoint import ShardRecord
 from ..config import GracefulConfig
 from ..health import HealthProbe, NullProbe, make_probe
@@ -155,12 +156,11 @@ class ControlChannel:
         group restarted while the last one is still leaving is covered once that ended. Until
         then ``cycle`` is None, and a SIGTERM tears this rank down on its own.
         """
-        try:
-            answer = self._send_registration()
-        except Exception as exc:
-            self.alive, self.state = False, f"registration failed: {exc!r}"
+        answer = self._send_registration()
+        if isinstance(answer, NoAnswer):
+            self.alive, self.state = False, f"registration failed: {answer}"
             return (
-                f"coordinator {self.coordinator_name!r} unreachable ({exc!r}): on SIGTERM this "
+                f"coordinator {self.coordinator_name!r} unreachable ({answer}): on SIGTERM this "
                 "rank tears itself down on its own"
             )
         if not answer.accepted and answer.retry:
@@ -203,19 +203,16 @@ class ControlChannel:
         self.relay, self.cycle = None, None
         return True
 
-    def _send_registration(self, timeout: float = REGISTER_TIMEOUT_S) -> Reply:
-        import ray
+    def _send_registration(self, timeout: float = REGISTER_TIMEOUT_S) -> Reply | NoAnswer:
+        """The registration's answer, through the node agent or, if that fails, directly."""
+        answer = call(*self._registration(), timeout=timeout)
+        if isinstance(answer, NoAnswer) and self._without_relay(f"registering: {answer}"):
+            answer = call(*self._registration(), timeout=timeout)
+        return answer
 
-        try:
-            return ray.get(self._registration_call(), timeout=timeout)
-        except Exception as exc:
-            if not self._without_relay(f"registering: {type(exc).__name__}: {exc}"):
-                raise
-        return ray.get(self._registration_call(), timeout=timeout)
-
-    def _registration_call(self) -> Any:
-        # No health here: NVML may be slow to start (or wedged); the first poll, on the
-        # control thread, carries the first verdict.
+    def _registration(self) -> tuple[Any, ...]:
+        """The method to register with, and its arguments. No health here: NVML may be slow to
+        start (or wedged); the first poll, on the control thread, carries the first verdict."""
         message = Register(
             process_id=self.process_id,
             node_id=self.node_id,
@@ -226,15 +223,13 @@ class ControlChannel:
             actor_id=self.actor_id,
         )
         if self.relay is not None:  # the agent probes the node's GPUs: tell it ours
-            return self.relay.register.remote(message, tuple(gpu_indices()))
-        return self.handle.register.remote(message)
+            return self.relay.register, message, tuple(gpu_indices())
+        return self.handle.register, message
 
     def _register_until_accepted(self, give_up: float | None = None) -> bool:
         """On the control thread: register again until accepted - while the coordinator says
         "later", and, given ``give_up`` (a monotonic time), while Ray restarts it: then a call
         that fails means "not back yet", unless the actor is dead for good."""
-        import ray
-
         while self.alive and not self.done() and self.cycle is None:
             time.sleep(REREGISTER_EVERY_S)
             timeout = REGISTER_TIMEOUT_S
@@ -243,12 +238,11 @@ class ControlChannel:
                 if timeout <= 0:
                     self._lost("not back within coordinator_reconnect_s")
                     return False
-            try:
-                answer = self._send_registration(timeout)
-            except Exception as exc:
-                if give_up is not None and not isinstance(exc, ray.exceptions.ActorDiedError):
+            answer = self._send_registration(timeout)
+            if isinstance(answer, NoAnswer):
+                if give_up is not None and answer.why is not Why.DEAD:
                     continue  # still restarting, or a timeout: try again
-                self._lost(f"registering again: {type(exc).__name__}: {exc}")
+                self._lost(f"registering again: {answer}")
                 return False
             if answer.accepted:
                 self.cycle, self.state = answer.cycle, "polling"
@@ -266,31 +260,26 @@ class ControlChannel:
             self._thread.start()
 
     def _run(self) -> None:
-        import ray
-
         if not self._register_until_accepted():
             return
         wait_s = self.config.health_interval_s
         while self.alive and not self.done():
             health = None if self.relay is not None else self.probe.check()  # the agent's job
             state = PollState(self.last_step(), health)
-            try:
-                answer = ray.get(
-                    self.via.poll.remote(self.process_id, self.cycle, state, wait_s),
-                    timeout=wait_s + 30,
-                )
-            except ray.exceptions.GetTimeoutError:
-                continue  # not lost: an order it carried is answered again to the next poll
-            except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"
-                if self._without_relay(f"polling: {why}"):  # the agent, not the coordinator
+            answer = call(
+                self.via.poll, self.process_id, self.cycle, state, wait_s, timeout=wait_s + 30
+            )
+            if isinstance(answer, NoAnswer):
+                if answer.why is Why.TIMEOUT:
+                    continue  # not lost: an order it carried is answered again to the next poll
+                if self._without_relay(f"polling: {answer}"):  # the agent, not the coordinator
                     if self._register_until_accepted(self._give_up()):
                         continue
                     return
-                if not isinstance(exc, ray.exceptions.ActorUnavailableError):
-                    self._lost(why)  # the coordinator died for good or became unreachable
+                if answer.why is not Why.RESTARTING:
+                    self._lost(str(answer))  # the coordinator died for good or is unreachable
                     return
-                if self._reconnect(why):  # Ray is restarting it: registered with it again
+                if self._reconnect(str(answer)):  # Ray is restarting it: registered again
                     continue
                 return
             if answer.kind is PollKind.IDLE:
@@ -365,105 +354,76 @@ class ControlChannel:
         ``sigterm_refusal`` says why); restarting (Ray restarts it: once the channel is back,
         ``on_link(BACK)``, the rank's machine reports again); unanswered (a process just killed
         answers nothing for a second or so); unreachable (gone for good)."""
-        import ray
-
         if self.reconnecting:
             return Told.RESTARTING
         if not self.connected:
             return Told.UNREACHABLE
-        try:
-            answer: Reply = ray.get(
-                self.handle.report_sigterm.remote(
-                    SigtermSeen(self.process_id, self.cycle, received_at)
-                ),
-                timeout=SIGTERM_REPORT_TIMEOUT_S,
-            )
-        except ray.exceptions.ActorUnavailableError:
-            return Told.RESTARTING  # the control thread's poll fails too, and registers again
-        except ray.exceptions.GetTimeoutError:
-            return Told.UNANSWERED  # dead and not yet found so, or busy: the control thread tells
-        except Exception as exc:
-            self._lost(f"reporting SIGTERM: {exc!r}")
+        seen = SigtermSeen(self.process_id, self.cycle, received_at)
+        answer = call(self.handle.report_sigterm, seen, timeout=SIGTERM_REPORT_TIMEOUT_S)
+        if isinstance(answer, NoAnswer):
+            if answer.why is Why.RESTARTING:
+                return Told.RESTARTING  # the control thread's poll fails too, and registers again
+            if answer.why is Why.TIMEOUT:
+                return Told.UNANSWERED  # dead and not yet found so, or busy: the poll tells
+            self._lost(f"reporting SIGTERM: {answer}")
             return Told.UNREACHABLE
         self.sigterm_refusal = "" if answer.accepted else answer.reason
         return Told.ACCEPTED if answer.accepted else Told.REFUSED
 
-    def wait_rejoined(self, cycle: int, wait_s: float) -> None:
+    def wait_rejoined(self, cycle: int, wait_s: float) -> NoAnswer | None:
         """Until every member of the warm restart into ``cycle`` has said what it did (or
-        ``wait_s``)."""
-        import ray
-
-        ray.get(self.handle.wait_rejoined.remote(cycle, wait_s), timeout=wait_s + REPORT_TIMEOUT_S)
+        ``wait_s``); a ``NoAnswer`` if the coordinator could not be asked."""
+        answer = call(self.handle.wait_rejoined, cycle, wait_s, timeout=wait_s + REPORT_TIMEOUT_S)
+        return answer if isinstance(answer, NoAnswer) else None
 
     def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:
         """Tell the coordinator how this process's own saves went (its backups wait on it)."""
-        import ray
-
         if self.cycle is None:
             return
         message = SaveResult(self.process_id, self.cycle, tuple(saved), tuple(failed), reason)
-        ray.get(self.handle.save_result.remote(message), timeout=REPORT_TIMEOUT_S)
+        reply = call(self.handle.save_result, message, timeout=REPORT_TIMEOUT_S)
+        if isinstance(reply, NoAnswer):  # its backups then wait for the report, or their limit
+            logger.warning("ray_graceful: the save result did not reach the coordinator: %s", reply)
 
     def late_saved(
         self, cycle: int, saved: list[ShardRecord], failed: list[str], reason: str
     ) -> None:
-        """Tell the coordinator where this process's held shards of ``cycle`` landed."""
-        import ray
-
+        """Tell the coordinator where this process's held shards of ``cycle`` landed (if it is
+        not told, it loses the step at its deadline)."""
         message = LateSave(self.process_id, cycle, tuple(saved), tuple(failed), reason)
-        reply = ray.get(self.handle.late_saved.remote(message), timeout=REPORT_TIMEOUT_S)
-        if isinstance(reply, Reply) and not reply.accepted:
-            logger.warning(
-                "ray_graceful: the late copy of cycle %s refused: %s", cycle, reply.reason
-            )
+        reply = call(self.handle.late_saved, message, timeout=REPORT_TIMEOUT_S)
+        if isinstance(reply, NoAnswer) or not reply.accepted:
+            why = reply if isinstance(reply, NoAnswer) else reply.reason
+            logger.warning("ray_graceful: the late copy of cycle %s not taken: %s", cycle, why)
 
     def save_turn(self, cycle: int, key: str, wait_s: float) -> tuple[bool, str]:
         """As a backup saver: must this process save shard ``key``? Waits at most ``wait_s``."""
-        import ray
-
-        try:
-            answer: TurnAnswer = ray.get(
-                self.handle.save_turn.remote(SaveTurn(self.process_id, cycle, key), wait_s),
-                timeout=wait_s + REPORT_TIMEOUT_S,
-            )
-        except Exception as exc:
-            return False, f"could not ask the coordinator ({type(exc).__name__})"
+        asked = SaveTurn(self.process_id, cycle, key)
+        answer = call(self.handle.save_turn, asked, wait_s, timeout=wait_s + REPORT_TIMEOUT_S)
+        if isinstance(answer, NoAnswer):
+            return False, f"could not ask the coordinator ({answer.why}: {answer})"
         if not isinstance(answer, TurnAnswer):
             return False, f"the coordinator answered a {type(answer).__name__}, not a TurnAnswer"
         return answer.save and answer.accepted, answer.why
 
-    def rendezvous(self, wait_s: float) -> Rendezvous | None:
+    def rendezvous(self, wait_s: float) -> Rendezvous | NoAnswer | None:
         """Warm restart: this process's answer (join as what, or leave); None: not yet."""
-        import ray
-
-        answer = ray.get(
-            self.handle.rendezvous.remote(self.process_id, wait_s), timeout=wait_s + 30
-        )
-        return answer if isinstance(answer, Rendezvous) else None
+        answer = call(self.handle.rendezvous, self.process_id, wait_s, timeout=wait_s + 30)
+        return answer if isinstance(answer, Rendezvous | NoAnswer) else None
 
     def report(self, report: TeardownReport) -> None:
         """Send the TeardownReport before the process exits (bounded): through the node's
         agent, with its node's; to the coordinator itself if the agent could not pass it on."""
-        import ray
-
         if self.cycle is None:
             return
         if self.relay is not None:
-            try:
-                reply = ray.get(
-                    self.relay.report_teardown.remote(self.process_id, report),
-                    timeout=REPORT_TIMEOUT_S,
-                )
-                if isinstance(reply, Reply) and (reply.accepted or not reply.retry):
-                    return  # taken, or refused by the coordinator itself: not sent again
-                why = reply.reason if isinstance(reply, Reply) else type(reply).__name__
-            except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            logger.warning("ray_graceful: the node agent did not pass the report on (%s)", why)
-        try:
-            ray.get(
-                self.handle.report_teardown.remote(self.process_id, report),
-                timeout=REPORT_TIMEOUT_S,
+            reply = call(
+                self.relay.report_teardown, self.process_id, report, timeout=REPORT_TIMEOUT_S
             )
-        except Exception as exc:
-            logger.warning("ray_graceful: the report did not reach the coordinator: %r", exc)
+            if isinstance(reply, Reply) and (reply.accepted or not reply.retry):
+                return  # taken, or refused by the coordinator itself: not sent again
+            why = reply.reason if isinstance(reply, Reply) else str(reply)
+            logger.warning("ray_graceful: the node agent did not pass the report on (%s)", why)
+        reply = call(self.handle.report_teardown, self.process_id, report, timeout=REPORT_TIMEOUT_S)
+        if isinstance(reply, NoAnswer):
+            logger.warning("ray_graceful: the report did not reach the coordinator: %s", reply)

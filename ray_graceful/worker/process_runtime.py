@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bounded import NoAnswer
 from ..checkpoint import shard_key
 from ..config import GracefulConfig
 from ..protocol import RankSpec, Rendezvous, TeardownOrder
@@ -250,11 +251,10 @@ class ProcessRuntime:
             - (time.time() - received_at),
         )
         if wait_s > 0 and self.control is not None:
-            try:
-                self.control.wait_rejoined(cycle, wait_s)
-            except Exception as exc:  # the notice goes out all the same
+            failed = self.control.wait_rejoined(cycle, wait_s)
+            if failed is not None:  # the notice goes out all the same
                 write_stderr(
-                    f"ray_graceful: the new group's record could not be awaited: {exc!r}\n"
+                    f"ray_graceful: the new group's record could not be awaited: {failed}\n"
                 )
         self._report_sigterm(received_at)
 
@@ -329,10 +329,9 @@ class ProcessRuntime:
                 if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
                     time.sleep(0.05)
                     continue
-                try:
-                    answer = control.rendezvous(ASK_WAIT_S)
-                except Exception as exc:
-                    self.step(AskFailed(type(exc).__name__, time.time()))
+                answer = control.rendezvous(ASK_WAIT_S)
+                if isinstance(answer, NoAnswer):
+                    self.step(AskFailed(str(answer), time.time()))
                     return
                 if answer is not None:
                     self.step(RendezvousIn(answer, time.time()))

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import rendezvous as store
+from ..bounded import NoAnswer, call
 from ..config import GracefulConfig
 from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import (
@@ -183,18 +184,15 @@ def _ask(
 ) -> Rendezvous:
     """The coordinator's answer for ``member``, asked until it has one, the time is up or a
     SIGTERM came (each ask is a long poll of at most ``RENDEZVOUS_POLL_S``)."""
-    import ray
-
     until = time.monotonic() + config.rejoin_timeout_s
     while time.monotonic() < until:
         if signalled():
             return Rendezvous(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
         wait_s = min(RENDEZVOUS_POLL_S, max(until - time.monotonic(), 0.1))
-        try:
-            answer = ray.get(coordinator.rendezvous.remote(member, wait_s), timeout=wait_s + 30)
-        except Exception as exc:
+        answer = call(coordinator.rendezvous, member, wait_s, timeout=wait_s + 30)
+        if isinstance(answer, NoAnswer):
             return Rendezvous(
-                RendezvousAction.LEAVE, f"the coordinator could not be asked ({type(exc).__name__})"
+                RendezvousAction.LEAVE, f"the coordinator could not be asked ({answer})"
             )
         if isinstance(answer, Rendezvous):
             return answer
@@ -369,12 +367,8 @@ def _result(answer: Rendezvous, member: str, action: RejoinResult, **fields: Any
 
 
 def _tell(coordinator: Any, result: Rejoined) -> None:
-    import ray
-
-    try:
-        ray.get(coordinator.rejoined.remote(result), timeout=REPORT_TIMEOUT_S)
-    except Exception as exc:
-        write_stderr(f"ray_graceful: could not tell the coordinator the rejoin result: {exc!r}\n")
+    if isinstance(failed := call(coordinator.rejoined, result, timeout=REPORT_TIMEOUT_S), NoAnswer):
+        write_stderr(f"ray_graceful: could not tell the coordinator the rejoin result: {failed}\n")
 
 
 def _destroy_quietly() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..bounded import NoAnswer, call
 from ..config import GracefulConfig
 from ..memory.handoff import LoadedShard, load_shard
 from ..protocol import shard_key
@@ -43,10 +44,8 @@ def load_latest(
 
 def coordinator_checkpoint_dir(coordinator: Any, timeout_s: float = 30.0) -> str | None:
     """The coordinator's ``checkpoint_dir``; None (with a log line) if it does not answer."""
-    import ray
-
-    try:
-        return ray.get(coordinator.checkpoint_dir.remote(), timeout=timeout_s)
-    except Exception as exc:
-        logger.warning("ray_graceful: could not ask the coordinator for checkpoint_dir: %r", exc)
+    answer = call(coordinator.checkpoint_dir, timeout=timeout_s)
+    if isinstance(answer, NoAnswer):
+        logger.warning("ray_graceful: could not ask the coordinator for checkpoint_dir: %s", answer)
         return None
+    return answer

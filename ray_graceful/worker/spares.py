@@ -9,7 +9,6 @@ until the scheduler kills it (NVIDIA's resiliency PR 266 is the anchor).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -18,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..bounded import NoAnswer, Why, call
 from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
@@ -87,16 +87,13 @@ def wait_as_spare(
 
 def _until_word(poll: _SparePoll, runtime: ProcessRuntime, timeout: float | None) -> SpareResult:
     """The coordinator's word, a SIGTERM, or the timeout: whichever comes first."""
-    import ray
-
     end = None if timeout is None else time.monotonic() + timeout
     try:
         while not poll.done.wait(0.05):
             if not poll.thread.is_alive() and poll.result is None:
                 return SpareResult(SpareAction.EXIT, "the spare's poll thread ended unexpectedly")
             if runtime.stop_event.is_set():
-                with contextlib.suppress(Exception):
-                    ray.get(poll.handle.leave_spare.remote(poll.spare_id, "SIGTERM"), timeout=2)
+                call(poll.handle.leave_spare, poll.spare_id, "SIGTERM", timeout=2)
                 return SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
             if end is not None and time.monotonic() > end:
                 return SpareResult(
@@ -125,12 +122,13 @@ class _SparePoll:
         self.unavailable_since: float | None = None
 
     def register(self) -> None:
-        import ray
-
-        answer = ray.get(
-            self.handle.register_spare.remote(self.spare_id, self.role, self.node_id, os.getpid()),
+        answer = call(
+            self.handle.register_spare,
+            *(self.spare_id, self.role, self.node_id, os.getpid()),
             timeout=30,
         )
+        if isinstance(answer, NoAnswer):
+            raise SetupError(f"the coordinator did not take this {self.role}: {answer}")
         if not answer.accepted:
             raise SetupError(f"the coordinator refused this {self.role}: {answer.reason}")
 
@@ -153,38 +151,33 @@ class _SparePoll:
         """One poll: the coordinator's answer; None to poll again; an "exit" answer where the
         coordinator is gone, was not back within ``coordinator_reconnect_s``, or could not be
         polled ``MAX_POLL_FAILURES`` times."""
-        import ray
-
         config = self.config
-        try:
-            answer = ray.get(
-                self.handle.poll_spare.remote(self.spare_id, config.health_interval_s),
-                timeout=config.health_interval_s + 30,
-            )
+        wait_s = config.health_interval_s
+        answer = call(self.handle.poll_spare, self.spare_id, wait_s, timeout=wait_s + 30)
+        if not isinstance(answer, NoAnswer):
             self.failures, self.unavailable_since = 0, None
             if isinstance(answer, SpareAnswer) and answer.action == SpareAction.REGISTER:
                 self.register()  # Ray restarted the coordinator: its pool starts empty
                 return None
             return answer
-        except ray.exceptions.GetTimeoutError:
+        if answer.why is Why.TIMEOUT:
             return None
-        except ray.exceptions.ActorUnavailableError as exc:  # restarting: as ranks, wait
+        if answer.why is Why.RESTARTING:  # as ranks, wait
             now = time.monotonic()
             self.unavailable_since = self.unavailable_since or now
             if now - self.unavailable_since < config.coordinator_reconnect_s:
                 time.sleep(0.2)
                 return None
-            why = f"the coordinator was not back within coordinator_reconnect_s ({exc})"
+            why = f"the coordinator was not back within coordinator_reconnect_s ({answer})"
             return SpareAnswer(SpareAction.EXIT, why)
-        except ray.exceptions.RayActorError as exc:
-            return SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({exc})")
-        except Exception as exc:  # anything else: retry a few times, then leave
-            self.failures += 1
-            if self.failures < MAX_POLL_FAILURES:
-                time.sleep(min(0.2 * 2**self.failures, config.health_interval_s))
-                return None
-            why = f"the coordinator could not be polled {self.failures} times ({exc!r})"
-            return SpareAnswer(SpareAction.EXIT, why)
+        if answer.why is Why.DEAD:
+            return SpareAnswer(SpareAction.EXIT, f"the coordinator is gone ({answer})")
+        self.failures += 1  # anything else: retry a few times, then leave
+        if self.failures < MAX_POLL_FAILURES:
+            time.sleep(min(0.2 * 2**self.failures, config.health_interval_s))
+            return None
+        why = f"the coordinator could not be polled {self.failures} times ({answer})"
+        return SpareAnswer(SpareAction.EXIT, why)
 
 
 def _exit_when_idle(config: GracefulConfig, reason: str) -> None:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .. import ray_adapter
+from ..bounded import wait_until
 from ..config import GracefulConfig
 from ..protocol import PhaseStatus, ReportedRank, TeardownPhase
 from .device import device_queue_finished
@@ -65,14 +66,14 @@ from .report import (
     ray_identity,
     write_report_file,
 )
-from .threads import busy_threads, run_bounded, thread_in_collective
+from .threads import ThreadAt, busy_threads, run_bounded, thread_in_collective
 
 
 class TrainingThread(Protocol):
     """What the teardown needs to know of the thread that trains (``training_loop.py``)."""
 
-    def state(self) -> str:
-        """ "parked" (at should_stop), "idle" (left its loop), "in_collective" or "in_step"."""
+    def state(self) -> ThreadAt:
+        """Where the thread is: at should_stop, out of its loop, in a collective, in its step."""
 
     def step(self) -> int | None:
         """The step the thread parked at, else the last step boundary it reported."""
@@ -234,25 +235,25 @@ class Teardown:
             "the step it parked at"
         )
 
-    def _wait_for_boundary(self, limit: float) -> str:
-        """Poll the training thread until it is at a boundary, in a collective, or ``limit``."""
+    def _wait_for_boundary(self, limit: float) -> ThreadAt:
+        """Poll the training thread until it is at a boundary, in a collective for
+        ``in_collective_s`` (its peers must be released first), or ``limit``."""
         assert self.training is not None
-        started = time.monotonic()
+        training = self.training
         in_collective_since: float | None = None
-        while True:
-            state = self.training.state()
-            now = time.monotonic()
-            if state in ("parked", "idle"):
+
+        def settled() -> ThreadAt | None:
+            nonlocal in_collective_since
+            state = ThreadAt(training.state())
+            if state.at_boundary:
                 return state
-            if state == "in_collective":
-                in_collective_since = in_collective_since or now
-                if now - in_collective_since >= self.in_collective_s:
-                    return state
-            else:
+            if state is not ThreadAt.IN_COLLECTIVE:
                 in_collective_since = None
-            if now - started >= limit:
-                return state
-            time.sleep(0.002)
+                return None
+            in_collective_since = in_collective_since or time.monotonic()
+            return state if time.monotonic() - in_collective_since >= self.in_collective_s else None
+
+        return wait_until(settled, limit, every=0.002) or ThreadAt(training.state())
 
     def _quiesce(self) -> str:
         """Reach the training thread's step boundary, bounded; a save never starts mid-step."""
@@ -262,14 +263,14 @@ class Teardown:
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
         state = self._wait_for_boundary(limit)
         waited_ms = (time.monotonic() - started) * 1000
-        self.quiescent = state in ("parked", "idle")
+        self.quiescent = state.at_boundary
         step = self.training.step()
-        self.clean_step = step if state == "parked" else None
-        if state == "parked":
+        self.clean_step = step if state is ThreadAt.PARKED else None
+        if state is ThreadAt.PARKED:
             return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms"
-        if state == "idle":
+        if state is ThreadAt.IDLE:
             return f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
-        if state == "in_collective":
+        if state is ThreadAt.IN_COLLECTIVE:
             return (
                 f"training thread inside a collective after {waited_ms:.0f}ms: peers are "
                 "released first"
@@ -281,8 +282,7 @@ class Teardown:
         if self.quiescent or self.training is None:
             return
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
-        state = self._wait_for_boundary(limit)
-        if state not in ("parked", "idle"):
+        if not self._wait_for_boundary(limit).at_boundary:
             raise RuntimeError(
                 f"the training thread was still inside its step {limit:.1f}s after the peers "
                 "were released (not at should_stop, not out of its loop): a save now could "

@@ -17,7 +17,22 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..protocol.words import Word
 from ..torch_adapter import in_torch_distributed
+
+
+class ThreadAt(Word):
+    """Where the training thread is, as the teardown sees it (``TrainingLoop.state``)."""
+
+    PARKED = "parked"  # inside should_stop(step), held there by the teardown
+    IDLE = "idle"  # outside the function that calls should_stop: left its loop, or never in one
+    IN_COLLECTIVE = "in_collective"  # inside its step, in a torch.distributed call
+    IN_STEP = "in_step"  # inside its step
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether a save may start: the thread is at its step boundary or out of its loop."""
+        return self in (ThreadAt.PARKED, ThreadAt.IDLE)
 
 
 def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:

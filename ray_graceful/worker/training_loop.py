@@ -18,7 +18,7 @@ from types import CodeType
 from typing import TYPE_CHECKING
 
 from ..torch_adapter import in_torch_distributed
-from .threads import thread_in_collective
+from .threads import ThreadAt, thread_in_collective
 
 if TYPE_CHECKING:
     from .teardown import Teardown
@@ -62,28 +62,23 @@ class TrainingLoop:
         reached = self.marked_at is not None and self.marked_at >= since
         return not reached and self.parked_step is None and time.monotonic() - since > patience
 
-    def state(self) -> str:
-        """Where the training thread is: parked / idle / in_collective / in_step.
-
-        "parked": inside should_stop(step), held there by the teardown. "idle": not inside the
-        function that calls should_stop (it left its loop, or never entered one). Otherwise it
-        is inside its step, and "in_collective" when a ``torch.distributed`` call is on its
-        stack.
-        """
+    def state(self) -> ThreadAt:
+        """Where the training thread is (``ThreadAt``): inside its step, and in a collective
+        when a ``torch.distributed`` call is on its stack; else parked or out of its loop."""
         if self.parked_step is not None:
-            return "parked"
+            return ThreadAt.PARKED
         site = self.step_site
         if site is None:  # no loop known: any thread inside a collective counts
-            return "in_collective" if thread_in_collective() else "idle"
+            return ThreadAt.IN_COLLECTIVE if thread_in_collective() else ThreadAt.IDLE
         thread_id, code = site
         frame = sys._current_frames().get(thread_id)
         in_collective = False
         while frame is not None:
             if frame.f_code is code:
-                return "in_collective" if in_collective else "in_step"
+                return ThreadAt.IN_COLLECTIVE if in_collective else ThreadAt.IN_STEP
             in_collective = in_collective or in_torch_distributed(frame.f_code.co_filename)
             frame = frame.f_back
-        return "idle"
+        return ThreadAt.IDLE
 
     def step(self) -> int | None:
         return self.parked_step if self.parked_step is not None else self.last_step
