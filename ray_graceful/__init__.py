@@ -39,7 +39,7 @@ from .warm_group import WarmGroup, WarmRestart, WarmRestartFailed
 from .worker.mixin import GracefulWorkerMixin
 from .worker.process_groups import SetupError
 from .worker.rejoin import rejoin
-from .worker.report import PhaseRecord, TeardownReport, read_reports
+from .worker.report_file import PhaseRecord, TeardownReport, read_reports
 from .worker.restore import load_latest
 from .worker.setup import (
     GracefulSetupWarning,
@@ -50,7 +50,7 @@ from .worker.setup import (
     should_stop,
     teardown_now,
 )
-from .worker.spares import SpareResult, wait_as_spare
+from .worker.spare_wait import SpareResult, wait_as_spare
 
 __version__ = "0.2.0"
 

@@ -44,7 +44,7 @@ class TerminationOutcome:
     timings: dict[str, float] = field(default_factory=dict)  # seconds from the first notice
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # shards a backup saved
     # Warm restart: who rejoins as which rank, which spare took which slot, the resume step -
-    # or why every survivor was told to leave (coordinator/warm.py). None without one.
+    # or why every survivor was told to leave (coordinator/warm_restarts.py). None without one.
     warm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:

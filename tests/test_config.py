@@ -68,9 +68,9 @@ def test_replace_validates_the_copy_and_leaves_the_original():
 
 
 def test_cross_field_rules():
-    with pytest.raises(ConfigError, match="save_budget_s = 25.0 does not fit"):
+    with pytest.raises(ConfigError, match=r"save_budget_s = 25\.0 does not fit"):
         GracefulConfig(save_budget_s=25)
-    with pytest.raises(ConfigError, match="watchdog_margin_s = 30.0 must be smaller"):
+    with pytest.raises(ConfigError, match=r"watchdog_margin_s = 30\.0 must be smaller"):
         GracefulConfig(watchdog_margin_s=30)
     with pytest.raises(ConfigError, match=r"XIDs \[48\] are both fatal_xids and ignored_xids"):
         GracefulConfig(ignored_xids=(48,))

@@ -16,8 +16,8 @@ from ray_graceful import GracefulConfig
 from ray_graceful.checkpoint import ShardRecord, shard_file_name
 from ray_graceful.coordinator.conclusion import CommitRequest, carry_out
 from ray_graceful.coordinator.held import HeldSteps, Stage
-from ray_graceful.coordinator.spares import SpareRecord as Spare
-from ray_graceful.coordinator.warm import Survivor, WarmRestarts
+from ray_graceful.coordinator.spare_pool import SpareRecord as Spare
+from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
 from ray_graceful.protocol import LateSave, RankSpec, Result
 from ray_graceful.worker.emergency_save import EmergencySave, ShardSave
 

@@ -20,8 +20,8 @@ from ray_graceful.coordinator import events as ev
 from ray_graceful.coordinator.conclusion import carry_out
 from ray_graceful.coordinator.cycle import Cycle
 from ray_graceful.coordinator.machine import CycleMachine
-from ray_graceful.coordinator.spares import SparePool, SpareRecord
-from ray_graceful.coordinator.warm import Survivor, WarmRestarts
+from ray_graceful.coordinator.spare_pool import SparePool, SpareRecord
+from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
 from ray_graceful.notices import EvictionNotice
 from ray_graceful.protocol import (
     Ack,
@@ -34,7 +34,7 @@ from ray_graceful.protocol import (
     ReportedRank,
     TeardownPhase,
 )
-from ray_graceful.worker.report import write_report_file
+from ray_graceful.worker.report_file import write_report_file
 from tests.helpers import fast_config
 
 pytestmark = pytest.mark.unit

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ray_graceful import GracefulConfig
-from ray_graceful.coordinator.spares import SpareRecord as Spare
-from ray_graceful.coordinator.warm import Survivor, WarmRestarts
+from ray_graceful.coordinator.spare_pool import SpareRecord as Spare
+from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
 from ray_graceful.protocol import (
     LoadedFrom,
     RankSpec,

@@ -54,8 +54,8 @@ from ..protocol import (
     check_version,
 )
 from ..rendezvous import host_store
-from . import collector, recovery
 from . import events as ev
+from . import gc_freeze, recovery
 from .backups import BackupTurns
 from .conclusion import CommitRequest, carry_out
 from .fanout import Fanout
@@ -66,8 +66,8 @@ from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
 from .node_calls import NodeFacingCalls
 from .outcomes import OutcomeBoard
-from .spares import SparePool
-from .warm import StoreFactory, WarmRestarts
+from .spare_pool import SparePool
+from .warm_restarts import StoreFactory, WarmRestarts
 from .watch import DrainSource, LostSource, Watcher
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class CoordinatorActor(NodeFacingCalls):
             self._take(ev.GatheringClosed(cycle))
             plan = self.machine.cycle.plan
             if plan is not None:
-                collector.freeze_held()  # the orders are out: see collector.py
+                gc_freeze.freeze_held()  # the orders are out: see gc_freeze.py
                 logger.info("ray_graceful: plan for cycle %s\n%s", cycle, plan.for_log())
                 written = recovery.in_flight(self.machine.cycle, self.config, self.job_id)
                 await asyncio.to_thread(recovery.record_in_flight, self.config.report_dir, written)
@@ -303,12 +303,12 @@ class CoordinatorActor(NodeFacingCalls):
             logger.exception("ray_graceful coordinator: cycle %s failed", cycle)
             self._take(ev.CycleFailed(cycle, f"{type(exc).__name__}: {exc}"))
         finally:
-            collector.thaw_held()
+            gc_freeze.thaw_held()
             for key in [k for k in self.cycle_events if k[0] <= cycle]:
                 del self.cycle_events[key]
             self.backups.forget_before(cycle + 1)
             self.fanout.forget_except(set(self.machine.registry.processes))
-            await asyncio.to_thread(collector.give_back_freed)  # off the loop: see collector.py
+            await asyncio.to_thread(gc_freeze.give_back_freed)  # off the loop: see gc_freeze.py
 
     def _publish(self, concluded: ev.Concluded) -> None:
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
@@ -415,7 +415,7 @@ class CoordinatorActor(NodeFacingCalls):
         decisions = self._step(ev.TurnAsked(message))
         return await self.backups.answer(decisions, self.machine.cycle.number, wait_s, self._take)
 
-    # --- warm restart (coordinator/warm.py) --------------------------------------------------
+    # --- warm restart (coordinator/warm_restarts.py) ------------------------------------
 
     async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
         """A warm restart's member asks where and as what it joins (None: ask again)."""
@@ -429,7 +429,7 @@ class CoordinatorActor(NodeFacingCalls):
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
         return await self.warm.wait_record(cycle, timeout)
 
-    # --- spares and standbys (coordinator/spares.py) ------------------------------------------
+    # --- spares and standbys (coordinator/spare_pool.py) ------------------------------------------
 
     async def register_spare(self, spare_id: str, role: str, node_id: str, pid: int) -> Reply:
         return self._take(ev.SpareArrived(spare_id, role, node_id, pid))

@@ -41,7 +41,7 @@ from ..protocol import (
     TeardownReport,
 )
 from .conclusion import CommitRequest, CommitResult
-from .warm import WarmRecord
+from .warm_restarts import WarmRecord
 
 # --- events: what happened ------------------------------------------------------------------
 

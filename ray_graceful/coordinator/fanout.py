@@ -11,8 +11,8 @@ one of two ways:
 ``answer(process_id, ...)`` routes to whichever the process registered through last: a process
 whose agent died registers again directly, and is answered directly from then on. Spares and
 standbys hold polls of their own (``hold_spare``), and warm-restart members theirs
-(``warm.py``), through the same ``held`` / ``resolve``. Asyncio only; the actor owns the event
-loop.
+(``warm_restarts.py``), through the same ``held`` / ``resolve``. Asyncio only; the actor owns
+the event loop.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Its parts, all Ray-free: what it knows (``state.py``); what comes in before a pl
 (``intake.py``: registrations, polls, notices, drains, lost ranks); the plan and the orders
 (``orders.py``); the conclusion (``conclusion.py``). Here: the dispatch, the reports and backup
 turns, the conclusion's bookkeeping, spares and the job's end. It consults the warm-restart
-part (``warm.py``), the spare pool (``spares.py``) and, for where shards go in memory, a
-``KeeperPlacement`` (the memory tier: the nodes with a keeper that is not leaving).
+part (``warm_restarts.py``), the spare pool (``spare_pool.py``) and, for where shards go in
+memory, a ``KeeperPlacement`` (the memory tier: the nodes with a keeper that is not leaving).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from .conclusion import CommitRequest, commit_request, failed, outcome_of
 from .cycle import Cycle, Phase
 from .orders import KeeperPlacement, plan_and_order
 from .registry import Process, Registry
-from .spares import ROLES, SparePool
+from .spare_pool import ROLES, SparePool
 from .state import CoordinatorState
-from .warm import WarmRecord, WarmRestarts
+from .warm_restarts import WarmRecord, WarmRestarts
 
 
 class CycleMachine:

@@ -30,9 +30,9 @@ from ..protocol import (
 )
 from . import events as ev
 from .cycle import Cycle, Phase
-from .spares import SpareRecord
+from .spare_pool import SpareRecord
 from .state import CoordinatorState
-from .warm import WarmRestarts
+from .warm_restarts import WarmRestarts
 
 
 class KeeperPlacement(Protocol):

@@ -5,9 +5,10 @@ One way: notice -> plan -> order -> acknowledgement -> report -> outcome.
 - ``messages``: a rank's process and the coordinator - ``Register``, ``PollState``,
   ``PollAnswer`` with its ``TeardownOrder``, ``Ack``, ``SigtermSeen``, ``SaveResult``, a backup's
   ``SaveTurn`` / ``TurnAnswer``, and the plain ``Reply``;
-- ``report``: the ``TeardownReport`` a process sends when its teardown ended;
-- ``spares``: a spare's ``SpareAnswer``; the driver's ``SpareAssigned`` and ``JobClosed``;
-- ``warm``: a warm restart's ``Rendezvous`` and ``Rejoined``;
+- ``teardown_report``: the ``TeardownReport`` a process sends when its teardown ended;
+- ``spare_messages``: a spare's ``SpareAnswer``; the driver's ``SpareAssigned`` and
+  ``JobClosed``;
+- ``warm_messages``: a warm restart's ``Rendezvous`` and ``Rejoined``;
 - ``words``: the closed sets of words (enums that are also their strings);
 - ``checks``: the version and field bounds every message is checked against where it arrives;
 - ``wire``: the coordinator's replies to node agents, packed into one pickle each.
@@ -36,9 +37,9 @@ from .messages import (
     TurnAnswer,
     coordinator_name,
 )
-from .report import ExitPath, PhaseRecord, ReportedRank, TeardownReport
-from .spares import JobClosed, SpareAnswer, SpareAssigned
-from .warm import Rejoined, Rendezvous
+from .spare_messages import JobClosed, SpareAnswer, SpareAssigned
+from .teardown_report import ExitPath, PhaseRecord, ReportedRank, TeardownReport
+from .warm_messages import Rejoined, Rendezvous
 from .words import (
     Action,
     LoadedFrom,

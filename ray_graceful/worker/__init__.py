@@ -15,10 +15,13 @@
 - ``training_loop.py`` where the training thread is, and the step a save holds (parking)
 - ``teardown.py``      the ordered, guarded, timed steps that end a rank
 - ``process_groups.py``, ``gloo.py``  releasing peers without a collective (abort / shutdown)
-- ``report.py``        the ``TeardownReport`` and its file; ``exit_path.py`` how a process leaves
+- ``report_file.py``   the ``TeardownReport``'s file and log line; ``exit_path.py`` how a
+                       process leaves
 - ``hard_deadline.py`` the kernel timer that ends a rank at its deadline whatever holds the GIL
 - ``threads.py``       bounded calls and where the other threads are
-- ``spares.py``        spares and standbys that exit 0 when the job is over
+- ``spare_wait.py``    spares and standbys that wait, and exit 0 when the job is over
+- ``late_copy.py``     a held shard's copy to the keepers, behind the training
+- ``peer_transfer.py`` a held shard sent to a spare over the new group
 """
 
 from .mixin import GracefulWorkerMixin

@@ -19,7 +19,7 @@ from ..checkpoint import ShardRecord, shard_file_name, write_shard
 from ..config import GracefulConfig
 from .exit_path import write_stderr
 from .late_copy import HeldShard
-from .report import Skip, ray_identity
+from .report_file import Skip, ray_identity
 from .threads import run_bounded
 
 # How a rank writes one shard: ``saver(path, step)``, returning (bytes, crc32) or None.

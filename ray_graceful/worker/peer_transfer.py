@@ -6,7 +6,7 @@ evicted replica's slot needs exactly that shard. Once the new group formed, the 
 its snapshot over it - on GPUs, the interconnect's bandwidth, far above any keeper - and the
 spare checks it is the step and the size the coordinator recorded before it loads it. A survivor
 that dies while it sends makes the spare's receive fail: the warm restart fails, and its
-members are ended as for any member that cannot load (``coordinator/warm.py``).
+members are ended as for any member that cannot load (``coordinator/warm_restarts.py``).
 """
 
 from __future__ import annotations

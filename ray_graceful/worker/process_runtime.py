@@ -64,7 +64,7 @@ from .lifecycle import (
 )
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError
-from .report import write_report_file
+from .report_file import write_report_file
 from .signals import SignalListener, set_claim_check
 from .teardown import Teardown
 from .timers import Timers

@@ -56,7 +56,7 @@ from .process_groups import SetupError, resolve_group
 from .process_runtime import ProcessRuntime, Registration, process_runtime
 from .restore import coordinator_checkpoint_dir
 from .setup import after_init_process_group
-from .spares import wait_as_spare
+from .spare_wait import wait_as_spare
 
 RENDEZVOUS_POLL_S = 1.0  # an ask's long poll: a SIGTERM meanwhile is seen within it
 

@@ -58,7 +58,7 @@ from .exit_path import hard_exit, leave_without_finalization, skip_finalization,
 from .hard_deadline import hard_deadline
 from .late_copy import LateCopies
 from .process_groups import GroupHandle, release_all
-from .report import (
+from .report_file import (
     LOG_PREFIX,
     PhaseRecord,
     Skip,

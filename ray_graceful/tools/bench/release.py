@@ -160,7 +160,7 @@ def _release_once(
                 first = min(notice["received_at"] for notice in outcome.notices)
                 outcome_s = first + outcome.timings["outcome"] - t0
         from ...ray_adapter import worker_exits
-        from ...worker.report import read_reports
+        from ...worker.report_file import read_reports
 
         # From the end of each rank's teardown (its report) to its process gone: the exit path
         # (Ray's intended exit, then what the interpreter does on its way out).

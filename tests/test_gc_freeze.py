@@ -1,4 +1,4 @@
-"""The coordinator's memory between cycles (``coordinator/collector.py``): what a cycle held is
+"""The coordinator's memory between cycles (``coordinator/gc_freeze.py``): what a cycle held is
 kept out of the cyclic collector while the orders go out, and the heap's free pages go back to
 the system once the cycle is over."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ray_graceful.coordinator import collector
+from ray_graceful.coordinator import gc_freeze
 
 pytestmark = pytest.mark.unit
 
@@ -24,11 +24,11 @@ def rss_bytes() -> int:
 def test_what_is_held_is_frozen_during_the_cycle_and_thawed_after():
     held = [[i] for i in range(1000)]
     before = gc.get_freeze_count()
-    collector.freeze_held()
+    gc_freeze.freeze_held()
     try:
         assert gc.get_freeze_count() >= before + len(held), "held objects out of the collector"
     finally:
-        collector.thaw_held()
+        gc_freeze.thaw_held()
     assert gc.get_freeze_count() == 0, "back to the collector once the cycle ended"
 
 
@@ -43,7 +43,7 @@ def test_freed_pages_go_back_to_the_system_after_a_cycle():
         (kept if i % 8 == 0 else freed).append(bytes(600 + (i % 1200)))
     del freed
     holding = rss_bytes()
-    assert collector.give_back_freed(), "glibc has malloc_trim"
+    assert gc_freeze.give_back_freed(), "glibc has malloc_trim"
     given_back = holding - rss_bytes()
     assert given_back > 50 << 20, f"only {given_back >> 20} MB given back"
     assert len(kept) == 25_000

@@ -45,7 +45,7 @@ from ..protocol import (
 from .cycle import Cycle
 from .fanout import held, resolve
 from .registry import Process, Registry
-from .spares import SpareRecord, free_spares
+from .spare_pool import SpareRecord, free_spares
 
 StoreFactory = Callable[[], tuple[str, int]]  # hosts the long-lived store once: (host, port)
 
@@ -398,7 +398,7 @@ class WarmRestarts:
             spares,
             # Nodes that go as a whole (a drain, a node's notice). A spare on a node only one
             # process of which was signalled stays: were the node going, it would be signalled
-            # too, and leave the pool (worker/spares.py).
+            # too, and leave the pool (worker/spare_wait.py).
             frozenset(n.node_id for n in cycle.notices + cycle.late_notices if n.node_id),
             held,
         )
