@@ -7,6 +7,7 @@ so two keys never share a file).
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -22,6 +23,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint operation was refused; the message says why."""
 
 
+class Tier(str, enum.Enum):
+    """Where a saved shard is (``ShardRecord.tier``); compares and serialises as its string."""
+
+    DISK = "disk"  # written to checkpoint_dir
+    MEMORY = "memory"  # held by keepers (memory/), its file not yet written
+    # a warm restart's survivor holds it as a snapshot in its own memory, on its way to the
+    # keepers (``holders``: the survivor's node) - never part of a committed checkpoint
+    HELD = "held"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     """One saved shard, as reported by its rank and listed in the manifest."""
@@ -35,16 +49,20 @@ class ShardRecord:
     rank: int = -1
     seconds: float = 0.0
     reused: bool = False  # the step was already committed: the committed shard was kept
-    # "memory": held by keepers (memory/), its file not yet written; "held": a warm restart's
-    # survivor holds it as a snapshot in its own memory, on its way to the keepers (``holders``:
-    # the survivor's node) - never part of a committed checkpoint
-    tier: str = "disk"
+    tier: Tier = Tier.DISK
     holders: tuple[str, ...] = ()  # memory: the nodes whose keepers hold it
     # memory, a dcp_saver's shard: its chunks (dcp.chunk_summary), checked at the memory commit
     dcp_chunks: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if self.tier not in Tier._value2member_map_:
+            allowed = ", ".join(t.value for t in Tier)
+            raise ValueError(f"tier {str(self.tier)[:40]!r} is not one of {allowed}")
+        object.__setattr__(self, "tier", Tier(self.tier))  # "memory" as well as Tier.MEMORY
+
     def to_dict(self) -> dict[str, Any]:
-        out = {**asdict(self), "holders": list(self.holders)}  # JSON's shape: read back, equal
+        # JSON's shape: read back, equal
+        out = {**asdict(self), "holders": list(self.holders), "tier": self.tier.value}
         if out["dcp_chunks"] is None:  # only a memory hand-off of a dcp_saver has them
             del out["dcp_chunks"]
         return out
@@ -59,7 +77,7 @@ class ShardRecord:
             if isinstance(values.get("holders"), list):
                 values["holders"] = tuple(values["holders"])
             record = cls(**values)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise CheckpointError(f"not a shard record: {exc}") from None
         if record.dcp_chunks is not None and not isinstance(record.dcp_chunks, dict):
             raise CheckpointError(

@@ -51,6 +51,7 @@ from ..protocol import (
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
+    WarmResult,
     check_version,
 )
 from ..rendezvous import host_store
@@ -216,7 +217,7 @@ class CoordinatorActor(NodeFacingCalls):
                 self.outcomes.count_notice(source)
             case ev.Concluded(warm=record):
                 self._publish(decision)
-                if record is not None and record.result == "rejoining":
+                if record is not None and record.result is WarmResult.REJOINING:
                     self._spawn(self._join_deadline(record.cycle, record.join_by))
             case _:
                 pass  # Replied, HoldPoll, AwaitSaver, Commit: the caller's to act on

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
+from ..checkpoint import CheckpointError, ShardRecord, Tier, commit, latest_committed
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
@@ -35,9 +35,8 @@ class CommitRequest:
 
     cycle: int
     job_id: str
-    # "disk" | "memory" | "held" (some survivors hold their shards: ``held.py``) | None (then
-    # ``result`` and ``reason`` say why)
-    tier: str | None
+    # HELD: some survivors hold their shards (``held.py``); None: ``result`` and ``reason`` say why
+    tier: Tier | None
     root: str | None
     expected: tuple[str, ...]
     records: tuple[ShardRecord, ...]
@@ -46,6 +45,10 @@ class CommitRequest:
     result: Result | None = None
     reason: str = ""
     failures: tuple[str, ...] = ()  # the savers' own words, where a memory commit fails
+
+    def __post_init__(self) -> None:
+        if self.tier is not None:  # "memory" as well as Tier.MEMORY
+            object.__setattr__(self, "tier", Tier(self.tier))
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,11 @@ def commit_request(
     if cycle.train_fn_saves:
         why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
         return nothing(Result.RAY_TRAIN, why)
-    if any(r.tier in ("memory", "held") for r in records):
+    if any(r.tier in (Tier.MEMORY, Tier.HELD) for r in records):
         return CommitRequest(
             cycle.number,
             job_id,
-            "held" if any(r.tier == "held" for r in records) else "memory",
+            Tier.HELD if any(r.tier is Tier.HELD for r in records) else Tier.MEMORY,
             root,
             expected,
             records,
@@ -99,22 +102,22 @@ def commit_request(
         )
     if root is None:
         return nothing(Result.NO_CHECKPOINT, "no checkpoint_dir is configured")
-    return CommitRequest(cycle.number, job_id, "disk", root, expected, records)
+    return CommitRequest(cycle.number, job_id, Tier.DISK, root, expected, records)
 
 
 def carry_out(request: CommitRequest) -> CommitResult:
     """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
     result, reason = request.result or Result.ABANDONED, request.reason
     committed, memory = None, None
-    if request.tier == "held":
+    if request.tier is Tier.HELD:
         result, reason, committed = _check_held(request)
-    elif request.tier == "memory":
+    elif request.tier is Tier.MEMORY:
         try:
             memory = _in_memory(request)
             result, committed = Result.COMMITTED, memory.describe()
         except CheckpointError as exc:
             result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
-    elif request.tier == "disk":
+    elif request.tier is Tier.DISK:
         assert request.root is not None
         step = request.records[0].step if request.records else -1
         try:
@@ -156,7 +159,7 @@ def _check_held(request: CommitRequest) -> tuple[Result, str, dict[str, Any] | N
         checked = _in_memory(request)
     except CheckpointError as exc:
         return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
-    held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier == "held"}
+    held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier is Tier.HELD}
     reason = (
         f"step {checked.step} is held in memory by the group's survivors ({len(held)} shard(s))"
         " and committed once their copies reach the keepers: Coordinator.durability(cycle)"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..checkpoint import ShardRecord
+from ..checkpoint import ShardRecord, Tier
 from ..protocol import LateSave
 from .conclusion import CommitRequest
 
@@ -67,7 +67,7 @@ class HeldStep:
 
     @property
     def held(self) -> dict[str, ShardRecord]:
-        return {r.shard: r for r in self.request.records if r.tier == "held"}
+        return {r.shard: r for r in self.request.records if r.tier is Tier.HELD}
 
     def missing(self) -> list[str]:
         return sorted(set(self.held) - set(self.landed))
@@ -83,7 +83,11 @@ class HeldStep:
             mine = held.get(record.shard)
             if mine is None:
                 return f"shard {record.shard!r} was not held in cycle {self.cycle}"
-            if record.tier != "memory" or record.step != mine.step or record.bytes != mine.bytes:
+            if (
+                record.tier is not Tier.MEMORY
+                or record.step != mine.step
+                or record.bytes != mine.bytes
+            ):
                 # What landed is not what the group trained on from: never commit it.
                 self.lose(
                     f"the copy of shard {record.shard!r} is not what was held (step "
@@ -106,7 +110,7 @@ class HeldStep:
         """The cycle's request with each held record replaced by its copy: a memory commit."""
         self.stage, self.at[Stage.COMMITTING.value] = Stage.COMMITTING, time.time()
         records = tuple(self.landed.get(r.shard, r) for r in self.request.records)
-        return dataclasses.replace(self.request, tier="memory", records=records)
+        return dataclasses.replace(self.request, tier=Tier.MEMORY, records=records)
 
     def lose(self, reason: str, now: float | None = None) -> None:
         self.stage, self.reason = Stage.LOST, reason
@@ -126,7 +130,7 @@ class HeldStep:
             "stage": self.stage.value,
             "held": {k: list(r.holders) for k, r in sorted(self.held.items())},
             "in_keepers": sorted(
-                {r.shard for r in self.request.records if r.tier == "memory"} | set(self.landed)
+                {r.shard for r in self.request.records if r.tier is Tier.MEMORY} | set(self.landed)
             ),
             "missing": self.missing(),
             "durable_path": self.durable_path,
@@ -178,7 +182,7 @@ class HeldSteps:
             record = held.landed.get(shard_key) or next(
                 (r for r in held.request.records if r.shard == shard_key), None
             )
-            if record is not None and record.tier == "memory":
+            if record is not None and record.tier is Tier.MEMORY:
                 return record
         return None
 

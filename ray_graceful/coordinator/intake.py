@@ -24,6 +24,7 @@ from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
 from ..plan import RankInfo, missing_ranks
 from ..protocol import (
+    JobState,
     PollAnswer,
     PollKind,
     PollState,
@@ -61,7 +62,7 @@ def register(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> N
         why = f"cycle {number} is being torn down; registering again once it ended"
         out.append(ev.Replied(Reply.refused(why, number, retry=True)))
         return
-    if state.job_state != "running":
+    if state.job_state is not JobState.RUNNING:
         out.append(ev.Replied(Reply.refused(f"the job is {state.job_state}", number)))
         return
     state.registry.register(message, number)
@@ -354,7 +355,7 @@ def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -
     incomplete: its ranks leave, none saves for it).
     """
     cycle = state.cycle
-    if state.job_state != "running" or cycle.tearing_down:
+    if state.job_state is not JobState.RUNNING or cycle.tearing_down:
         return  # the job ended, or the orders are out: the group is ordered out with them
     topology = [RankInfo.of(s, p.node_id) for s, p in state.registry.ranks_of(cycle.number)]
     notices = [

@@ -25,6 +25,7 @@ from ..notices import EvictionNotice, short
 from ..plan import RankInfo, incomplete_groups
 from ..protocol import (
     JobClosed,
+    JobState,
     ProtocolError,
     RankKey,
     Rejoined,
@@ -77,7 +78,7 @@ class CycleMachine:
         return self.state.registry
 
     @property
-    def job_state(self) -> str:
+    def job_state(self) -> JobState:
         return self.state.job_state
 
     @property
@@ -158,7 +159,7 @@ class CycleMachine:
         Asked every watch round (``drain_poll_interval_s``); rebuilt only when the registry
         changed: at 16,384 processes each rebuild took 25-50 ms of the event loop.
         """
-        if self.job_state != "running":
+        if self.job_state is not JobState.RUNNING:
             return frozenset()  # the job is over: its actors going away is no eviction
         key = (self.registry.version, self.cycle.number)
         if self._watched[0] != key:
@@ -296,7 +297,7 @@ class CycleMachine:
             out.append(ev.Replied(Reply.refused(f"role {short(role)}: one of 'spare', 'standby'")))
             return
         spare = self.spares.add(spare_id, role, node_id, pid)
-        if self.job_state != "running":
+        if self.job_state is not JobState.RUNNING:
             self.spares.tell(spare, SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         elif role == "spare" and self.state.config.memory_replicas > 0:
             out.append(ev.KeeperNeeded(node_id))  # the shard it will load can wait on its node
@@ -319,9 +320,9 @@ class CycleMachine:
 
     def _job_finished(self, success: bool, permanent: bool, out: list[ev.Decision]) -> None:
         if success:
-            self.state.job_state = "succeeded"
+            self.state.job_state = JobState.SUCCEEDED
         elif permanent:
-            self.state.job_state = "closed"
+            self.state.job_state = JobState.CLOSED
         told = self.spares.tell_all(SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         out.extend(ev.SpareTold(spare_id) for spare_id in told)
         out.append(ev.Replied(JobClosed(self.job_state, len(told), self.cycle.number)))

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from ..checkpoint import (
     CheckpointError,
     ShardRecord,
+    Tier,
     commit,
     latest_committed,
     not_plain,
@@ -59,7 +60,7 @@ from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome, publish_record
 from ..plan import RankInfo, incomplete_groups
-from ..protocol import Result
+from ..protocol import Result, Word
 from .cycle import Cycle
 from .memory import KEEPER_PING_S, KeeperClient
 
@@ -74,6 +75,15 @@ CLOCK_SLACK_S = 2.0  # a shard file written on another node: its clock may lag o
 UNCOMMITTED = "no manifest (not committed)"
 
 
+class Commits(Word):
+    """How a cycle in flight commits, written down with it (``InFlight.tier``)."""
+
+    DISK = "disk"  # from the shards in checkpoint_dir
+    MEMORY = "memory"  # from the keepers (the memory tier)
+    RAY_TRAIN = "ray-train"  # the savers reported to Ray Train: nothing to commit here
+    ABANDONED = "abandoned"  # the plan itself committed nothing (the reason says why)
+
+
 @dataclass(frozen=True)
 class InFlight:
     """What a restarted coordinator needs to conclude a cycle its predecessor left open."""
@@ -82,10 +92,14 @@ class InFlight:
     job_id: str
     opened_at: float
     deadline: float
-    tier: str | None  # "disk", "memory", "ray-train", "abandoned", or None (no checkpoint_dir)
+    tier: Commits | None  # None: no checkpoint_dir
     root: str | None
     expected: tuple[str, ...]
-    reason: str = ""  # why the plan itself committed nothing (tier "abandoned")
+    reason: str = ""  # why the plan itself committed nothing (``Commits.ABANDONED``)
+
+    def __post_init__(self) -> None:
+        if self.tier is not None:  # read back from JSON as its string
+            object.__setattr__(self, "tier", Commits(self.tier))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "expected": list(self.expected)}
@@ -99,13 +113,13 @@ def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
     """What to write down for ``cycle`` once its orders are out (it has a plan)."""
     plan = cycle.plan
     assert plan is not None
-    tier: str | None = "disk" if config.checkpoint_dir else None
+    tier = Commits.DISK if config.checkpoint_dir else None
     if plan.abandoned:
-        tier = "abandoned"
+        tier = Commits.ABANDONED
     elif cycle.train_fn_saves:
-        tier = "ray-train"
+        tier = Commits.RAY_TRAIN
     elif config.memory_replicas > 0:
-        tier = "memory"
+        tier = Commits.MEMORY
     opened = cycle.first_notice_at or cycle.plan_at or time.time()
     return InFlight(
         cycle=cycle.number,
@@ -276,7 +290,7 @@ async def held_in_keepers(keepers: Mapping[str, KeeperClient], cycle: int) -> li
                 0,
                 held.get("group", ""),
                 held.get("rank", -1),
-                tier="memory",
+                tier=Tier.MEMORY,
                 holders=(node,),
                 dcp_chunks=held.get("dcp_chunks"),
             )
@@ -294,7 +308,7 @@ async def conclude_when_over(
     from the keepers for a memory-tier cycle; a memory commit comes back with its checkpoint."""
     await asyncio.sleep(max(cycle.deadline - time.time(), 0) + grace_s)
     memory = None
-    if cycle.tier == "memory":
+    if cycle.tier is Commits.MEMORY:
         held = await held_in_keepers(keepers or {}, cycle.cycle)
         outcome, memory = await asyncio.to_thread(conclude_from_keepers, cycle, held, replicas)
     else:
@@ -366,9 +380,9 @@ def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:
     """The outcome of a cycle whose coordinator died: committed from the disk, or abandoned."""
     lead = _lead(cycle)
     committed = None
-    if cycle.tier == "abandoned":
+    if cycle.tier is Commits.ABANDONED:
         result, reason = Result.ABANDONED, cycle.reason
-    elif cycle.tier == "ray-train":
+    elif cycle.tier is Commits.RAY_TRAIN:
         result, reason = Result.RAY_TRAIN, f"{lead}; the savers reported to Ray Train"
     elif cycle.tier is None or cycle.root is None:
         result, reason = Result.NO_CHECKPOINT, f"{lead}; no checkpoint_dir is configured"

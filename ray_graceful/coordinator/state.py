@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..notices import short
-from ..protocol import Reply, ShardId
+from ..protocol import JobState, Reply, ShardId
 from . import events as ev
 from .cycle import Cycle, Phase
 from .registry import Process, Registry
@@ -29,7 +29,7 @@ class CoordinatorState:
     job_id: str
     registry: Registry = field(default_factory=Registry)
     cycle: Cycle = field(default_factory=lambda: Cycle(0))
-    job_state: str = "running"  # "running" | "succeeded" | "closed"
+    job_state: JobState = JobState.RUNNING
     save_times: dict[ShardId, float] = field(default_factory=dict)  # expected next time
     drains_seen: dict[str, int] = field(default_factory=dict)  # node -> the cycle it was seen in
     home_node: str = ""  # the coordinator's node, pinned next to the driver: the job ends with it

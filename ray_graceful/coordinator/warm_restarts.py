@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..checkpoint import Tier
 from ..config import GracefulConfig
 from ..health import FAULTY
 from ..plan import TerminationPlan
@@ -40,6 +41,7 @@ from ..protocol import (
     RendezvousAction,
     SpareAction,
     SpareAnswer,
+    WarmResult,
     shard_key,
 )
 from .cycle import Cycle
@@ -67,7 +69,7 @@ class WarmRecord:
     from_cycle: int
     cycle: int
     step: int
-    result: str  # "rejoining" | "rejoined" | "failed" | "cold"
+    result: WarmResult
     reason: str = ""
     members: dict[str, Rendezvous] = field(default_factory=dict)  # member id -> its answer
     told_to_leave: dict[str, str] = field(default_factory=dict)  # member id -> why
@@ -245,20 +247,22 @@ class WarmRestarts:
         """
         if not self.survivors:
             return None
-        record = WarmRecord(from_cycle, from_cycle + 1, step if step is not None else -1, "cold")
+        record = WarmRecord(
+            from_cycle, from_cycle + 1, step if step is not None else -1, WarmResult.COLD
+        )
         why = self._why_not(step, committed, reported)
         if why is None:
             why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
         if why is None:
             self._peers(record, held or {})
         if why is not None:
-            record.result, record.reason = "cold", why
+            record.result, record.reason = WarmResult.COLD, why
             record.members = {}
             record.told_to_leave = {pid: why for pid in self.survivors}
             record.done.set()
             record.finished_at = time.time()
         else:
-            record.result = "rejoining"
+            record.result = WarmResult.REJOINING
             # A survivor begins its rejoin within rejoin_timeout_s of this decision or leaves by
             # itself; then the group forms within rejoin_timeout_s or every member fails.
             record.join_by = record.started_at + 2 * self.config.rejoin_timeout_s
@@ -383,7 +387,7 @@ class WarmRestarts:
             record.shard: (p.process_id, record.bytes)
             for p in involved
             for record in (p.report.saved if p.report is not None else ())
-            if record.tier == "held"
+            if record.tier is Tier.HELD
         }
         evicted: dict[str, dict[int, str]] = {}
         for spec, process in registry.ranks_of(cycle.number):
@@ -449,10 +453,10 @@ class WarmRestarts:
         said what it did - it died or hangs where nothing watches it (a spare killed between its
         assignment and its registration). Returns the record if it just failed."""
         record = self.records.get(cycle)
-        if record is None or record.result != "rejoining" or now < record.join_by:
+        if record is None or record.result is not WarmResult.REJOINING or now < record.join_by:
             return None
         silent = [record.members[m].was for m in record.members if m not in record.results]
-        record.result = "failed"
+        record.result = WarmResult.FAILED
         record.reason = (
             f"{len(silent)} member(s) did not join within 2 x rejoin_timeout_s="
             f"{self.config.rejoin_timeout_s} of the decision ({', '.join(silent[:3])})"
@@ -467,13 +471,13 @@ class WarmRestarts:
         if record is None or result.member not in record.members:
             return None
         record.results[result.member] = result
-        failed_now = not result.joined and record.result == "rejoining"
+        failed_now = not result.joined and record.result is WarmResult.REJOINING
         if failed_now:
-            record.result = "failed"
+            record.result = WarmResult.FAILED
             record.reason = f"{record.members[result.member].was}: {result.reason}"[:500]
         if set(record.results) >= set(record.members) or failed_now:
-            if record.result == "rejoining":
-                record.result = "rejoined"
+            if record.result is WarmResult.REJOINING:
+                record.result = WarmResult.REJOINED
             record.finished_at = time.time()
             record.done.set()
         return record if failed_now else None

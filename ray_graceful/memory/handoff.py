@@ -20,6 +20,7 @@ from typing import Any
 
 from ..checkpoint import (
     ShardRecord,
+    Tier,
     latest_committed,
     load_committed_shard,
     shard_file_name,
@@ -133,7 +134,7 @@ def hand_off_snapshot(
         group=group,
         rank=rank,
         seconds=time.monotonic() - started,
-        tier="memory",
+        tier=Tier.MEMORY,
         holders=tuple(r.node_id for r in replies),
         dcp_chunks=chunks,
     )

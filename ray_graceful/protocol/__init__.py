@@ -42,6 +42,7 @@ from .teardown_report import ExitPath, PhaseRecord, ReportedRank, TeardownReport
 from .warm_messages import Rejoined, Rendezvous
 from .words import (
     Action,
+    JobState,
     LoadedFrom,
     PhaseStatus,
     PollKind,
@@ -50,6 +51,7 @@ from .words import (
     Result,
     SpareAction,
     TeardownPhase,
+    WarmResult,
     Word,
 )
 
@@ -60,6 +62,7 @@ __all__ = [
     "Action",
     "ExitPath",
     "JobClosed",
+    "JobState",
     "LateSave",
     "LoadedFrom",
     "PhaseRecord",
@@ -91,6 +94,7 @@ __all__ = [
     "TeardownPhase",
     "TeardownReport",
     "TurnAnswer",
+    "WarmResult",
     "Word",
     "check_count",
     "check_text",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .words import SpareAction
+from .words import JobState, SpareAction
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,6 @@ class JobClosed:
     """``Coordinator.job_finished``'s answer: the job's state now ("succeeded", "closed") and
     how many waiting spares and standbys were told to exit."""
 
-    job_state: str
+    job_state: JobState
     spares_told: int
     cycle: int | None = None

@@ -73,6 +73,23 @@ class RendezvousAction(Word):
     LEAVE = "leave"  # leave, as without a warm restart (the reason says why)
 
 
+class WarmResult(Word):
+    """How one warm restart went, as a whole (``WarmRecord.result``)."""
+
+    REJOINING = "rejoining"  # decided: members are forming the new group
+    REJOINED = "rejoined"  # every member said what it did, and the group formed
+    FAILED = "failed"  # a member did not join (or said nothing by its time): the group leaves
+    COLD = "cold"  # no warm restart: every rank leaves (the reason says why)
+
+
+class JobState(Word):
+    """Where the job is, as its coordinator knows it (``Coordinator.job_finished``)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # the driver said it succeeded: spares and standbys exit
+    CLOSED = "closed"  # the driver closed it for good: spares and standbys exit
+
+
 class RejoinResult(Word):
     """What one member of a warm restart did (``Rejoined.action``)."""
 

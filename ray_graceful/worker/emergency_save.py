@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import ShardRecord, shard_file_name, write_shard
+from ..checkpoint import ShardRecord, Tier, shard_file_name, write_shard
 from ..config import GracefulConfig
 from .exit_path import write_stderr
 from .late_copy import HeldShard
@@ -196,7 +196,7 @@ class EmergencySave:
             group=order.group,
             rank=order.rank,
             seconds=time.monotonic() - started,
-            tier="held",
+            tier=Tier.HELD,
             holders=(ray_identity()["node_id"],),
         )
         self.saved.append(record)
