@@ -39,9 +39,7 @@ def request(*records: ShardRecord, cycle: int = 3) -> CommitRequest:
 
 
 def warm(survivors: dict[int, str], **config) -> WarmRestarts:
-    part = WarmRestarts(
-        GracefulConfig(warm_restart=True, memory_replicas=1, **config), lambda: ("h", 1)
-    )
+    part = WarmRestarts(GracefulConfig(warm_restart=True, memory_replicas=1, **config), ("h", 1))
     part.survivors = {
         f"p{r}": Survivor(f"p{r}", RankSpec("g", r, 4, shard, True), "n1", 100 + r)
         for r, shard in survivors.items()

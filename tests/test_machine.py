@@ -46,7 +46,7 @@ def config(tmp_path):
 
 
 def machine(config) -> CycleMachine:
-    return CycleMachine(config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool())
+    return CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool())
 
 
 def registered(config, ranks=2) -> CycleMachine:
@@ -192,9 +192,7 @@ def test_all_reported_comes_with_the_last_awaited_report_in_any_order(config):
 def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config):
     """The coordinator sits on the driver's node; drained, the job ends with it: every rank is
     ordered, each shard saved once, by that drain's deadline (no rank's node was drained)."""
-    m = CycleMachine(
-        config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"
-    )
+    m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     for rank in range(4):
         spec = RankSpec("g", rank, 4, str(rank % 2), True)
         m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
@@ -216,7 +214,7 @@ def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config)
 
 def test_a_group_registered_after_the_drivers_node_drain_began_is_still_saved(config):
     """The drain was seen before any rank registered: the next poll of it covers the group."""
-    warm = WarmRestarts(config, lambda: ("h", 1))
+    warm = WarmRestarts(config, ("h", 1))
     m = CycleMachine(config, "job-a", warm, SparePool(), None, 0, "home")
     deadline_ms = int((time.time() + 30) * 1000)
     assert not of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened), "no rank yet"
@@ -244,9 +242,7 @@ def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(co
 
 
 def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
-    m = CycleMachine(
-        config, "job-a", WarmRestarts(config, lambda: ("h", 1)), SparePool(), None, 0, "home"
-    )
+    m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     spec = RankSpec("g", 0, 1, "0", True)
     m.step(ev.Registration(Register("p0", "n0", 0, "h", "job-a", (spec,))))
     assert not of(m.step(ev.DrainsSeen({"elsewhere": int(time.time() * 1000)})), ev.CycleOpened)
@@ -285,6 +281,29 @@ def test_a_spare_that_cannot_load_ends_the_warm_restart_before_the_survivor_is_b
     assert ev.reply_of(back).accepted, "the survivor belongs to the group being ended"
     ordered = m.step(ev.GatheringClosed(record.cycle))
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"x", "p1"}
+
+
+def test_the_actor_hears_when_a_warm_restart_is_over_and_only_then(tmp_path):
+    """``WarmFinished`` wakes the actor's waiters (``wait_rejoined``, the memory tier's persist):
+    not while a member has not spoken, once the last one has, and at the join deadline."""
+    m = machine(fast_config(tmp_path, warm_restart=True))
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
+    spare = SpareRecord("spare-x", "spare", "n2", 9)
+    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    assert record is not None
+    m.state.cycle = Cycle(record.cycle)
+    first = Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state")
+    assert not of(m.step(ev.RejoinedIn(first)), ev.WarmFinished), "the spare has not spoken"
+    last = Rejoined("joined", "spare-x", "g", 0, 2, 7, record.cycle, loaded_from="disk")
+    assert of(m.step(ev.RejoinedIn(last)), ev.WarmFinished) == [ev.WarmFinished(record.cycle)]
+
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
+    silent = m.warm.decide(1, 9, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset())
+    assert silent is not None and not silent.finished
+    early = m.step(ev.JoinDeadline(silent.cycle, silent.join_by - 1))
+    assert not of(early, ev.WarmFinished)
+    late = m.step(ev.JoinDeadline(silent.cycle, silent.join_by))
+    assert of(late, ev.WarmFinished) == [ev.WarmFinished(silent.cycle)]
 
 
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):

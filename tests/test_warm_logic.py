@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from ray_graceful import GracefulConfig
@@ -23,7 +21,7 @@ from ray_graceful.protocol import (
 
 def warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
     """A warm part whose survivors hold ``{rank: shard}`` of group "g" (world ``world``)."""
-    part = WarmRestarts(GracefulConfig(warm_restart=True, **config), lambda: ("10.0.0.1", 2345))
+    part = WarmRestarts(GracefulConfig(warm_restart=True, **config), ("10.0.0.1", 2345))
     part.survivors = {
         f"p{rank}": Survivor(f"p{rank}", RankSpec("g", rank, world, shard, True), "n1", 100 + rank)
         for rank, shard in survivors.items()
@@ -110,19 +108,17 @@ def test_without_a_committed_step_or_with_a_silent_survivor_every_survivor_leave
     assert record.result == "cold" and "sent no teardown report (pid 102)" in record.reason
 
 
-def test_a_member_asks_before_the_decision_and_gets_its_answer_when_it_is_made():
-    async def scenario():
-        part = warm({1: "model"}, world=2)
-        asked = asyncio.ensure_future(part.rendezvous("p1", 5.0))
-        await asyncio.sleep(0.05)
-        assert not asked.done()  # the cycle has not concluded: it waits
-        decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
-        answer = await asked
-        assert (answer.action, answer.rank, answer.world_size) == ("join", 1, 2)
-        stranger = await part.rendezvous("someone-else", 0.1)
-        assert stranger.action == "leave" and "not a member" in stranger.reason
-
-    asyncio.run(scenario())
+def test_a_member_has_no_answer_before_the_decision_and_its_own_after_it():
+    """The actor holds a member's ask until ``answer`` has one (``CoordinatorActor.rendezvous``)."""
+    part = warm({1: "model"}, world=2)
+    assert part.answer("p1") is None  # the cycle has not concluded: its ask is held
+    decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
+    answer = part.answer("p1")
+    assert answer is not None
+    assert (answer.action, answer.rank, answer.world_size) == ("join", 1, 2)
+    stranger = part.answer("someone-else")
+    assert stranger is not None
+    assert stranger.action == "leave" and "not a member" in stranger.reason
 
 
 def test_one_member_that_cannot_join_fails_the_warm_restart_with_its_reason():
@@ -133,7 +129,7 @@ def test_one_member_that_cannot_join_fails_the_warm_restart_with_its_reason():
     bad = Rejoined("left", "s1", "g", 0, 3, 7, record.cycle, reason="load failed: disk gone")
     assert part.joined(bad) is record
     assert record.result == "failed" and "spare for rank 0: load failed" in record.reason
-    assert record.done.is_set()
+    assert record.finished
     described = {m["member"]: m["action"] for m in record.to_dict()["members"]}
     assert described == {"s1": "left", "p1": "joined", "p2": "pending"}
 
@@ -143,7 +139,7 @@ def test_every_member_joined_completes_the_record():
     record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
     for member, answer in record.members.items():
         part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
-    assert record.result == "rejoined" and record.done.is_set()
+    assert record.result == "rejoined" and record.finished
 
 
 def test_the_evicted_shards_copy_is_placed_on_the_node_of_the_spare_that_will_load_it():
@@ -174,7 +170,7 @@ def test_a_member_rejoining_a_second_time_waits_for_the_new_decision_not_the_las
     assert first.members["p1"].cycle == 1
     # The next eviction: p1 is ordered to rejoin again, and asks before that cycle concluded.
     part.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 4, "model", True), "n1", 101)}
-    assert asyncio.run(part.rendezvous("p1", 0.05)) is None, "not cycle 1's answer again"
+    assert part.answer("p1") is None, "not cycle 1's answer again"
 
 
 def test_a_word_outside_its_set_is_refused_where_the_record_is_built_and_a_plain_one_is_typed():
@@ -201,7 +197,7 @@ def test_a_member_silent_past_the_join_deadline_fails_the_record_and_names_it():
     part.joined(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state"))
     assert part.overdue(record.cycle, record.join_by - 0.1) is None, "not yet"
     assert part.overdue(record.cycle, record.join_by) is record
-    assert record.result == "failed" and record.done.is_set()
+    assert record.result == "failed" and record.finished
     assert "1 member(s) did not join" in record.reason and "spare for rank 0" in record.reason
     assert part.overdue(record.cycle, record.join_by + 1) is None, "it fails once"
 

@@ -19,10 +19,12 @@ A cycle always concludes: an error on the way is a "failed" outcome; the next cy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import ray_adapter
@@ -59,7 +61,7 @@ from . import events as ev
 from . import gc_freeze, recovery
 from .backups import BackupTurns
 from .conclusion import CommitRequest, carry_out
-from .fanout import Fanout
+from .fanout import Fanout, held, resolve
 from .groups import GroupAgents
 from .held import HeldStep, HeldSteps, Stage
 from .host_watch import HostWatch
@@ -68,7 +70,7 @@ from .memory import KeeperFactory, MemoryTier
 from .node_calls import NodeFacingCalls
 from .outcomes import OutcomeBoard
 from .spare_pool import SparePool
-from .warm_restarts import StoreFactory, WarmRestarts
+from .warm_restarts import WarmRestarts
 from .watch import DrainSource, LostSource, Watcher
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class CoordinatorActor(NodeFacingCalls):
         job_id: str = "",
         drain_source: DrainSource | None = None,
         lost_source: LostSource | None = None,
-        store_factory: StoreFactory | None = None,
+        store_factory: Callable[[], tuple[str, int]] | None = None,
         keeper_factory: KeeperFactory | None = None,
     ) -> None:
         self.config = config
@@ -100,8 +102,12 @@ class CoordinatorActor(NodeFacingCalls):
         self.settle_until = time.time() + recovery.SETTLE_S if self.restarted else 0.0
         self.settle_check_due = self.restarted  # then: who did not register again is gone
         first_cycle, self.left_open = recovery.predecessor(config, job_id, self.restarted)
-        self.warm = WarmRestarts(config, store_factory or host_store)
-        self.warm.prepare()
+        # Hosted now, where warm restarts are on: hosting it imports torch, about a second in a
+        # fresh process, which must not sit between an eviction and its outcome.
+        store = (store_factory or host_store)() if config.warm_restart else None
+        self.warm = WarmRestarts(config, store)
+        self.rendezvous_polls: dict[str, asyncio.Future] = {}  # member -> its held ask
+        self.warm_events: dict[int, asyncio.Event] = {}  # cycle -> its warm restart is over
         self.spares = SparePool()
         me = ray_adapter.current_actor_id()  # names our keepers; a restart of this actor keeps it
         home = ray_adapter.current_node_id()  # the driver's node: we are pinned there
@@ -217,8 +223,12 @@ class CoordinatorActor(NodeFacingCalls):
                 self.outcomes.count_notice(source)
             case ev.Concluded(warm=record):
                 self._publish(decision)
+                if record is not None:
+                    self._answer_rendezvous_polls()
                 if record is not None and record.result is WarmResult.REJOINING:
                     self._spawn(self._join_deadline(record.cycle, record.join_by))
+            case ev.WarmFinished(cycle):
+                self._warm_finished(cycle).set()
             case _:
                 pass  # Replied, HoldPoll, AwaitSaver, Commit: the caller's to act on
 
@@ -398,8 +408,21 @@ class CoordinatorActor(NodeFacingCalls):
     async def _rejoin_done(self, cycle: int) -> None:
         """Until the warm restart out of ``cycle`` (if any) heard from every member."""
         record = self.warm.records.get(cycle + 1)
-        if record is not None:
-            await record.done.wait()
+        if record is not None and not record.finished:
+            await self._warm_finished(cycle + 1).wait()
+
+    def _warm_finished(self, cycle: int) -> asyncio.Event:
+        """Set once the warm restart into ``cycle`` is over; kept as long as its record."""
+        for old in [c for c in self.warm_events if c not in self.warm.records and c != cycle]:
+            del self.warm_events[old]
+        return self.warm_events.setdefault(cycle, asyncio.Event())
+
+    def _answer_rendezvous_polls(self) -> None:
+        """A warm restart was decided: every member's held ask gets its answer."""
+        for member, future in list(self.rendezvous_polls.items()):
+            answer = self.warm.answer(member)
+            if answer is not None:
+                resolve(future, answer)
 
     # --- reports and backups ----------------------------------------------------------------
 
@@ -420,7 +443,10 @@ class CoordinatorActor(NodeFacingCalls):
 
     async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
         """A warm restart's member asks where and as what it joins (None: ask again)."""
-        return await self.warm.rendezvous(member, wait_s)
+        answer = self.warm.answer(member)
+        if answer is not None:
+            return answer
+        return await held(self.rendezvous_polls, member, wait_s)
 
     async def rejoined(self, result: Rejoined) -> Reply:
         """A member says what it did; one that could not join ends the others cleanly."""
@@ -428,7 +454,13 @@ class CoordinatorActor(NodeFacingCalls):
 
     async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
-        return await self.warm.wait_record(cycle, timeout)
+        record = self.warm.records.get(cycle)
+        if record is None:
+            return None
+        if not record.finished:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._warm_finished(cycle).wait(), timeout)
+        return record.to_dict()
 
     # --- spares and standbys (coordinator/spare_pool.py) ------------------------------------------
 

@@ -374,6 +374,13 @@ class Concluded:
     warm: WarmRecord | None
 
 
+@dataclass(frozen=True)
+class WarmFinished:
+    """The warm restart into ``cycle`` is over: every member spoke, it failed, or never began."""
+
+    cycle: int
+
+
 Decision = (
     Replied
     | Rejected
@@ -390,6 +397,7 @@ Decision = (
     | SpareTold
     | Commit
     | Concluded
+    | WarmFinished
 )
 
 

@@ -137,7 +137,7 @@ class CycleMachine:
             case ev.RejoinedIn(result):
                 self._rejoined(result, out)
             case ev.JoinDeadline(cycle, now):
-                self._end_the_members(self.warm.overdue(cycle, now), out)
+                self._join_deadline(cycle, now, out)
             case ev.JobFinished(success, permanent):
                 self._job_finished(success, permanent, out)
             case ev.SpareArrived(spare_id, role, node_id, pid):
@@ -254,6 +254,7 @@ class CycleMachine:
             memory = landed.memory
         cycle.phase = Phase.CONCLUDED
         out.append(ev.Concluded(outcome, memory, record))
+        self._if_warm_finished(record, out)
         for spare, word in told:
             self.spares.tell(spare, word)
             out.append(ev.SpareTold(spare.spare_id))
@@ -265,7 +266,20 @@ class CycleMachine:
             self.state.refuse(out, {"rejoined": short(result)}, "a result is a Rejoined")
             return
         self._end_the_members(self.warm.joined(result), out)
+        self._if_warm_finished(self.warm.records.get(result.cycle), out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+
+    def _join_deadline(self, cycle: int, now: float, out: list[ev.Decision]) -> None:
+        overdue = self.warm.overdue(cycle, now)
+        self._end_the_members(overdue, out)
+        self._if_warm_finished(overdue, out)
+
+    @staticmethod
+    def _if_warm_finished(record: WarmRecord | None, out: list[ev.Decision]) -> None:
+        """Tell the actor a warm restart is over (its waiters: ``wait_rejoined``, the memory
+        tier's persist); said again for a late word, which changes nothing."""
+        if record is not None and record.finished:
+            out.append(ev.WarmFinished(record.cycle))
 
     def _end_the_members(self, failed_record: WarmRecord | None, out: list[ev.Decision]) -> None:
         """A warm restart that just failed: the members that joined are ended through a cycle

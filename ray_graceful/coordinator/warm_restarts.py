@@ -1,7 +1,8 @@
 """Warm restart, on the coordinator's side: who rejoins, which spare takes which slot, and where.
 
-An owned part of the coordinator (no Ray in it: the store that the new groups form through
-comes from an injected factory). Its life in one cycle:
+An owned part of the coordinator's machine: plain state and rules - no Ray, no I/O, no futures
+(the actor hosts the store the new groups form through, and holds the members' long polls).
+Its life in one cycle:
 
 1. ``survivors`` - at plan time: the processes that stay. A process stays when it holds exactly
    one rank, that rank is not evicted and not on FAULTY hardware, and the cycle is not Ray
@@ -12,10 +13,11 @@ comes from an injected factory). Its life in one cycle:
    smaller if ``min_world_size`` allows it and every shard keeps a holder. Anything short of
    that - no committed step, a slot with no spare, a process that did not report - and every
    survivor is told to leave: the ending is today's clean one, with the reason.
-3. ``rendezvous`` - each member asks for its ``Rendezvous`` (long poll: it may ask before the
-   cycle concluded). Members form the next cycle's group through one long-lived store with a
-   prefix per cycle and group: 8 gloo ranks re-formed in 78 ms that way, where a new store per
-   cycle had 5 s outliers (``docs/concepts.md``, "Warm restart").
+3. ``answer`` - each member's ``Rendezvous`` (the actor holds its long poll: it may ask before
+   the cycle concluded, and is answered once ``decide`` made one). Members form the next
+   cycle's group through one long-lived store with a prefix per cycle and group: 8 gloo ranks
+   re-formed in 78 ms that way, where a new store per cycle had 5 s outliers
+   (``docs/concepts.md``, "Warm restart").
 4. ``joined`` - each member says what it did (``Rejoined``: loaded from where, how long). The
    record of the warm restart is complete when every member has spoken; a member that could
    not join makes it ``failed``, and the coordinator then ends the others cleanly.
@@ -23,9 +25,8 @@ comes from an injected factory). Its life in one cycle:
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,11 +46,8 @@ from ..protocol import (
     shard_key,
 )
 from .cycle import Cycle
-from .fanout import held, resolve
 from .registry import Process, Registry
 from .spare_pool import SpareRecord, free_spares
-
-StoreFactory = Callable[[], tuple[str, int]]  # hosts the long-lived store once: (host, port)
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,11 @@ class WarmRecord:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     join_by: float = float("inf")  # every member has said what it did by then, or it failed
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        """Every member said what it did, or the warm restart failed or never began."""
+        return self.finished_at is not None
 
     def to_dict(self) -> dict[str, Any]:
         """What the outcome and ``Coordinator.wait_rejoined`` show: who, from where, how long."""
@@ -121,37 +123,21 @@ def _result_fields(result: Rejoined | None) -> dict[str, Any]:
 class WarmRestarts:
     """The coordinator's warm-restart part (see the module docstring)."""
 
-    def __init__(self, config: GracefulConfig, store: StoreFactory) -> None:
+    def __init__(self, config: GracefulConfig, store: tuple[str, int] | None) -> None:
         self.config = config
-        self._store_factory = store
-        self._store: tuple[str, int] | None = None
+        # The long-lived store the new groups form through, hosted by the actor before any
+        # eviction (hosting it imports torch: about a second in a fresh process). None: warm
+        # restarts are off.
+        self.store = store
         # Of the cycle in flight, from its plan until ``decide`` consumed them: a member found
         # here is waiting for a decision not made yet.
         self.survivors: dict[str, Survivor] = {}
         self.current: WarmRecord | None = None
         self.records: dict[int, WarmRecord] = {}  # by the new cycle's number
-        self._waiters: dict[str, asyncio.Future] = {}
 
     @property
     def enabled(self) -> bool:
         return self.config.warm_restart
-
-    async def wait_record(self, cycle: int, timeout: float) -> dict[str, Any] | None:
-        """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
-        record = self.records.get(cycle)
-        if record is None:
-            return None
-        try:
-            await asyncio.wait_for(record.done.wait(), timeout=timeout)
-        except asyncio.TimeoutError:
-            pass
-        return record.to_dict()
-
-    def prepare(self) -> None:
-        """Host the store now, where warm restarts are on: hosting it imports torch, about a
-        second in a fresh process, which must not sit between an eviction and its outcome."""
-        if self.enabled and self._store is None:
-            self._store = self._store_factory()
 
     # --- 1. at plan time ---------------------------------------------------------------------
 
@@ -259,7 +245,6 @@ class WarmRestarts:
             record.result, record.reason = WarmResult.COLD, why
             record.members = {}
             record.told_to_leave = {pid: why for pid in self.survivors}
-            record.done.set()
             record.finished_at = time.time()
         else:
             record.result = WarmResult.REJOINING
@@ -272,10 +257,6 @@ class WarmRestarts:
             del self.records[old]
         # Decided: a later cycle that ends before its plan (a failed cycle) finds none left.
         self.survivors = {}
-        for member, future in list(self._waiters.items()):
-            answer = self._answer(member)
-            if answer is not None:
-                resolve(future, answer)
         return record
 
     def _why_not(self, step: int | None, committed: bool, reported: dict[str, bool]) -> str | None:
@@ -352,9 +333,8 @@ class WarmRestarts:
     def _rendezvous(
         self, record: WarmRecord, group: str, rank: int, world: int, shard: str, was: str
     ) -> Rendezvous:
-        if self._store is None:
-            self._store = self._store_factory()
-        host, port = self._store
+        assert self.store is not None, "a warm restart was decided without a store"
+        host, port = self.store
         return Rendezvous(
             RendezvousAction.JOIN,
             cycle=record.cycle,
@@ -425,7 +405,7 @@ class WarmRestarts:
 
     # --- 3. the rendezvous -------------------------------------------------------------------
 
-    def _answer(self, member: str) -> Rendezvous | None:
+    def answer(self, member: str) -> Rendezvous | None:
         if member in self.survivors:
             # Ordered to rejoin in the cycle in flight: wait for its decision - never hand out
             # the last one, which named the cycle this member is leaving now.
@@ -438,13 +418,6 @@ class WarmRestarts:
         return Rendezvous(
             RendezvousAction.LEAVE, "not a member of a warm restart (no rejoin order for it)"
         )
-
-    async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
-        """The member's answer; None if the cycle did not conclude within ``wait_s``."""
-        answer = self._answer(member)
-        if answer is not None:
-            return answer
-        return await held(self._waiters, member, wait_s)
 
     # --- 4. what each member did -------------------------------------------------------------
 
@@ -462,7 +435,6 @@ class WarmRestarts:
             f"{self.config.rejoin_timeout_s} of the decision ({', '.join(silent[:3])})"
         )
         record.finished_at = now
-        record.done.set()
         return record
 
     def joined(self, result: Rejoined) -> WarmRecord | None:
@@ -479,5 +451,4 @@ class WarmRestarts:
             if record.result is WarmResult.REJOINING:
                 record.result = WarmResult.REJOINED
             record.finished_at = time.time()
-            record.done.set()
         return record if failed_now else None
