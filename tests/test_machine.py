@@ -54,7 +54,7 @@ def registered(config, ranks=2) -> CycleMachine:
     m = machine(config)
     for rank in range(ranks):
         spec = RankSpec("g", rank, ranks, "0", True)
-        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
     return m
 
 
@@ -86,7 +86,7 @@ def test_a_notice_opens_the_cycle_and_closing_the_gathering_orders_every_process
     # Unacknowledged, the order is the answer to every poll; acknowledged, polls are held.
     again = m.step(ev.Polled("p0", 0, PollState()))
     assert ev.reply_of(again).order == out["p0"]
-    m.step(ev.Acked(Ack("p0", 0, out["p0"].order_id)))
+    m.step(Ack("p0", 0, out["p0"].order_id))
     assert of(m.step(ev.Polled("p0", 0, PollState())), ev.HoldPoll)
 
 
@@ -106,7 +106,7 @@ def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its
     assert len({ids[pid] for pid in savers}) == len(savers), "each saver's is its own"
     assert ids[stay[0]] not in {ids[pid] for pid in savers}
     one, other = stay[:2]
-    assert ev.reply_of(m.step(ev.Acked(Ack(one, 0, ids[one])))).accepted
+    assert ev.reply_of(m.step(Ack(one, 0, ids[one]))).accepted
     assert ev.reply_of(m.step(ev.Polled(other, 0, PollState()))).order == out[other].order, (
         "one's acknowledgement is not the other's: it is told again until it acknowledges"
     )
@@ -195,7 +195,7 @@ def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config)
     m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     for rank in range(4):
         spec = RankSpec("g", rank, 4, str(rank % 2), True)
-        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
     deadline = time.time() + 30
     opened = m.step(ev.DrainsSeen({"home": int(deadline * 1000)}))
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(0)]
@@ -219,7 +219,7 @@ def test_a_group_registered_after_the_drivers_node_drain_began_is_still_saved(co
     deadline_ms = int((time.time() + 30) * 1000)
     assert not of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened), "no rank yet"
     spec = RankSpec("g", 0, 1, "0", True)
-    m.step(ev.Registration(Register("p0", "n0", 0, "h", "job-a", (spec,))))
+    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)))
     assert of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened) == [ev.CycleOpened(0)]
     assert [n.node_id for n in m.cycle.notices] == ["n0"]
 
@@ -244,7 +244,7 @@ def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(co
 def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
     m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     spec = RankSpec("g", 0, 1, "0", True)
-    m.step(ev.Registration(Register("p0", "n0", 0, "h", "job-a", (spec,))))
+    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)))
     assert not of(m.step(ev.DrainsSeen({"elsewhere": int(time.time() * 1000)})), ev.CycleOpened)
 
 
@@ -270,14 +270,14 @@ def test_a_spare_that_cannot_load_ends_the_warm_restart_before_the_survivor_is_b
     assert record is not None and set(record.members) == {"p1", "spare-x"}
     m.state.cycle = Cycle(record.cycle)  # cycle 0 concluded into this record
     slot = RankSpec("g", 0, 2, "0", True)
-    m.step(ev.Registration(Register("x", "n2", 9, "h", "job-a", (slot,))))
+    m.step(Register("x", "n2", 9, "h", "job-a", (slot,)))
 
     bad = Rejoined("left", "spare-x", "g", 0, 2, 7, record.cycle, reason="no load_state_dict")
-    opened = m.step(ev.RejoinedIn(bad))
+    opened = m.step(bad)
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(record.cycle)]
     assert [(n.source, n.rank) for n in m.cycle.notices] == [("rejoin", ("g", 0))]
     survivor = RankSpec("g", 1, 2, "1", True)
-    back = m.step(ev.Registration(Register("p1", "n1", 101, "h", "job-a", (survivor,))))
+    back = m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)))
     assert ev.reply_of(back).accepted, "the survivor belongs to the group being ended"
     ordered = m.step(ev.GatheringClosed(record.cycle))
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"x", "p1"}
@@ -293,9 +293,9 @@ def test_the_actor_hears_when_a_warm_restart_is_over_and_only_then(tmp_path):
     assert record is not None
     m.state.cycle = Cycle(record.cycle)
     first = Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state")
-    assert not of(m.step(ev.RejoinedIn(first)), ev.WarmFinished), "the spare has not spoken"
+    assert not of(m.step(first), ev.WarmFinished), "the spare has not spoken"
     last = Rejoined("joined", "spare-x", "g", 0, 2, 7, record.cycle, loaded_from="disk")
-    assert of(m.step(ev.RejoinedIn(last)), ev.WarmFinished) == [ev.WarmFinished(record.cycle)]
+    assert of(m.step(last), ev.WarmFinished) == [ev.WarmFinished(record.cycle)]
 
     m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
     silent = m.warm.decide(1, 9, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset())
@@ -304,6 +304,21 @@ def test_the_actor_hears_when_a_warm_restart_is_over_and_only_then(tmp_path):
     assert not of(early, ev.WarmFinished)
     late = m.step(ev.JoinDeadline(silent.cycle, silent.join_by))
     assert of(late, ev.WarmFinished) == [ev.WarmFinished(silent.cycle)]
+
+
+def test_a_message_is_checked_once_at_the_door_and_a_bad_one_is_refused_with_its_reason(config):
+    """The actor admits protocol messages (``ev.admitted``); the machine reads them by field."""
+    good = Register("p0", "n0", 1, "h", "job-a", (RankSpec("g", 0, 1, "0", True),))
+    assert ev.admitted(good, Register, "register") is good
+    wrong = ev.admitted({"process_id": "p0"}, Register, "register", "malformed registration: ")
+    assert isinstance(wrong, ev.Malformed)
+    assert wrong.reason == "malformed registration: a register is a Register, not a dict"
+    old = ev.admitted(Ack("p0", 0, "o", version=0), Ack, "ack")
+    assert isinstance(old, ev.Malformed) and "version" in old.reason
+    m = registered(config)
+    refused = m.step(wrong)
+    assert not ev.reply_of(refused).accepted and of(refused, ev.Rejected)
+    assert set(m.registry.processes) == {"p0", "p1"}, "nothing registered from it"
 
 
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):
@@ -318,7 +333,7 @@ def test_a_lost_rank_opens_a_cycle_and_in_teardown_ends_the_wait_for_it(config):
     for rank in range(2):
         spec = RankSpec("g", rank, 2, "0", True)
         register = Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,), f"a{rank}" * 16)
-        m.step(ev.Registration(register))
+        m.step(register)
     assert m.watched_actors() == {"a0" * 16, "a1" * 16}
     lost = m.step(ev.RanksLost(frozenset({"a1" * 16, "not-ours"})))
     assert of(lost, ev.CycleOpened) and ev.reply_of(lost) is None, "its own event: no caller"
@@ -335,9 +350,9 @@ def test_after_a_restart_a_rank_not_registered_again_is_lost_and_its_group_order
     m = machine(config)
     for rank in (0, 2, 3):  # rank 1 of 4 never came back
         spec = RankSpec("g", rank, 4, str(rank % 2), True)
-        m.step(ev.Registration(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,))))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
     whole = RankSpec("h", 0, 1, "0", True)
-    m.step(ev.Registration(Register("q0", "n0", 9, "h", "job-a", (whole,))))
+    m.step(Register("q0", "n0", 9, "h", "job-a", (whole,)))
 
     settled = m.step(ev.RestartSettled(5.0))
     assert of(settled, ev.CycleOpened) == [ev.CycleOpened(0)]
@@ -360,7 +375,7 @@ def test_while_gathering_a_rank_missing_from_a_planned_group_is_let_in_and_order
 
     def register(pid: str, group: str, rank: int, world: int = 4):
         spec = RankSpec(group, rank, world, str(rank % 2), True)
-        return ev.reply_of(m.step(ev.Registration(Register(pid, "n0", 1, "h", "job-a", (spec,)))))
+        return ev.reply_of(m.step(Register(pid, "n0", 1, "h", "job-a", (spec,))))
 
     assert register("p1", "g", 1).accepted
     m.step(ev.NoticesIn((EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", 1)),)))
@@ -397,7 +412,7 @@ def test_a_node_notice_is_taken_for_the_nodes_the_jobs_processes_registered_from
 
     assert not taken("n9")
     moved = Register("p1", "n5", 1, "h", "job-a", (RankSpec("g", 1, 2, "0", True),))
-    m.step(ev.Registration(moved))
+    m.step(moved)
     assert not taken("n1"), "p1 left n1: nobody of the job runs there"
     assert taken("n5")
 
@@ -434,8 +449,8 @@ def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp
     record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
     m.state.cycle = Cycle(record.cycle)
     survivor = RankSpec("g", 1, 2, "1", True)
-    m.step(ev.Registration(Register("p1", "n1", 101, "h", "job-a", (survivor,))))
-    m.step(ev.RejoinedIn(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle)))
+    m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)))
+    m.step(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle))
 
     assert of(m.step(ev.JoinDeadline(record.cycle, record.join_by - 1)), ev.CycleOpened) == []
     opened = m.step(ev.JoinDeadline(record.cycle, record.join_by))
@@ -454,7 +469,9 @@ def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(confi
 
     m = machine(config)
     spec = RankSpec("team/actor", 0, 1, "0", True)
-    reply = ev.reply_of(m.step(ev.Registration(Register("p0", "n0", 1, "h", "job-a", (spec,)))))
+    at_the_door = ev.admitted(Register("p0", "n0", 1, "h", "job-a", (spec,)), Register, "register")
+    assert isinstance(at_the_door, ev.Malformed), "checked once, where the actor takes it"
+    reply = ev.reply_of(m.step(at_the_door))
     assert not reply.accepted and "without '/'" in reply.reason, reply
     assert m.registry.processes == {}
     with pytest.raises(SetupError, match=r"'/' separates a group from its shard.*'team-actor'"):

@@ -240,7 +240,7 @@ class CoordinatorActor(NodeFacingCalls):
     async def register(self, message: Register) -> Reply:
         """A worker process registers its ranks; the reply names the cycle it belongs to."""
         self._wake()
-        reply = self._take(ev.Registration(message))
+        reply = self._take(ev.admitted(message, Register, "register", "malformed registration: "))
         if reply.accepted:
             self.fanout.directly(message.process_id)
         return reply
@@ -255,13 +255,13 @@ class CoordinatorActor(NodeFacingCalls):
 
     async def ack(self, message: Ack) -> Reply:
         """A process has its order: it is not sent again."""
-        return self._take(ev.Acked(message))
+        return self._take(ev.admitted(message, Ack, "ack"))
 
     # --- notices ----------------------------------------------------------------------------
 
     async def report_sigterm(self, message: SigtermSeen) -> Reply:
         """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
-        return self._take(ev.SigtermIn(message))
+        return self._take(ev.admitted(message, SigtermSeen, "sigterm"))
 
     async def notify(self, data: dict[str, Any]) -> Reply:
         """An explicit notice (CLI, API): untrusted input; ``cycle`` defaults to the current."""
@@ -432,11 +432,11 @@ class CoordinatorActor(NodeFacingCalls):
 
     async def save_result(self, message: SaveResult) -> Reply:
         """A saver's save step ended: its backups are told at once."""
-        return self._take(ev.SaveResultIn(message))
+        return self._take(ev.admitted(message, SaveResult, "save_result"))
 
     async def save_turn(self, message: SaveTurn, wait_s: float) -> TurnAnswer:
         """A backup asks whether it must save; answered once the saver's fate is known."""
-        decisions = self._step(ev.TurnAsked(message))
+        decisions = self._step(ev.admitted(message, SaveTurn, "save_turn"))
         return await self.backups.answer(decisions, self.machine.cycle.number, wait_s, self._take)
 
     # --- warm restart (coordinator/warm_restarts.py) ------------------------------------
@@ -450,7 +450,7 @@ class CoordinatorActor(NodeFacingCalls):
 
     async def rejoined(self, result: Rejoined) -> Reply:
         """A member says what it did; one that could not join ends the others cleanly."""
-        return self._take(ev.RejoinedIn(result))
+        return self._take(ev.admitted(result, Rejoined, "rejoined"))
 
     async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""

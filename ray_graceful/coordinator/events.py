@@ -8,6 +8,11 @@ outcome - comes back as a typed decision that the actor carries out. The machine
 holds no futures and never waits; the actor owns every future, thread and Ray call. A unit
 test feeds events and reads decisions (``tests/test_machine.py``).
 
+The protocol's messages are events themselves (``Register``, ``Ack``, ``SigtermSeen``,
+``SaveResult``, ``SaveTurn``, ``Rejoined``): the actor checks each once at its door
+(``admitted``), and one that is not well formed reaches the machine as ``Malformed``, with the
+reason, so the machine reads only checked messages, by field.
+
 ::
 
     notice ─┐
@@ -24,13 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..memory.commit import MemoryCheckpoint
-from ..notices import EvictionNotice
+from ..notices import EvictionNotice, short
 from ..outcome import TerminationOutcome
 from ..protocol import (
     Ack,
     JobClosed,
     PollAnswer,
     PollState,
+    ProtocolError,
     Register,
     Rejoined,
     Reply,
@@ -39,18 +45,12 @@ from ..protocol import (
     SigtermSeen,
     SpareAssigned,
     TeardownReport,
+    check_version,
 )
 from .conclusion import CommitRequest, CommitResult
 from .warm_restarts import WarmRecord
 
 # --- events: what happened ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Registration:
-    """A worker process registers its ranks."""
-
-    message: Register
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,6 @@ class Polled:
     process_id: str
     cycle: object  # untrusted: checked against the current cycle
     state: PollState
-
-
-@dataclass(frozen=True)
-class Acked:
-    """A worker process has its order."""
-
-    message: Ack
 
 
 @dataclass(frozen=True)
@@ -82,13 +75,6 @@ class Malformed:
 
     what: dict[str, Any]
     reason: str
-
-
-@dataclass(frozen=True)
-class SigtermIn:
-    """A worker's listener saw SIGTERM."""
-
-    message: SigtermSeen
 
 
 @dataclass(frozen=True)
@@ -143,20 +129,6 @@ class ReportIn:
 
 
 @dataclass(frozen=True)
-class SaveResultIn:
-    """A saver's save step ended."""
-
-    message: SaveResult
-
-
-@dataclass(frozen=True)
-class TurnAsked:
-    """A backup asks whether it must save."""
-
-    message: SaveTurn
-
-
-@dataclass(frozen=True)
 class BackupSaves:
     """A backup was told to save: its saver could not (recorded in the outcome)."""
 
@@ -186,13 +158,6 @@ class CycleFailed:
 
     cycle: int
     error: str
-
-
-@dataclass(frozen=True)
-class RejoinedIn:
-    """A warm restart's member says what it did."""
-
-    result: Rejoined
 
 
 @dataclass(frozen=True)
@@ -231,12 +196,12 @@ class SpareWanted:
 
 
 Event = (
-    Registration
+    Register
     | Polled
-    | Acked
+    | Ack
     | NoticesIn
     | Malformed
-    | SigtermIn
+    | SigtermSeen
     | DrainsSeen
     | DrainUnreadable
     | RanksLost
@@ -244,18 +209,33 @@ Event = (
     | RestartSettled
     | GatheringClosed
     | ReportIn
-    | SaveResultIn
-    | TurnAsked
+    | SaveResult
+    | SaveTurn
     | BackupSaves
     | ReportsClosed
     | CommitDone
     | CycleFailed
-    | RejoinedIn
+    | Rejoined
     | JoinDeadline
     | JobFinished
     | SpareArrived
     | SpareWanted
 )
+
+
+def admitted(message: Any, kind: type, what: str, prefix: str = "") -> Any:
+    """``message`` if it is a well-formed ``kind`` (its ``check()``, else its protocol
+    version), else the ``Malformed`` event that refuses it with the reason."""
+    if not isinstance(message, kind):
+        why = f"a {what} is a {kind.__name__}, not a {type(message).__name__}"
+        return Malformed({what: short(message)}, prefix + why)
+    try:
+        check = getattr(message, "check", None)
+        check() if check is not None else check_version(message)
+    except (ProtocolError, AttributeError, TypeError, ValueError) as exc:
+        return Malformed({what: short(message)}, prefix + str(exc))
+    return message
+
 
 # --- decisions: what to do ------------------------------------------------------------------
 

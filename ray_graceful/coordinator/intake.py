@@ -24,15 +24,16 @@ from ..health import FAULTY, UNKNOWN, HealthReport
 from ..notices import EvictionNotice, NoticeError, short
 from ..plan import RankInfo, missing_ranks
 from ..protocol import (
+    Ack,
     JobState,
     PollAnswer,
     PollKind,
     PollState,
-    ProtocolError,
     RankKey,
     RankSpec,
+    Register,
     Reply,
-    check_version,
+    SigtermSeen,
 )
 from . import events as ev
 from .cycle import Phase
@@ -40,12 +41,7 @@ from .registry import Process
 from .state import CoordinatorState
 
 
-def register(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
-    try:
-        message.check()
-    except (ProtocolError, AttributeError) as exc:
-        state.refuse(out, {"register": short(message)}, f"malformed registration: {exc}")
-        return
+def register(state: CoordinatorState, message: Register, out: list[ev.Decision]) -> None:
     if state.job_id and message.job_id != state.job_id and not state.config.coordinator_name:
         state.refuse(
             out,
@@ -140,12 +136,7 @@ def poll(
         out.append(ev.HoldPoll(process_id))
 
 
-def ack(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
-    try:
-        check_version(message)
-    except (ProtocolError, AttributeError) as exc:
-        state.refuse(out, {"ack": short(message)}, str(exc))
-        return
+def ack(state: CoordinatorState, message: Ack, out: list[ev.Decision]) -> None:
     process = state.registry.processes.get(message.process_id)
     if process is None or process.order is None or process.order.order_id != message.order_id:
         out.append(ev.Replied(Reply.refused("no such order", state.cycle.number)))
@@ -166,13 +157,8 @@ def _update_health(
         take_notices(state, notices, out, answer=False)
 
 
-def sigterm(state: CoordinatorState, message: Any, out: list[ev.Decision]) -> None:
+def sigterm(state: CoordinatorState, message: SigtermSeen, out: list[ev.Decision]) -> None:
     """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
-    try:
-        message.check()
-    except (ProtocolError, AttributeError) as exc:
-        state.refuse(out, {"sigterm": short(message)}, str(exc))
-        return
     process = state.registry.processes.get(message.process_id)
     if process is None:
         state.refuse(out, {"process": message.process_id}, "SIGTERM from an unregistered process")

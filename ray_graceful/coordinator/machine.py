@@ -24,20 +24,23 @@ from ..config import GracefulConfig
 from ..notices import EvictionNotice, short
 from ..plan import RankInfo, incomplete_groups
 from ..protocol import (
+    Ack,
     JobClosed,
     JobState,
-    ProtocolError,
     RankKey,
+    Register,
     Rejoined,
     Reply,
     Result,
+    SaveResult,
+    SaveTurn,
     ShardId,
     ShardRecord,
+    SigtermSeen,
     SpareAction,
     SpareAnswer,
     SpareAssigned,
     TeardownReport,
-    check_version,
 )
 from . import events as ev
 from . import intake
@@ -90,17 +93,17 @@ class CycleMachine:
         out: list[ev.Decision] = []
         state = self.state
         match event:
-            case ev.Registration(message):
+            case Register() as message:
                 intake.register(state, message, out)
             case ev.Polled(process_id, cycle, told):
                 intake.poll(state, process_id, cycle, told, out)
-            case ev.Acked(message):
+            case Ack() as message:
                 intake.ack(state, message, out)
             case ev.NoticesIn(notices):
                 intake.take_notices(state, notices, out)
             case ev.Malformed(what, reason):
                 state.refuse(out, what, reason)
-            case ev.SigtermIn(message):
+            case SigtermSeen() as message:
                 intake.sigterm(state, message, out)
             case ev.DrainsSeen(drains):
                 intake.drains(state, drains, out)
@@ -118,9 +121,9 @@ class CycleMachine:
                     plan_and_order(state, self.warm, spares, self.placement, out)
             case ev.ReportIn(process_id, report):
                 self._report(process_id, report, out)
-            case ev.SaveResultIn(message):
+            case SaveResult() as message:
                 self._save_result(message, out)
-            case ev.TurnAsked(message):
+            case SaveTurn() as message:
                 self._turn(message, out)
             case ev.BackupSaves(cycle, key, why):
                 if cycle == self.cycle.number:
@@ -134,7 +137,7 @@ class CycleMachine:
             case ev.CycleFailed(cycle, error):
                 if cycle == self.cycle.number:
                     self._conclude(None, out, error=error)
-            case ev.RejoinedIn(result):
+            case Rejoined() as result:
                 self._rejoined(result, out)
             case ev.JoinDeadline(cycle, now):
                 self._join_deadline(cycle, now, out)
@@ -190,12 +193,7 @@ class CycleMachine:
         self.state.check_all_reported(out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
 
-    def _save_result(self, message: Any, out: list[ev.Decision]) -> None:
-        try:
-            check_version(message)
-        except (ProtocolError, AttributeError) as exc:
-            self.state.refuse(out, {"save_result": short(message)}, str(exc))
-            return
+    def _save_result(self, message: SaveResult, out: list[ev.Decision]) -> None:
         process = self.registry.processes.get(message.process_id)
         if process is None or message.cycle != self.cycle.number:
             what = {"process": message.process_id, "cycle": message.cycle}
@@ -205,13 +203,8 @@ class CycleMachine:
         self.state.resolve_saves(process, set(message.saved), why, out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
 
-    def _turn(self, message: Any, out: list[ev.Decision]) -> None:
+    def _turn(self, message: SaveTurn, out: list[ev.Decision]) -> None:
         """A backup asks for its turn: answered at once if its saver's fate is known."""
-        try:
-            check_version(message)
-        except (ProtocolError, AttributeError) as exc:
-            self.state.refuse(out, {"save_turn": short(message)}, str(exc))
-            return
         cycle = self.cycle
         process = self.registry.processes.get(message.process_id)
         if process is None or message.cycle != cycle.number:
@@ -261,10 +254,7 @@ class CycleMachine:
         self.state.cycle = Cycle(cycle.number + 1)
         self.registry.forget_before(self.cycle.number)
 
-    def _rejoined(self, result: Any, out: list[ev.Decision]) -> None:
-        if not isinstance(result, Rejoined):
-            self.state.refuse(out, {"rejoined": short(result)}, "a result is a Rejoined")
-            return
+    def _rejoined(self, result: Rejoined, out: list[ev.Decision]) -> None:
         self._end_the_members(self.warm.joined(result), out)
         self._if_warm_finished(self.warm.records.get(result.cycle), out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))

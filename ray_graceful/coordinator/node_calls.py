@@ -48,7 +48,8 @@ class NodeFacingCalls:
         if not isinstance(messages, list) or len(messages) > MAX_PER_NODE:
             why = f"a node registers a list of at most {MAX_PER_NODE} Register messages"
             return wire.pack([self._take(ev.Malformed({"node": short(node_key)}, why))])
-        replies = [self._take(ev.Registration(message)) for message in messages]
+        why = "malformed registration: "
+        replies = [self._take(ev.admitted(m, Register, "register", why)) for m in messages]
         for message, reply in zip(messages, replies, strict=True):
             if reply.accepted:
                 self.fanout.through_node(message.process_id, str(node_key))
@@ -75,7 +76,7 @@ class NodeFacingCalls:
     async def ack_many(self, acks: list[Ack]) -> bytes:
         """A node agent's acknowledgements, gathered (malformed ones are refused one by one)."""
         listed = acks if isinstance(acks, list) else [acks]
-        return wire.pack([self._take(ev.Acked(m)) for m in listed])
+        return wire.pack([self._take(ev.admitted(m, Ack, "ack")) for m in listed])
 
     async def report_many(self, reports: list[tuple[str, TeardownReport]]) -> bytes:
         """Teardown reports gathered by a node or group agent, as ``(process id, report)``:
