@@ -1,7 +1,8 @@
 """The worker side: what runs inside each rank's process.
 
 - ``mixin.py``         the adoption point: ``GracefulWorkerMixin``
-- ``setup.py``         ``after_init_process_group``, ``should_stop``: the public setup API
+- ``setup.py``         ``after_init_process_group``, ``should_stop``: the public setup API,
+                       and what it installed (``SetupStatus``)
 - ``lifecycle.py``     the rank's machine: one pure ``step`` decides how a rank's life goes on
 - ``process_runtime.py`` the per-process state it acts on; every event source steps it there
 - ``timers.py``        the one thread for every wait the machine asks for
@@ -11,7 +12,6 @@
                        registering again with a coordinator Ray restarted)
 - ``peer_release.py``  without a reachable coordinator: a rank leaving alone tells its peers
                        through the group's store, and they leave too
-- ``setup_status.py``  what ``graceful_setup`` installed (``SetupStatus``)
 - ``training_loop.py`` where the training thread is, and the step a save holds (parking)
 - ``teardown.py``      the ordered, guarded, timed steps that end a rank
 - ``process_groups.py``, ``gloo.py``  releasing peers without a collective (abort / shutdown)
@@ -27,13 +27,14 @@
 from .mixin import GracefulWorkerMixin
 from .rejoin import rejoin
 from .setup import (
+    GracefulSetupWarning,
+    SetupStatus,
     add_process_group,
     after_init_process_group,
     install_signal_handling,
     should_stop,
     teardown_now,
 )
-from .setup_status import GracefulSetupWarning, SetupStatus
 
 __all__ = [
     "GracefulSetupWarning",

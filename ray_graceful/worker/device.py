@@ -9,8 +9,9 @@ know, because its state is then not the step it parked at.
 
 from __future__ import annotations
 
-import time
 from typing import Any
+
+from ..bounded import wait_until
 
 
 def device_queue_finished(torch: Any, timeout: float, interval_s: float = 0.001) -> bool:
@@ -27,9 +28,4 @@ def device_queue_finished(torch: Any, timeout: float, interval_s: float = 0.001)
     """
     finished = torch.cuda.Event()
     finished.record()
-    deadline = time.monotonic() + timeout
-    while not finished.query():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)
-    return True
+    return bool(wait_until(finished.query, timeout, every=interval_s))

@@ -20,8 +20,7 @@ from ..protocol import Rejoined
 from .emergency_save import Saver
 from .process_groups import SetupError
 from .rejoin import rejoin
-from .setup import add_process_group, after_init_process_group, should_stop
-from .setup_status import SetupStatus
+from .setup import SetupStatus, add_process_group, after_init_process_group, should_stop
 
 
 def _defined_by_mixin(cls: type, name: str) -> bool:

@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import save_state_dict
@@ -23,9 +24,40 @@ from .emergency_save import Saver
 from .lifecycle import Registered, TeardownRequested
 from .process_groups import SetupError, resolve_group
 from .process_runtime import Registration, process_runtime, route_signals
-from .setup_status import GracefulSetupWarning, SetupStatus
 from .signals import current_listener, install_listener
 from .teardown import Teardown
+
+
+class GracefulSetupWarning(RuntimeWarning):
+    """graceful_setup could not install everything; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SetupStatus:
+    """What ``graceful_setup`` installed for one rank, and why."""
+
+    group: str
+    rank: int
+    world_size: int
+    backends: tuple[str, ...]
+    rank_source: str
+    shard: str
+    can_save: bool
+    listener_installed: bool
+    listener: str
+    control: str
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [
+            f"ray_graceful: group {self.group!r} rank {self.rank}/{self.world_size} "
+            f"({', '.join(self.backends) or '?'}; from {self.rank_source})",
+            f"  shard: {self.shard!r}; emergency save: {'yes' if self.can_save else 'no saver'}",
+            f"  SIGTERM listener: {self.listener}",
+            f"  control: {self.control}",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
 
 def listener_status(
