@@ -321,6 +321,24 @@ def test_a_message_is_checked_once_at_the_door_and_a_bad_one_is_refused_with_its
     assert set(m.registry.processes) == {"p0", "p1"}, "nothing registered from it"
 
 
+def test_a_cycle_moves_only_where_its_table_goes():
+    """``Cycle.move`` is the one place a phase changes; a move outside ``MOVES`` is a bug."""
+    from ray_graceful.coordinator.cycle import MOVES, Phase, PhaseError
+
+    cycle = Cycle(3)
+    with pytest.raises(PhaseError, match="cannot go from idle to tearing down"):
+        cycle.move(Phase.TEARING_DOWN, 1.0)
+    cycle.move(Phase.GATHERING, 1.0)
+    cycle.move(Phase.TEARING_DOWN, 2.0)
+    assert (cycle.first_notice_at, cycle.plan_at) == (1.0, 2.0)
+    cycle.move(Phase.CONCLUDED, 3.0)
+    with pytest.raises(PhaseError):
+        cycle.move(Phase.GATHERING, 4.0)
+    assert all(Phase.CONCLUDED in MOVES[p] for p in Phase if p is not Phase.CONCLUDED), (
+        "any cycle may conclude: a failure on the way concludes it as failed"
+    )
+
+
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):
     m = registered(config)
     assert ev.reply_of(m.step(ev.Polled("nobody", 0, PollState()))).kind == "unknown"

@@ -7,10 +7,11 @@
      |                                  covered                                          |
      +------------- the next cycle opens <------------- CONCLUDED (outcome published) <---+
 
-The transitions are the cycle machine's (``machine.py``); how a cycle concludes is
-``conclusion.py``. A cycle always concludes: an error on the way becomes an outcome with
-``result="failed"`` and its reason, and the next cycle opens all the same. Plain state only: no
-futures, no events (the actor owns those).
+Every transition goes through ``Cycle.move``, which holds the table of them (``MOVES``) and
+refuses any other: the machine (``machine.py``) decides when, this module what is allowed. How
+a cycle concludes is ``conclusion.py``. A cycle always concludes: an error on the way becomes
+an outcome with ``result="failed"`` and its reason, and the next cycle opens all the same.
+Plain state only: no futures, no events (the actor owns those).
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ class Phase(str, enum.Enum):
     GATHERING = "gathering"
     TEARING_DOWN = "tearing down"
     CONCLUDED = "concluded"
+
+
+# Where a cycle may go from each phase. Any phase may conclude: a cycle that fails on the way
+# (an error while gathering, a commit that raised) concludes as "failed", with the reason.
+MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.GATHERING, Phase.CONCLUDED}),
+    Phase.GATHERING: frozenset({Phase.TEARING_DOWN, Phase.CONCLUDED}),
+    Phase.TEARING_DOWN: frozenset({Phase.CONCLUDED}),
+    Phase.CONCLUDED: frozenset(),
+}
+
+
+class PhaseError(RuntimeError):
+    """A cycle was moved where its table does not go: a bug in the machine, not an input."""
 
 
 @dataclass
@@ -58,6 +73,16 @@ class Cycle:
     # a backup saved because its saver could not.
     save_results: dict[str, tuple[bool, str]] = field(default_factory=dict)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+
+    def move(self, to: Phase, at: float) -> None:
+        """The one way a cycle's phase changes; ``at``: when (the first notice, the plan)."""
+        if to not in MOVES[self.phase]:
+            raise PhaseError(f"cycle {self.number} cannot go from {self.phase.value} to {to.value}")
+        self.phase = to
+        if to is Phase.GATHERING:
+            self.first_notice_at = at
+        elif to is Phase.TEARING_DOWN:
+            self.plan_at = at
 
     @property
     def tearing_down(self) -> bool:

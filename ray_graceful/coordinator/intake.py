@@ -213,7 +213,7 @@ def take_notices(
         accepted += 1
         out.append(ev.NoticeAccepted(notice.source))
         if cycle.phase is Phase.IDLE:
-            cycle.phase, cycle.first_notice_at = Phase.GATHERING, time.time()
+            cycle.move(Phase.GATHERING, time.time())
             out.append(ev.CycleOpened(cycle.number))
         if cycle.phase is Phase.GATHERING:
             cycle.notices.append(notice)  # still gathering: it goes into the plan

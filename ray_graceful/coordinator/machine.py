@@ -245,7 +245,7 @@ class CycleMachine:
         else:
             outcome = outcome_of(cycle, self._involved(), landed, self.state.job_id, warm)
             memory = landed.memory
-        cycle.phase = Phase.CONCLUDED
+        cycle.move(Phase.CONCLUDED, time.time())
         out.append(ev.Concluded(outcome, memory, record))
         self._if_warm_finished(record, out)
         for spare, word in told:

@@ -67,7 +67,7 @@ def _plan_and_order(
 ) -> None:
     cycle, config = state.cycle, state.config
     plan, process_of = _plan(state, cycle)
-    cycle.plan_at, cycle.phase = time.time(), Phase.TEARING_DOWN
+    cycle.move(Phase.TEARING_DOWN, time.time())
     by_process: dict[str, list[RankPlan]] = {}
     for rank_order in plan.orders:
         by_process.setdefault(process_of[rank_order.group, rank_order.rank], []).append(rank_order)
