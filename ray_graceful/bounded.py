@@ -12,11 +12,12 @@ these two helpers are the only places that spell one out:
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from .word import Word
 
 T = TypeVar("T")
 
@@ -35,16 +36,13 @@ def wait_until(check: Callable[[], T], timeout: float, every: float) -> T | None
         time.sleep(min(every, left))
 
 
-class Why(str, enum.Enum):
+class Why(Word):
     """Why a remote call gave no answer."""
 
     TIMEOUT = "timeout"  # no answer within the timeout: busy, or dead and not yet found so
     RESTARTING = "restarting"  # ActorUnavailableError: Ray is restarting it, or cannot reach it
     DEAD = "dead"  # the actor died for good
     FAILED = "failed"  # the call raised (the method's own error, a lost object, ...)
-
-    def __str__(self) -> str:
-        return str(self.value)
 
 
 @dataclass(frozen=True)

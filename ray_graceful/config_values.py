@@ -7,7 +7,6 @@ marker carries the words a ``ConfigError`` shows the user ("a number of seconds 
 
 from __future__ import annotations
 
-import enum
 import types
 import typing
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 
 from .notices import short
+from .word import Word
 
 # The longest duration any setting may have: a day. Longer is a unit mistake (ms for s).
 MAX_SECONDS = 86_400.0
@@ -40,17 +40,7 @@ def allowed_text(metadata: list[Any]) -> str:
 # --- closed sets ---------------------------------------------------------------------------
 
 
-class Mode(str, enum.Enum):
-    """A setting's closed set of words; compares, prints and serialises as its plain string.
-
-    (``protocol.words.Word`` in shape; not imported from there, which imports this config.)
-    """
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class NodeAgentMode(Mode):
+class NodeAgentMode(Word):
     """Whether a node's ranks relay through one node agent."""
 
     AUTO = "auto"  # on for groups of 32 ranks or more
@@ -58,7 +48,7 @@ class NodeAgentMode(Mode):
     OFF = "off"
 
 
-class HealthProbe(Mode):
+class HealthProbe(Word):
     """Where a node's GPU health comes from."""
 
     AUTO = "auto"
@@ -67,14 +57,14 @@ class HealthProbe(Mode):
     SCRIPTED = "scripted"  # tests and the demo
 
 
-class TrainShards(Mode):
+class TrainShards(Word):
     """What each rank of a Ray Train job holds."""
 
     PER_RANK = "per_rank"
     REPLICATED = "replicated"
 
 
-class CloudNotices(Mode):
+class CloudNotices(Word):
     """Which cloud's metadata service a node polls for eviction notices."""
 
     OFF = "off"
@@ -84,12 +74,12 @@ class CloudNotices(Mode):
     AZURE = "azure"
 
 
-def _one_of(modes: type[Mode]) -> str:
+def _one_of(modes: type[Word]) -> str:
     names = [repr(m.value) for m in modes]
     return " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
 
 
-def mode(modes: type[Mode]) -> Any:
+def mode(modes: type[Word]) -> Any:
     """A setting that is one of ``modes``; the plain string works as well as the member."""
     return Annotated[modes, Field(strict=False), Allowed(_one_of(modes))]
 

@@ -7,13 +7,13 @@ so two keys never share a file).
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from ..dcp import dcp_directory, file_safe
+from ..word import Word
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -23,7 +23,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint operation was refused; the message says why."""
 
 
-class Tier(str, enum.Enum):
+class Tier(Word):
     """Where a saved shard is (``ShardRecord.tier``); compares and serialises as its string."""
 
     DISK = "disk"  # written to checkpoint_dir
@@ -31,9 +31,6 @@ class Tier(str, enum.Enum):
     # a warm restart's survivor holds it as a snapshot in its own memory, on its way to the
     # keepers (``holders``: the survivor's node) - never part of a committed checkpoint
     HELD = "held"
-
-    def __str__(self) -> str:
-        return str(self.value)
 
 
 @dataclass(frozen=True)

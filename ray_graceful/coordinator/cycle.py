@@ -16,17 +16,17 @@ Plain state only: no futures, no events (the actor owns those).
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..notices import EvictionNotice
 from ..plan import TerminationPlan
+from ..word import Word
 from .registry import Registry
 
 
-class Phase(str, enum.Enum):
+class Phase(Word):
     IDLE = "idle"
     GATHERING = "gathering"
     TEARING_DOWN = "tearing down"

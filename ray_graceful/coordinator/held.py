@@ -24,17 +24,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from ..checkpoint import ShardRecord, Tier
 from ..protocol import LateSave
+from ..word import Word
 from .conclusion import CommitRequest
 
 KEEP_HELD = 16  # held steps remembered, at most (their records: one per shard)
 
 
-class Stage(str, Enum):
+class Stage(Word):
     """Where a held step is, as far as the coordinator knows."""
 
     HELD = "held"  # every shard at one step; the survivors' copies on their way

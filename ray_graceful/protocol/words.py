@@ -6,14 +6,9 @@ back from an outcome file or a log still matches ``Result.COMMITTED`` or ``"comm
 
 from __future__ import annotations
 
-import enum
+from ..word import Word
 
-
-class Word(str, enum.Enum):
-    """A closed set of words: compares, prints and serialises (JSON) as its plain string."""
-
-    def __str__(self) -> str:
-        return str(self.value)
+__all__ = ["Word"]  # and the sets below
 
 
 class Action(Word):
