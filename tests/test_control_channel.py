@@ -83,3 +83,46 @@ def test_an_order_is_carried_out_before_its_acknowledgement_is_answered(
     finally:
         channel.alive = False
         ray.kill(coordinator)
+
+
+@ray.remote(num_cpus=0)
+class Refuses:
+    """Refuses every registration for good (another job's coordinator, say)."""
+
+    async def register(self, message) -> Reply:
+        return Reply.refused("this coordinator belongs to job 07")
+
+
+def test_the_channel_says_where_its_link_is_and_why(ray_cluster, tmp_path):
+    """A refused registration and a coordinator that cannot be reached are each a state of
+    the link with its reason - what a rank's setup status and a failed rejoin show."""
+    from ray_graceful.worker.control import Channel
+
+    def channel_to(handle) -> ControlChannel:
+        return ControlChannel(
+            handle,
+            GracefulConfig(report_dir=str(tmp_path), health_probe="none"),
+            ranks=lambda: (RankSpec("g", 0, 1, "0", True),),
+            last_step=lambda: None,
+            on_order=lambda order: None,
+            done=lambda: False,
+        )
+
+    refusing = Refuses.remote()
+    refused = channel_to(refusing)
+    assert "refused the registration" in refused.register()
+    assert (refused.state, refused.why) == (Channel.REFUSED, "this coordinator belongs to job 07")
+    assert refused.describe() == "registration refused: this coordinator belongs to job 07"
+    assert not refused.connected
+
+    ray.kill(refusing, no_restart=True)
+    from ray_graceful.bounded import NoAnswer, call
+
+    wait_for(
+        lambda: isinstance(call(refusing.register, None, timeout=5), NoAnswer),
+        timeout=30,
+        what="the stand-in coordinator gone",
+    )
+    gone = channel_to(refusing)
+    assert "unreachable" in gone.register()
+    assert gone.state is Channel.UNREACHABLE and "ActorDiedError" in gone.why, gone.describe()

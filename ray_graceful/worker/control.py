@@ -50,6 +50,7 @@ from ..protocol import (
     TurnAnswer,
     coordinator_name,
 )
+from ..word import Word
 from .lifecycle import Link, Told
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,19 @@ REREGISTER_EVERY_S = 0.25  # while the coordinator says "later" (a cycle still t
 REPORT_TIMEOUT_S = 2.0
 SIGTERM_REPORT_TIMEOUT_S = 1.0
 UNACKNOWLEDGED = "ray_graceful: could not acknowledge the order: %r"
+
+
+class Channel(Word):
+    """Where a process's link to its coordinator is (``ControlChannel.state``; ``why`` says
+    what the coordinator answered or what failed)."""
+
+    CONNECTING = "connecting"
+    POLLING = "polling"  # registered: orders arrive through the long poll
+    REGISTERING_AGAIN = "registering again"  # the coordinator said "later" (a cycle leaving)
+    RECONNECTING = "reconnecting"  # Ray is restarting the coordinator
+    UNREACHABLE = "registration failed"
+    REFUSED = "registration refused"
+    LOST = "lost"  # gone for good: a SIGTERM now tears this rank down on its own
 
 
 def find_coordinator(config: GracefulConfig) -> Any | None:
@@ -126,10 +140,14 @@ class ControlChannel:
         self.cycle: int | None = None
         self.alive = True
         self.reconnecting = False  # Ray is restarting the coordinator: registering again
-        self.state = "connecting"
+        self.state, self.why = Channel.CONNECTING, ""
         self.order_received = threading.Event()
         self._thread: threading.Thread | None = None
         self._probe: HealthProbe | None = None
+
+    def describe(self) -> str:
+        """The link in words: its state, and why where there is a reason."""
+        return f"{self.state}: {self.why}" if self.why else str(self.state)
 
     @property
     def connected(self) -> bool:
@@ -158,13 +176,13 @@ class ControlChannel:
         """
         answer = self._send_registration()
         if isinstance(answer, NoAnswer):
-            self.alive, self.state = False, f"registration failed: {answer}"
+            self.alive, self.state, self.why = False, Channel.UNREACHABLE, str(answer)
             return (
                 f"coordinator {self.coordinator_name!r} unreachable ({answer}): on SIGTERM this "
                 "rank tears itself down on its own"
             )
         if not answer.accepted and answer.retry:
-            self.state = f"registering again: {answer.reason}"
+            self.state, self.why = Channel.REGISTERING_AGAIN, answer.reason
             self.start()
             return (
                 f"coordinator {self.coordinator_name!r} is busy ({answer.reason}): the "
@@ -172,13 +190,13 @@ class ControlChannel:
                 "tears this rank down on its own"
             )
         if not answer.accepted:
-            self.alive, self.state = False, f"registration refused: {answer.reason}"
+            self.alive, self.state, self.why = False, Channel.REFUSED, answer.reason
             return (
                 f"coordinator refused the registration ({answer.reason}): on SIGTERM this rank "
                 "tears itself down on its own"
             )
         self.cycle = answer.cycle
-        self.state = "polling"
+        self.state, self.why = Channel.POLLING, ""
         self.start()
         return (
             f"coordinator {self.coordinator_name!r}, cycle {self.cycle}: orders arrive "
@@ -245,7 +263,7 @@ class ControlChannel:
                 self._lost(f"registering again: {answer}")
                 return False
             if answer.accepted:
-                self.cycle, self.state = answer.cycle, "polling"
+                self.cycle, self.state, self.why = answer.cycle, Channel.POLLING, ""
                 logger.info("ray_graceful: registered in cycle %s", self.cycle)
             elif not answer.retry:
                 self._lost(f"registration refused: {answer.reason}")
@@ -321,7 +339,7 @@ class ControlChannel:
         peers watched through the group's store, and ``on_link`` tells the rank's machine
         (restarting, then back: a SIGTERM meanwhile is reported then).
         """
-        self.cycle, self.state = None, f"reconnecting: {why}"
+        self.cycle, self.state, self.why = None, Channel.RECONNECTING, why
         self.reconnecting = True
         logger.warning("ray_graceful: coordinator unavailable (%s); registering again", why)
         self.on_disconnect()
@@ -340,7 +358,7 @@ class ControlChannel:
         return time.monotonic() + self.config.coordinator_reconnect_s
 
     def _lost(self, why: str) -> None:
-        self.alive, self.state = False, f"lost: {why}"
+        self.alive, self.state, self.why = False, Channel.LOST, why
         logger.warning(
             "ray_graceful: coordinator link lost (%s); SIGTERM now tears this rank down on its "
             "own and releases its peers through the group's store",

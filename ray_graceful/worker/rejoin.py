@@ -243,7 +243,7 @@ def _join(
     if control is None or control.cycle != answer.cycle:
         raise SetupError(
             f"the coordinator did not take this rank into cycle {answer.cycle} "
-            f"({control.state if control else 'no coordinator'})"
+            f"({control.describe() if control else 'no coordinator'})"
         )
     seconds = {"rendezvous": formed - started, "register": registered - formed}
     if own_state:
