@@ -58,6 +58,33 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     assert drawn["lines"]["durable"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_demo_host_loss_scene_comes_back_from_the_replicas(ray_cluster, tmp_path, capsys):
+    """`ray-graceful demo --host-loss`: node B's processes all SIGKILLed, no notice of any kind.
+    The host watch, not Ray's verdict (some 15 s later), must be what ended the cycle; B's
+    shards come from their replicas on A and C, and spares take B's ranks, warm."""
+    assert run_demo(output=str(tmp_path), cluster=ray_cluster, scene="host-loss") == 0
+    out = capsys.readouterr().out
+    assert "DETECTED  host_lost" in out and "refused a TCP connect" in out
+    assert "2 ranks lost with their host ([2, 3])" in out
+    assert "resumed there, 0 lost, by a warm restart (4 survivors, 2 spares)" in out
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    assert {n["source"] for n in outcome["notices"]} == {"host_lost"}, outcome["notices"]
+    assert outcome["result"] in ("held", "committed"), outcome["reason"]
+    savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] in ("save", "hold")}
+    assert savers.isdisjoint({2, 3}), "ranks of the crashed host cannot save"
+    kept = {record["shard"] for report in outcome["reports"] for record in report["saved"]}
+    assert kept == {"demo/0", "demo/1", "demo/2"}, "every shard from a surviving replica"
+    spares = re.findall(r"rank (\d) \(\w+, pid \d+\): spare for rank \d.*loaded from (.+)", out)
+    assert sorted(int(rank) for rank, _ in spares) == [2, 3]
+    assert all(where != "own state" for _, where in spares), spares
+
+
+def test_a_demo_scene_that_does_not_exist_is_refused_with_the_ones_that_do():
+    with pytest.raises(ValueError, match="'flood' is not allowed: one of drain, host-loss"):
+        run_demo(scene="flood")
+
+
 def test_every_step_the_timeline_draws_has_its_own_legend_entry():
     """Review defect 12: quiesce had no legend entry (each rank's longest bar took a stray
     colour) and a parked backup's skipped save was drawn as a green save."""

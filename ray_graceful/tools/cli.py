@@ -229,7 +229,8 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(output=args.output, steps_before=args.steps)
+    scene = "host-loss" if args.host_loss else "drain"
+    return run_demo(output=args.output, steps_before=args.steps, scene=scene)
 
 
 # --- parser --------------------------------------------------------------------------------
@@ -351,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=6,
         help="training steps before the eviction (default 6)",
+    )
+    demo.add_argument(
+        "--host-loss",
+        action="store_true",
+        help="instead of a drain and a fault: node B crashes without a notice (every process "
+        "SIGKILLed); the host watch declares it lost and the group comes back from the replicas",
     )
     demo.set_defaults(func=_cmd_demo)
 

@@ -17,13 +17,22 @@ started ahead of time on C and the head take ranks 0-3 (each evicted shard's cop
 waits in the keeper on its spare's node), and the group is re-formed in place at the committed
 step - no new processes, no new group. The outcome JSON and a timeline PNG land in
 ``--output``.
+
+``--host-loss`` plays the other ending: node B **crashes** without a word. Every process of it
+- its raylet, its ranks, its node agent - is SIGKILLed at once; no drain, no SIGTERM, no notice.
+The host watch (``host_watch=True``) hears B's heartbeats stop and finds its raylet's port
+refused, and declares the host lost (``host_lost``) in about a second - Ray's own verdict
+comes some 15 s later. Shards 0 and 1 are committed from their replicas on A and C, and two
+spares take ranks 2 and 3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +47,7 @@ from .timeline import WayBack, timeline_png, way_back_json
 
 PLACEMENT = ["A", "A", "B", "B", "C", "C"]
 SPARES = ["C", "H", "C", "H"]  # started ahead on nodes that get no notice
+SCENES = ("drain", "host-loss")
 SHARDS = ["0", "2", "0", "1", "1", "2"]
 STEP_S = 0.25
 
@@ -95,8 +105,11 @@ class DemoWorker(GracefulWorkerMixin):
 
         for _ in range(steps):
             grads = [torch.ones_like(p) for p in self.model.parameters()]
-            for g in grads:
-                dist.all_reduce(g)  # the collective a rank can be stuck in
+            try:
+                for g in grads:
+                    dist.all_reduce(g)  # the collective a rank can be stuck in
+            except RuntimeError:  # a peer's host crashed: the group is broken, the step undone
+                break
             with torch.no_grad():
                 for p, g in zip(self.model.parameters(), grads, strict=True):
                     p.sub_(0.001 * g)
@@ -133,8 +146,17 @@ def _start_group(
     return ranks, statuses
 
 
-def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = None) -> int:
-    """Run the demo on a private local cluster, or on nodes added to ``cluster`` (the tests')."""
+def run_demo(
+    output: str = "demo-output", steps_before: int = 6, cluster: Any = None, scene: str = "drain"
+) -> int:
+    """Run the demo on a private local cluster, or on nodes added to ``cluster`` (the tests').
+
+    ``scene``: ``"drain"`` (node B drained, node A faulty) or ``"host-loss"`` (node B crashes
+    without a notice); see the module docstring.
+    """
+    if scene not in SCENES:
+        raise ValueError(f"scene {scene!r} is not allowed: one of {', '.join(SCENES)}")
+    host_loss = scene == "host-loss"
     os.makedirs(output, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ray-graceful-demo-")
     own_cluster = cluster is None
@@ -146,9 +168,7 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
     from ray.cluster_utils import Cluster
 
     from ..coordinator import Coordinator
-    from ..health.scripted import write_faults
     from ..outcome import TerminationOutcome
-    from ..ray_adapter import drain_node
 
     clock = _Clock()
     config = GracefulConfig(
@@ -167,6 +187,7 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         memory_budget_mb=64,
         warm_restart=True,
         rejoin_timeout_s=60.0,
+        host_watch=host_loss,  # heartbeats from the node agents; a silent host's raylet probed
     )
     if own_cluster:
         clock.say("starting a local Ray cluster: a head node and worker nodes A, B, C")
@@ -203,22 +224,18 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         training = [r.train.remote(10_000) for r in ranks]
         _wait_steps(coordinator, steps_before, clock)
 
-        deadline = time.time() + 12.0
-        drain_node(nodes["B"].node_id, deadline, "demo: spot instance reclaimed")
-        clock.say("EVICTION  Ray drains node B (a spot reclaim), deadline in 12.0s")
-        write_faults(
-            config.health_script_path,
-            [
-                {
-                    "node": nodes["A"].node_id,
-                    "gpu": None,
-                    "verdict": "FAULTY",
-                    "code": "xid_79",
-                    "detail": "XID 79: GPU has fallen off the bus (injected)",
-                }
-            ],
-        )
-        clock.say("FAULT     node A: XID 79, GPU has fallen off the bus (scripted probe)")
+        crashed_at = 0.0
+        if host_loss:
+            _wait_for(lambda: len(coordinator.status()["host_watch"]["hosts"]) >= 3, 30)
+            clock.say("the host watch hears heartbeats from nodes A, B and C")
+            killed = _crash(nodes["B"])
+            crashed_at = time.time()
+            clock.say(
+                f"CRASH     node B: its {killed} processes SIGKILLed at once - raylet, ranks 2 "
+                "and 3, its node agent; no drain, no SIGTERM, no notice"
+            )
+        else:
+            _drain_b_and_fault_a(nodes, config, clock)
 
         def current_or_concluded_plan() -> str | None:
             status = coordinator.status()  # the cycle may be over already: it is that fast
@@ -231,6 +248,12 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         if outcome is None:
             clock.say("no outcome within 60s: see the worker logs")
             return 1
+        if host_loss:
+            notice = min(outcome.notices, key=lambda n: n["received_at"])
+            clock.say(
+                f"DETECTED  {notice['source']} +{notice['received_at'] - crashed_at:.2f}s after "
+                f"the crash: {notice['reason']}"
+            )
         _show_teardown(outcome, clock)
         ray.wait(training, num_returns=len(training), timeout=10)
 
@@ -244,7 +267,10 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         lost = max(last_steps) - int(outcome.committed["step"]) if last_steps else 0
 
         clock.say(
-            "WARM      ranks 4 and 5 on node C keep their processes; the spares take ranks 0-3"
+            "WARM      ranks 0, 1, 4 and 5 on nodes A and C keep their processes; spares take "
+            "ranks 2 and 3"
+            if host_loss
+            else "WARM      ranks 4 and 5 on node C keep their processes; the spares take ranks 0-3"
         )
         restart = group.restart(timeout=60)
         for member in restart.members:
@@ -260,8 +286,9 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         first = min(n["received_at"] for n in outcome.notices)
         clock.say(
             f"resumed at step {restart.step} in the same group, re-formed in place: training "
-            f"again +{first_step_at - first:.1f}s after the first notice, trained to step "
-            f"{steps[0]}: {lost} step(s) lost"
+            f"again +{first_step_at - first:.1f}s after the first notice"
+            + (f" (+{first_step_at - crashed_at:.1f}s after the crash)" if host_loss else "")
+            + f", trained to step {steps[0]}: {lost} step(s) lost"
         )
 
         # The durable copy starts once every member rejoined: the keepers served them first.
@@ -295,15 +322,25 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
         png = timeline_png(outcome, os.path.join(output, "timeline.png"), PLACEMENT, way_back)
         print()
         print("SUMMARY")
-        print("  eviction:   node B drained with a 12 s deadline; node A FAULTY (XID 79)")
+        print(
+            "  eviction:   node B crashed without a notice, declared lost by the host watch"
+            if host_loss
+            else "  eviction:   node B drained with a 12 s deadline; node A FAULTY (XID 79)"
+        )
         print(f"  plan:       {outcome.plan_table.splitlines()[-1]}")
         leaving = [r for r in outcome.reports if r.get("exit_path")]
+        reported = {rank["rank"] for r in outcome.reports for rank in r["ranks"]}
+        lost_ranks = sorted(set(range(len(PLACEMENT))) - reported)
         print(
             f"  teardown:   {len(outcome.reports)} ranks released, "
             f"{outcome.timings.get('last_report', 0):.2f}s after the first notice; "
-            f"exit status 0 via Ray's intended exit: "
-            f"{sum(r['exit_path'] == 'ray_intended' for r in leaving)}/{len(leaving)} leaving; "
-            f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
+            + (
+                f"{len(lost_ranks)} ranks lost with their host ({lost_ranks}); "
+                if host_loss
+                else "exit status 0 via Ray's intended exit: "
+                f"{sum(r['exit_path'] == 'ray_intended' for r in leaving)}/{len(leaving)} leaving; "
+            )
+            + f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
         )
         spares_joined = sum(m.was.startswith("spare") for m in restart.members)
         how = (
@@ -328,6 +365,53 @@ def run_demo(output: str = "demo-output", steps_before: int = 6, cluster: Any = 
                 coordinator.shutdown()
             for node in nodes.values():
                 cluster.remove_node(node)
+
+
+def _drain_b_and_fault_a(nodes: dict[str, Any], config: GracefulConfig, clock: _Clock) -> None:
+    """The default scene's eviction: Ray drains node B with a deadline; node A reports XID 79."""
+    from ..health.scripted import write_faults
+    from ..ray_adapter import drain_node
+
+    deadline = time.time() + 12.0
+    drain_node(nodes["B"].node_id, deadline, "demo: spot instance reclaimed")
+    clock.say("EVICTION  Ray drains node B (a spot reclaim), deadline in 12.0s")
+    write_faults(
+        config.health_script_path,
+        [
+            {
+                "node": nodes["A"].node_id,
+                "gpu": None,
+                "verdict": "FAULTY",
+                "code": "xid_79",
+                "detail": "XID 79: GPU has fallen off the bus (injected)",
+            }
+        ],
+    )
+    clock.say("FAULT     node A: XID 79, GPU has fallen off the bus (scripted probe)")
+
+
+def _crash(node: Any) -> int:
+    """Every process of a local node SIGKILLed at once, as a host crash ends them: the ones Ray
+    started for it and all their children (its workers, agents). Only this demo's node. The
+    processes are reaped; ``cluster.remove_node`` later finds them gone. How many were killed."""
+    import psutil
+
+    victims: list[Any] = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            try:
+                top = psutil.Process(info.process.pid)
+                victims += [top, *top.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+    for victim in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    for infos in node.all_processes.values():
+        for info in infos:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                info.process.wait(timeout=5)  # reap what this process started
+    return len(victims)
 
 
 def _wait_for(fn: Any, timeout: float) -> Any:
