@@ -214,6 +214,64 @@ def test_a_save_at_a_committed_step_keeps_the_committed_shard(tmp_path):
     assert load_state_dict(latest_committed(root).shard_path("a"))["w"][0].item() == 10.0
 
 
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_two_writers_committing_one_step_at_once_leave_one_manifest_never_replaced(tmp_path):
+    """A held step's durable copy and the next cycle's commit of the same step can meet on
+    disk (the group evicted again before it trained). Both see the step uncommitted; only one
+    manifest may land, the other writer keeps it as it is, and neither fails."""
+    root = str(tmp_path)
+    records = [write_shard(root, 10, s, _saver(10)) for s in ("a", "b")]
+    start, errors, paths = threading.Barrier(8), [], []
+
+    def one(cycle):
+        start.wait()
+        try:
+            paths.append(commit(root, 10, ["a", "b"], records, cycle=cycle))
+        except Exception as exc:  # every failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and len(set(paths)) == 1
+    manifest = _read_json(paths[0])
+    before = _committed_files(root, 10)
+    assert commit(root, 10, ["a", "b"], records, cycle=99) == paths[0]
+    assert _committed_files(root, 10) == before and _read_json(paths[0]) == manifest
+    assert [f for f in os.listdir(step_dir(root, 10)) if ".tmp-" in f] == [], "no leftovers"
+
+
+def test_a_manifest_that_lands_while_a_commit_writes_is_kept_and_a_different_one_refused(
+    tmp_path, monkeypatch
+):
+    """The step is committed by another process between this writer's check and its write:
+    with the same shards the landed manifest is kept; with others, refused - never replaced."""
+    from ray_graceful.checkpoint import write as write_module
+
+    root = str(tmp_path)
+    records = [write_shard(root, 10, s, _saver(10)) for s in ("a", "b")]
+    real = write_module.write_json_atomic
+    theirs: dict = {}  # what the other writer's manifest lists, where not the same
+
+    def the_other_writer_first(path, payload, exclusive=False):
+        real(path, {**payload, "cycle": 7, **theirs}, exclusive=True)  # the other process's
+        real(path, payload, exclusive=exclusive)
+
+    monkeypatch.setattr(write_module, "write_json_atomic", the_other_writer_first)
+    commit(root, 10, ["a", "b"], records, cycle=1)
+    assert _read_json(os.path.join(step_dir(root, 10), MANIFEST))["cycle"] == 7
+    records = [write_shard(root, 11, s, _saver(11)) for s in ("a", "b")]
+    theirs["shards"] = {r.shard: r.to_dict() for r in records}
+    with pytest.raises(CheckpointError, match="never modified"):
+        commit(root, 11, ["a"], records[:1], cycle=1)  # theirs lists shards a and b
+
+
 def test_a_committed_directory_shard_is_never_removed(tmp_path):
     root = str(tmp_path)
 

@@ -104,6 +104,19 @@ class WarmWorker(GracefulWorkerMixin):
     def pid(self) -> int:
         return os.getpid()
 
+    def die_as_it_sends(self) -> None:
+        """Fault injection: this process is SIGKILLed at the moment its warm restart would send
+        its held shard to a spare over the new group - after the group formed, the spare
+        already waiting in its receive. Only this process's own module is changed."""
+        import signal
+
+        from ray_graceful.worker import peer_transfer
+
+        def crash(*_args: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        peer_transfer.send = crash
+
     def actor_id(self) -> str:
         import ray
 

@@ -6,6 +6,8 @@ coordinator's manifest) and the read side (a restart's verification).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -161,11 +163,38 @@ def remove_path(path: str) -> None:
         pass
 
 
-def write_json_atomic(path: str, payload: Mapping[str, Any]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_json_atomic(path: str, payload: Mapping[str, Any], exclusive: bool = False) -> None:
+    """Write ``payload`` to ``path`` whole or not at all (a temporary file of this thread's
+    own, fsynced, then moved into place).
+
+    ``exclusive``: never replace an existing ``path`` - ``FileExistsError`` instead. A manifest
+    is written so: two writers of the same step (two threads or two processes) cannot both
+    succeed, and a committed one is never replaced. Where the filesystem has no hard links,
+    the check and the move are two steps.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if exclusive:
+            _link_new(tmp, path)
+        else:
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     fsync_path(os.path.dirname(path) or ".")
+
+
+def _link_new(tmp: str, path: str) -> None:
+    """``tmp`` at ``path`` unless ``path`` exists (``FileExistsError``)."""
+    try:
+        os.link(tmp, path)  # atomic, and fails where the name is taken
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network or FUSE filesystems)
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "already exists", path) from None
+        os.replace(tmp, path)

@@ -141,11 +141,7 @@ def commit(
     directory = step_dir(root, step)
     existing, _reason = read_manifest(directory, step)
     if existing is not None:
-        if sorted(existing["shards"]) != sorted(expected_shards):
-            raise CheckpointError(
-                f"step {step} is already committed with shards {sorted(existing['shards'])}; "
-                "a committed checkpoint is never modified"
-            )
+        _kept_as_it_is(existing, step, expected_shards)
         return os.path.join(directory, MANIFEST)  # committed before: kept as it is
     for shard, saves in twice.items():
         by_shard[shard] = _the_save_on_disk(directory, step, shard, saves)
@@ -169,8 +165,23 @@ def commit(
         except DcpError as exc:
             raise CheckpointError(str(exc)) from None
     path = os.path.join(directory, MANIFEST)
-    write_json_atomic(path, manifest)
+    try:
+        write_json_atomic(path, manifest, exclusive=True)
+    except FileExistsError:
+        existing, _reason = read_manifest(directory, step)
+        if existing is None:
+            raise  # the name is taken by what is no manifest: an I/O failure, nothing replaced
+        _kept_as_it_is(existing, step, expected_shards)  # another writer committed it meanwhile
     return path
+
+
+def _kept_as_it_is(existing: Mapping[str, Any], step: int, expected_shards: list[str]) -> None:
+    """A step committed already: fine with the same shards (kept as it is), else refused."""
+    if sorted(existing["shards"]) != sorted(expected_shards):
+        raise CheckpointError(
+            f"step {step} is already committed with shards {sorted(existing['shards'])}; "
+            "a committed checkpoint is never modified"
+        )
 
 
 def _one_record_per_shard(

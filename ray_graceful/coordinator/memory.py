@@ -92,6 +92,9 @@ class MemoryTier:
         self.leaving: dict[str, float] = {}  # keeper nodes being evicted -> their deadline
         self.durable: dict[int, dict[str, Any]] = {}  # cycle -> {"path", "at"} | {"error"}
         self.durable_events: dict[int, asyncio.Event] = {}
+        # One durable copy of a step at a time: a held step and the next cycle's commit of the
+        # same step (a group evicted again before it trained) must not write it side by side.
+        self.writing: dict[int, asyncio.Lock] = {}
         self.tasks: set[asyncio.Task] = set()
         self.unfinished: list[MemoryCheckpoint] = []  # adopted, their durable copy not landed
 
@@ -194,6 +197,16 @@ class MemoryTier:
                 await asyncio.wait_for(
                     self.before_persist(memory.cycle), self.config.rejoin_timeout_s
                 )
+        async with self.writing.setdefault(memory.step, asyncio.Lock()):
+            durable = await self._write_durable(root, memory)
+        self.durable[memory.cycle] = durable
+        self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
+        self._changed(memory)
+        self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
+
+    async def _write_durable(self, root: str, memory: MemoryCheckpoint) -> dict[str, Any]:
+        """The keepers write the shards, then the manifest; where it landed, or the error. A
+        step already on disk is kept as it is (``commit``), its shards reported reused."""
         try:
             records: list[ShardRecord] = []
             calls = {}
@@ -217,6 +230,8 @@ class MemoryTier:
             durable = {"path": memory.durable_path, "at": memory.durable_at}
             for older in [s for s in self.checkpoints if s < memory.step]:
                 del self.checkpoints[older]
+            for older in [s for s in self.writing if s < memory.step]:
+                del self.writing[older]
             for keeper in self.keepers.values():
                 keeper.release(below_step=memory.step)
         except Exception as exc:  # a keeper's error, a dead keeper, the disk: all say why
@@ -225,10 +240,7 @@ class MemoryTier:
             logger.error(
                 "ray_graceful coordinator: durable copy of step %s failed: %s", memory.step, exc
             )
-        self.durable[memory.cycle] = durable
-        self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
-        self._changed(memory)
-        self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
+        return durable
 
     async def _persist_one(
         self, root: str, step: int, key: str, holders: tuple[str, ...]

@@ -11,7 +11,7 @@ import signal
 import pytest
 import ray
 
-from ray_graceful import WarmGroup
+from ray_graceful import WarmGroup, WarmRestartFailed
 from ray_graceful.tools.bench.kit import recorded_crashes
 from tests.helpers import wait_for
 from tests.warm_jobs import alive, gone_within, training_until_evicted, warm_job
@@ -166,3 +166,86 @@ def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committ
         assert where["stage"] == "lost", where
         assert "did not land" in where["reason"], where
         assert latest_committed(config.checkpoint_dir) is None
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_that_dies_as_it_sends_fails_the_restart_and_its_step_is_never_committed(
+    nodes, tmp_path
+):
+    """Replicas (shards a, b, a; rank 0 evicted): the survivor rank 2 holds shard a and must
+    send it to the spare over the new group; it is SIGKILLed as it sends. The spare's receive
+    fails, so the warm restart fails with the reason, every member still running is ended
+    within the rendezvous bound, nobody trains, and the held step - whose shard a now exists
+    nowhere - is never committed."""
+    from ray_graceful import latest_committed
+
+    placed = ("node_a", "node_b")
+    with warm_job(
+        tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1, rejoin_timeout_s=8.0
+    ) as (config, coordinator, workers, [spare]):
+        spare_pid = ray.get(spare.pid.remote(), timeout=30)  # before it waits in its rejoin
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
+        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+        assert "policy/a" in outcome.committed["held"], "shard a is held by a survivor only"
+        ray.get(workers[2].die_as_it_sends.remote(), timeout=30)
+
+        with pytest.raises(WarmRestartFailed) as failed:
+            group.restart(timeout=90)
+        assert "spare for rank 0" in failed.value.reason, failed.value.reason
+        gone_within([workers[1], workers[2], spare], 40, "every member to be ended")
+        assert recorded_crashes({pids[1], spare_pid}) == 0, "the others end cleanly, not crashed"
+
+        durable = coordinator.wait_durable(0, timeout=60)
+        assert durable is not None and "lost" in durable.get("error", ""), durable
+        assert coordinator.durability(0)["stage"] == "lost"
+        assert latest_committed(config.checkpoint_dir) is None
+
+
+@pytest.mark.timeout(240)
+def test_a_notice_before_the_held_snapshot_is_durable_finishes_the_copy_first(nodes, tmp_path):
+    """The group re-formed from a held step; before it trained (so no survivor's snapshot has
+    gone to a keeper yet) survivor rank 1 - the only holder of shard b - gets SIGTERM. Its
+    teardown hands its snapshot on before it leaves: the held step becomes durable all the
+    same, and the new cycle ends cleanly without training on anything unproven."""
+    from ray_graceful import latest_committed
+
+    placed = ("node_a", "node_b")
+    with warm_job(tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1) as (
+        config,
+        coordinator,
+        workers,
+        [spare],
+    ):
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
+        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+        assert "policy/b" in outcome.committed["held"], "shard b is held by rank 1 only"
+        restart = group.restart(timeout=90)
+        assert coordinator.durability(0)["stage"] == "held", "no copy before the first step"
+
+        os.kill(pids[1], signal.SIGTERM)  # the next notice, before any snapshot is durable
+        durable = coordinator.wait_durable(0, timeout=90)
+        assert durable is not None and "at" in durable, durable
+        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        assert committed is not None and committed.step == restart.step
+        nxt = coordinator.wait_outcome(cycle=1, timeout=60)
+        assert nxt is not None and nxt.result != "failed", nxt and nxt.reason
+
+        # The next cycle committed the same step in memory; its durable copy must not touch the
+        # step already on disk: a committed checkpoint is never modified.
+        def files() -> dict[str, bytes]:
+            return {
+                f: open(os.path.join(committed.path, f), "rb").read()
+                for f in os.listdir(committed.path)
+            }
+
+        before = files()
+        if nxt.result == "committed" and nxt.committed["step"] == committed.step:
+            assert coordinator.wait_durable(1, timeout=60) is not None
+            assert files() == before
+        gone_within([workers[1]], 30, "the signalled survivor to leave")
