@@ -92,6 +92,13 @@ def add_soak_parser(names: Any) -> Any:
         help="warm restarts instead: one group for the whole run, a rank SIGTERMed each cycle, "
         "the survivors and a spare re-formed in place (soak_warm.py; --kinds does not apply)",
     )
+    soak.add_argument(
+        "--held",
+        action="store_true",
+        help="with --warm: the SIGTERMed rank and the spares on a node of their own, so the "
+        "survivors hold the step and the spare receives its shard from a survivor (the held "
+        "path); without it, every process on one node and each cycle saves first",
+    )
     return soak
 
 
@@ -235,8 +242,8 @@ def torn_commits(coordinator: Any, root: str, cycle: int, outcome: Any, before: 
     a cycle that did not commit changed what the job resumes from."""
     from ray_graceful.checkpoint import latest_committed
 
-    if outcome is not None and outcome.result == "committed":
-        if outcome.committed.get("tier") == "memory":
+    if outcome is not None and outcome.result in ("committed", "held"):
+        if outcome.committed.get("tier") in ("memory", "held"):  # durable behind the training
             coordinator.wait_durable(cycle, timeout=60)
         latest = latest_committed(root, verify_checksums=True)
         step = int(outcome.committed["step"])

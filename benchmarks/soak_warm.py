@@ -12,8 +12,15 @@ of real actor processes, one coordinator with ``warm_restart`` on, and one spare
 - a new spare is started for the next cycle.
 
 So ranks 1 to 3 live through every re-form, in the processes they started in: a leak in a
-survivor (threads, descriptors, memory, a stale step) grows for the whole run. Nothing is
-simulated: real processes, signals, gloo groups, keepers and disk.
+survivor (threads, descriptors, memory, a stale step) grows for the whole run.
+
+``--held``: rank 0 and every spare run on a second node. A SIGTERM evicts that node's rank, so
+the survivors on the head hold the step (no save before training again), the spare receives
+shard 0 from the survivor that holds it over the new group, and the step becomes durable
+behind the training - the held path, each cycle where the survivors parked at the step
+(``result`` says ``held``; a survivor released from inside a step saves first: ``committed``).
+
+Nothing is simulated: real processes, signals, gloo groups, keepers and disk.
 
 Per cycle it records: the evicted process out by its deadline (else a hang), the checkpoint
 (torn: as the cold soak checks it), Ray-recorded crashes, whether every member joined and at
@@ -32,6 +39,7 @@ import os
 import signal
 import tempfile
 import time
+from collections import Counter
 from typing import Any
 
 from ray_graceful.checkpoint import latest_committed
@@ -145,15 +153,22 @@ def bench_soak_warm(args: argparse.Namespace) -> dict[str, Any]:
         rejoin_timeout_s=60.0,
     )
     cycles: list[dict[str, Any]] = []
-    with local_cluster(head_cpus=4) as _cluster:
+    held = getattr(args, "held", False)
+    with local_cluster(extra_nodes=1 if held else 0, head_cpus=4) as _cluster:
         rank_actor = ray.remote(WarmSoakRank).options(num_cpus=0, resources={"bench_head": 1})
+        # --held: the evicted slot and its spares on a node of their own (see the docstring)
+        spare_actor = (
+            ray.remote(WarmSoakRank).options(num_cpus=0, resources={"bench_n0": 1})
+            if held
+            else rank_actor
+        )
         coordinator = Coordinator.start(config)
         group = None
         try:
             for number in range(args.cycles):
                 if group is None:
-                    group = _start_group(ray, rank_actor, coordinator, config)
-                cycle, group = _one_cycle(ray, rank_actor, coordinator, config, group, number)
+                    group = _start_group(ray, rank_actor, spare_actor, coordinator, config)
+                cycle, group = _one_cycle(ray, spare_actor, coordinator, config, group, number)
                 cycle.update(_resources(ray, coordinator, group), number=number)
                 cycles.append(cycle)
                 print(f"  warm cycle {number}: {_line(cycle)}", flush=True)
@@ -165,15 +180,16 @@ def bench_soak_warm(args: argparse.Namespace) -> dict[str, Any]:
     return {"results": cycles, "table": _report(cycles, args)}
 
 
-def _start_group(ray: Any, rank_actor: Any, coordinator: Any, config: Any) -> Any:
-    """A cold start: four new ranks and one spare (also after a failed warm restart)."""
+def _start_group(ray: Any, rank_actor: Any, spare_actor: Any, coordinator: Any, config: Any) -> Any:
+    """A cold start: four new ranks and one spare (also after a failed warm restart). Rank 0,
+    the one evicted each cycle, is placed as the spares are."""
     from ray_graceful.warm_group import WarmGroup
     from ray_graceful.worker.process_groups import free_port
 
-    workers = [rank_actor.remote(config) for _ in SHARDS]
+    workers = [(spare_actor if i == 0 else rank_actor).remote(config) for i in range(len(SHARDS))]
     port = free_port()
     ray.get([w.join.remote(i, len(SHARDS), port) for i, w in enumerate(workers)], timeout=180)
-    spares = [_new_spare(ray, rank_actor, config)]
+    spares = [_new_spare(ray, spare_actor, config)]
     return WarmGroup(coordinator, workers, spares=spares, method="rejoin")
 
 
@@ -206,7 +222,7 @@ def _end(ray: Any, group: Any) -> None:
 
 
 def _one_cycle(
-    ray: Any, rank_actor: Any, coordinator: Any, config: Any, group: Any, number: int
+    ray: Any, spare_actor: Any, coordinator: Any, config: Any, group: Any, number: int
 ) -> tuple[dict[str, Any], Any]:
     from ray_graceful.warm_group import WarmRestartFailed
 
@@ -235,7 +251,7 @@ def _one_cycle(
             training_again_s=time.time() - t0,
             reason="",
         )
-        group.add_spares([_new_spare(ray, rank_actor, config)])
+        group.add_spares([_new_spare(ray, spare_actor, config)])
     except WarmRestartFailed as exc:
         outcome = exc.outcome
         record.update(joined=0, step=None, training_again_s=float("nan"), reason=exc.reason)
@@ -289,11 +305,12 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
         sum(c["torn"] for c in cycles),
         sum(c["crashes"] for c in cycles),
         f"{len(warm)} re-formed in place, {len(cycles) - len(warm)} failed",
+        ", ".join(f"{n} {r}" for r, n in sorted(Counter(c["result"] for c in cycles).items())),
         percentile([c["out_s"] for c in cycles], 0.5),
         percentile([c["training_again_s"] for c in warm], 0.5),
         max((c["training_again_s"] for c in warm), default=float("nan")),
     ]
-    header = ["eviction", "cycles", "hangs", "torn", "Ray: crashes", "warm restarts"]
+    header = ["eviction", "cycles", "hangs", "torn", "Ray: crashes", "warm restarts", "results"]
     text = markdown_table([*header, "evicted out p50 s", "training again p50 s", "max s"], [row])
     steady = cycles[args.warmup :] or cycles
     resources = [
@@ -312,7 +329,13 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lived = sum(1 for c in cycles if c["oldest_rank_pid"] == oldest and oldest)
     text += (
         f"\n{len(cycles)} cycles, {len(SHARDS)} ranks and one spare, warm_restart on, "
-        f"memory_replicas=1, deadline {args.deadline:.0f}s; rank resources are the largest of "
+        f"memory_replicas=1, deadline {args.deadline:.0f}s"
+        + (
+            "; rank 0 and the spares on a node of their own (--held)"
+            if getattr(args, "held", False)
+            else ""
+        )
+        + "; rank resources are the largest of "
         f"the live ranks; the oldest rank process re-formed its group in {lived} of them; "
         f"slopes over cycles {args.warmup + 1}..{len(cycles)}"
     )
