@@ -152,6 +152,39 @@ def test_the_durable_copy_lands_with_its_own_record_and_the_older_step_is_releas
     assert {"below_step": 9, "cycle": None} in keepers["a"].released
 
 
+def test_two_cycles_committing_one_step_write_it_to_disk_one_after_the_other(config):
+    """A held step (cycle 0) and the next cycle's commit of the same step (cycle 1: the group
+    evicted again before it trained) both go to disk. They once ran side by side and one failed
+    on the manifest; now the second finds the step committed and keeps it as it is."""
+
+    async def scenario():
+        memory, keepers = tier(config)
+        memory.ensure_keeper("a")
+        inside: list[int] = []
+        overlapped: list[bool] = []
+        persist = keepers["a"].persist
+
+        async def slow_persist(root, step, key):
+            overlapped.append(bool(inside))
+            inside.append(step)
+            await asyncio.sleep(0.05)  # every writer is inside at once, unless they take turns
+            try:
+                return await persist(root, step, key)
+            finally:
+                inside.pop()
+
+        keepers["a"].persist = slow_persist
+        memory.after_commit(0, held_checkpoint(keepers, 9, {"g/0": "a"}, cycle=0))
+        memory.after_commit(1, held_checkpoint(keepers, 9, {"g/0": "a"}, cycle=1))
+        return await memory.wait_durable(0, 10), await memory.wait_durable(1, 10), overlapped
+
+    first, second, overlapped = run(scenario())
+    assert overlapped == [False, False], "the two durable copies of step 9 overlapped"
+    assert "path" in first and second.get("path") == first["path"], (first, second)
+    latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert latest is not None and latest.step == 9 and latest.manifest["cycle"] == 0
+
+
 def test_the_durable_copy_waits_for_the_warm_restart_to_load_first(config):
     async def scenario():
         members_done = asyncio.Event()

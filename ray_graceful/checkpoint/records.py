@@ -52,10 +52,12 @@ class ShardRecord:
     dcp_chunks: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.tier not in Tier._value2member_map_:
+        try:
+            tier = Tier(self.tier)  # "memory" as well as Tier.MEMORY
+        except ValueError:
             allowed = ", ".join(t.value for t in Tier)
-            raise ValueError(f"tier {str(self.tier)[:40]!r} is not one of {allowed}")
-        object.__setattr__(self, "tier", Tier(self.tier))  # "memory" as well as Tier.MEMORY
+            raise ValueError(f"tier {str(self.tier)[:40]!r} is not one of {allowed}") from None
+        object.__setattr__(self, "tier", tier)
 
     def to_dict(self) -> dict[str, Any]:
         # JSON's shape: read back, equal
