@@ -79,6 +79,27 @@ def test_a_spare_receives_the_shard_a_surviving_replica_holds_from_it_over_the_g
     assert record.members["p2"].send_to == () and record.members["p3"].peer == -1
 
 
+def test_a_survivor_not_parked_at_the_step_receives_its_held_shard_from_the_holder():
+    """Found by the held soak: rank 3, a backup of shard s1 released from inside its step,
+    cannot prove step k itself, and shard s1 at k was held by rank 1 alone (no keeper copy).
+    It looked for s1 in the keepers, found only an older step, and the restart failed. Now it
+    receives s1 from rank 1 over the group, as a spare does; parked at k, it keeps its own."""
+    part = warm({1: "s1", 2: "s0", 3: "s1"})
+    held = {"g/s1": ("p1", 2048), "g/s0": ("p2", 10)}
+    spares = [Spare("a", "spare", "na", 1)]
+    args = (0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}})
+    record = part.decide(*args, spares, frozenset(), held, parked=frozenset({"p1", "p2"}))
+    assert record is not None and record.result == "rejoining", record.reason
+    assert (record.members["p3"].peer, record.members["p3"].shard_bytes) == (1, 2048)
+    assert record.members["p1"].send_to == (3,)
+    assert record.members["a"].peer == 2 and record.members["p2"].send_to == (0,)
+
+    part = warm({1: "s1", 2: "s0", 3: "s1"})
+    spares = [Spare("a", "spare", "na", 1)]
+    record = part.decide(*args, spares, frozenset(), held, parked=frozenset({"p1", "p2", "p3"}))
+    assert record.members["p3"].peer == -1 and record.members["p1"].send_to == ()
+
+
 def test_a_spare_whose_shard_no_survivor_holds_loads_it_from_a_keeper():
     part = warm({1: "s1", 2: "s2", 3: "s3"})
     spares = [Spare("a", "spare", "na", 1)]

@@ -8,10 +8,11 @@ import contextlib
 import os
 import signal
 import uuid
+from dataclasses import dataclass
 
 import ray
 
-from ray_graceful import Coordinator, GracefulConfig
+from ray_graceful import Coordinator, GracefulConfig, WarmGroup
 from tests.helpers import free_port, kill_actors, wait_for
 from tests.warm_actors import WarmWorker
 
@@ -103,3 +104,35 @@ def alive(actor) -> bool:
 
 def gone_within(actors: list, seconds: float, what: str) -> None:
     wait_for(lambda: not any(alive(a) for a in actors), seconds, what, every=0.2)
+
+
+@dataclass
+class HeldJob:
+    """A warm job whose first eviction concluded *held*: what the test goes on with."""
+
+    config: GracefulConfig
+    coordinator: Coordinator
+    workers: list
+    spare: object
+    spare_pid: int
+    group: WarmGroup
+    pids: list[int]
+    outcome: object
+
+
+@contextlib.contextmanager
+def held_job(tmp_path, **overrides):
+    """Three ranks with replicas (shards a, b, a) on node "a", a spare on node "b" (the
+    ``nodes`` fixture), the memory tier on; rank 0 SIGTERMed between steps, so the survivors
+    hold the step - shard a by rank 2, shard b by rank 1 - and the cycle concludes ``held``."""
+    placed = ("node_a", "node_b")
+    with warm_job(
+        tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1, **overrides
+    ) as (config, coordinator, workers, [spare]):
+        spare_pid = ray.get(spare.pid.remote(), timeout=30)  # before it waits in its rejoin
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
+        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+        yield HeldJob(config, coordinator, workers, spare, spare_pid, group, pids, outcome)

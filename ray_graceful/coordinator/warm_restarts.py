@@ -219,12 +219,14 @@ class WarmRestarts:
         spares: list[SpareRecord],
         evicted_nodes: frozenset[str],
         held: dict[str, tuple[str, int]] | None = None,
+        parked: frozenset[str] = frozenset(),
     ) -> WarmRecord | None:
         """The next cycle's membership, or every survivor told to leave (with the reason).
 
         ``held``: shard key -> (the survivor's process id, bytes) for each shard a survivor
-        holds without a copy anywhere yet; a spare that takes such a shard receives it from
-        that survivor over the new group.
+        holds without a copy anywhere yet; a member that takes such a shard and cannot prove it
+        (a spare, or a survivor not in ``parked``: its training thread was not parked at the
+        step) receives it from that survivor over the new group.
 
         ``reported``: survivor process id -> whether its teardown reported in time (one that did
         not cannot be trusted to be out of its collective). ``evicted_ranks``: group -> the
@@ -240,7 +242,7 @@ class WarmRestarts:
         if why is None:
             why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
         if why is None:
-            self._peers(record, held or {})
+            self._peers(record, held or {}, parked)
         if why is not None:
             record.result, record.reason = WarmResult.COLD, why
             record.members = {}
@@ -300,14 +302,21 @@ class WarmRestarts:
                 record.members[member] = self._rendezvous(record, group, rank, world, shard, was)
         return None
 
-    def _peers(self, record: WarmRecord, held: dict[str, tuple[str, int]]) -> None:
-        """A spare whose shard a survivor holds (no keeper has it yet) receives it from that
-        survivor once the new group formed: the survivor sends, the spare checks the size."""
+    def _peers(
+        self, record: WarmRecord, held: dict[str, tuple[str, int]], parked: frozenset[str]
+    ) -> None:
+        """A member whose shard a survivor holds (no keeper has it yet) and who cannot prove
+        that shard itself - a spare, or a survivor whose thread was not parked at the step (a
+        backup released from inside its step) - receives it from that survivor once the new
+        group formed: the holder sends, the receiver checks the step and the size. Both sides
+        follow this record, so no send waits for a receiver that will not come."""
         for member, answer in list(record.members.items()):
             holder, nbytes = held.get(shard_key(answer.group, answer.shard), ("", 0))
             source = record.members.get(holder)
-            if member in self.survivors or source is None or source.group != answer.group:
+            if member == holder or source is None or source.group != answer.group:
                 continue
+            if member in self.survivors and member in parked:
+                continue  # it holds the step itself (rejoin.py checks it is parked there)
             record.members[member] = replace(answer, peer=source.rank, shard_bytes=nbytes)
             source = record.members[holder]
             record.members[holder] = replace(source, send_to=(*source.send_to, answer.rank))
@@ -385,6 +394,11 @@ class WarmRestarts:
             # too, and leave the pool (worker/spare_wait.py).
             frozenset(n.node_id for n in cycle.notices + cycle.late_notices if n.node_id),
             held,
+            frozenset(
+                p.process_id
+                for p in involved
+                if p.report is not None and step is not None and p.report.parked_at == step
+            ),
         )
         by_id = {s.spare_id: s for s in spares}
         told = []

@@ -54,6 +54,10 @@ class TeardownReport:
     phases: list[PhaseRecord] = field(default_factory=list)
     saved: list[ShardRecord] = field(default_factory=list)  # the shards it saved (or reused)
     last_step: int | None = None  # the last step boundary the training loop reported
+    # The step the training thread parked at (should_stop) and whose state it provably holds;
+    # None where it was not parked there (inside a step, out of its loop, the device behind).
+    # A warm restart's survivor trains on from its own state only at this step.
+    parked_at: int | None = None
     exit_path: ExitPath | None = None
     exit_code: int | None = None
     finished_s: float | None = None

@@ -246,7 +246,7 @@ def _join(
             f"({control.describe() if control else 'no coordinator'})"
         )
     seconds = {"rendezvous": formed - started, "register": registered - formed}
-    if own_state:
+    if own_state and answer.peer < 0:
         loaded_from = LoadedFrom.OWN_STATE
         if answer.send_to:
             peer_transfer.send(held, answer)

@@ -227,7 +227,7 @@ class Teardown:
         # The queue holds a collective a peer that left will never join: the host ran ahead of
         # the device (NCCL returns at enqueue), so the thread parked at a step whose work has not
         # run. Its state is not that step; the release ends the collective, and nothing is saved.
-        self.clean_step = None
+        self.clean_step = self.report.parked_at = None
         self.device_behind = True
         raise TimeoutError(
             f"the device's queued work had not finished after {timeout:.1f}s (a collective "
@@ -266,6 +266,7 @@ class Teardown:
         self.quiescent = state.at_boundary
         step = self.training.step()
         self.clean_step = step if state is ThreadAt.PARKED else None
+        self.report.parked_at = self.clean_step
         if state is ThreadAt.PARKED:
             return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms"
         if state is ThreadAt.IDLE:

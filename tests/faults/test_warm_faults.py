@@ -14,7 +14,7 @@ import ray
 from ray_graceful import WarmGroup, WarmRestartFailed
 from ray_graceful.tools.bench.kit import recorded_crashes
 from tests.helpers import wait_for
-from tests.warm_jobs import alive, gone_within, training_until_evicted, warm_job
+from tests.warm_jobs import alive, gone_within, held_job, training_until_evicted, warm_job
 
 
 def _sigterm_notices(outcome) -> list[dict]:
@@ -133,18 +133,8 @@ def test_keepers_lost_before_the_held_copies_land_the_held_step_is_never_committ
     said so - and a cold restart would not load it."""
     from ray_graceful import latest_committed
 
-    placed = ("node_a", "node_b")
-    with warm_job(tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1) as (
-        config,
-        coordinator,
-        workers,
-        [spare],
-    ):
-        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
-        pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
-        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
-        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+    with held_job(tmp_path) as job:
+        config, coordinator, group = job.config, job.coordinator, job.group
         for stats in coordinator.keeper_stats().values():
             ray.kill(ray.get_actor(stats["name"], namespace=config.coordinator_namespace))
         wait_for(
@@ -179,24 +169,22 @@ def test_a_replica_that_dies_as_it_sends_fails_the_restart_and_its_step_is_never
     nowhere - is never committed."""
     from ray_graceful import latest_committed
 
-    placed = ("node_a", "node_b")
-    with warm_job(
-        tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1, rejoin_timeout_s=8.0
-    ) as (config, coordinator, workers, [spare]):
-        spare_pid = ray.get(spare.pid.remote(), timeout=30)  # before it waits in its rejoin
-        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
-        pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
-        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
-        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+    with held_job(tmp_path, rejoin_timeout_s=8.0) as job:
+        config, coordinator, workers, outcome = (
+            job.config,
+            job.coordinator,
+            job.workers,
+            job.outcome,
+        )
         assert "policy/a" in outcome.committed["held"], "shard a is held by a survivor only"
         ray.get(workers[2].die_as_it_sends.remote(), timeout=30)
 
         with pytest.raises(WarmRestartFailed) as failed:
-            group.restart(timeout=90)
+            job.group.restart(timeout=90)
         assert "spare for rank 0" in failed.value.reason, failed.value.reason
-        gone_within([workers[1], workers[2], spare], 40, "every member to be ended")
-        assert recorded_crashes({pids[1], spare_pid}) == 0, "the others end cleanly, not crashed"
+        gone_within([workers[1], workers[2], job.spare], 40, "every member to be ended")
+        clean = {job.pids[1], job.spare_pid}
+        assert recorded_crashes(clean) == 0, "the others end cleanly, not crashed"
 
         durable = coordinator.wait_durable(0, timeout=60)
         assert durable is not None and "lost" in durable.get("error", ""), durable
@@ -212,23 +200,18 @@ def test_a_notice_before_the_held_snapshot_is_durable_finishes_the_copy_first(no
     same, and the new cycle ends cleanly without training on anything unproven."""
     from ray_graceful import latest_committed
 
-    placed = ("node_a", "node_b")
-    with warm_job(tmp_path, 3, 1, shards=["a", "b", "a"], on=placed, memory_replicas=1) as (
-        config,
-        coordinator,
-        workers,
-        [spare],
-    ):
-        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
-        pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
-        outcome = coordinator.wait_outcome(cycle=0, timeout=60)
-        assert outcome is not None and outcome.result == "held", outcome and outcome.reason
+    with held_job(tmp_path) as job:
+        config, coordinator, workers, outcome = (
+            job.config,
+            job.coordinator,
+            job.workers,
+            job.outcome,
+        )
         assert "policy/b" in outcome.committed["held"], "shard b is held by rank 1 only"
-        restart = group.restart(timeout=90)
+        restart = job.group.restart(timeout=90)
         assert coordinator.durability(0)["stage"] == "held", "no copy before the first step"
 
-        os.kill(pids[1], signal.SIGTERM)  # the next notice, before any snapshot is durable
+        os.kill(job.pids[1], signal.SIGTERM)  # the next notice, before any snapshot is durable
         durable = coordinator.wait_durable(0, timeout=90)
         assert durable is not None and "at" in durable, durable
         committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
