@@ -170,13 +170,8 @@ def test_a_replica_that_dies_as_it_sends_fails_the_restart_and_its_step_is_never
     from ray_graceful import latest_committed
 
     with held_job(tmp_path, rejoin_timeout_s=8.0) as job:
-        config, coordinator, workers, outcome = (
-            job.config,
-            job.coordinator,
-            job.workers,
-            job.outcome,
-        )
-        assert "policy/a" in outcome.committed["held"], "shard a is held by a survivor only"
+        config, coordinator, workers = job.config, job.coordinator, job.workers
+        assert "policy/a" in job.outcome.committed["held"], "shard a is held by a survivor only"
         ray.get(workers[2].die_as_it_sends.remote(), timeout=30)
 
         with pytest.raises(WarmRestartFailed) as failed:
@@ -201,13 +196,8 @@ def test_a_notice_before_the_held_snapshot_is_durable_finishes_the_copy_first(no
     from ray_graceful import latest_committed
 
     with held_job(tmp_path) as job:
-        config, coordinator, workers, outcome = (
-            job.config,
-            job.coordinator,
-            job.workers,
-            job.outcome,
-        )
-        assert "policy/b" in outcome.committed["held"], "shard b is held by rank 1 only"
+        config, coordinator, workers = job.config, job.coordinator, job.workers
+        assert "policy/b" in job.outcome.committed["held"], "shard b is held by rank 1 only"
         restart = job.group.restart(timeout=90)
         assert coordinator.durability(0)["stage"] == "held", "no copy before the first step"
 
