@@ -208,6 +208,7 @@ def run_demo(
     if own_cluster:
         ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
     coordinator = None
+    crashed_at = 0.0
     try:
         coordinator = Coordinator.start(config)
         clock.say("coordinator started; 6 ranks: 3 shards x 2 replicas, gloo on CPU")
@@ -224,7 +225,6 @@ def run_demo(
         training = [r.train.remote(10_000) for r in ranks]
         _wait_steps(coordinator, steps_before, clock)
 
-        crashed_at = 0.0
         if host_loss:
             _wait_for(lambda: len(coordinator.status()["host_watch"]["hosts"]) >= 3, 30)
             clock.say("the host watch hears heartbeats from nodes A, B and C")
@@ -365,6 +365,8 @@ def run_demo(
                 coordinator.shutdown()
             for node in nodes.values():
                 cluster.remove_node(node)
+            if crashed_at:  # the cluster lives on: nothing may be placed on the crashed node
+                _until_ray_declares_dead(nodes["B"].node_id, clock)
 
 
 def _drain_b_and_fault_a(nodes: dict[str, Any], config: GracefulConfig, clock: _Clock) -> None:
@@ -412,6 +414,19 @@ def _crash(node: Any) -> int:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 info.process.wait(timeout=5)  # reap what this process started
     return len(victims)
+
+
+def _until_ray_declares_dead(node_id: str, clock: _Clock, timeout: float = 60.0) -> None:
+    """A crashed node stays alive to Ray's scheduler until its health checks fail (about 15 s):
+    on a cluster that lives on, wait for that, so no later actor is placed on it."""
+    import ray
+
+    clock.say("waiting for Ray's own verdict on node B, so nothing is placed on it")
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            return
+        time.sleep(0.5)
 
 
 def _wait_for(fn: Any, timeout: float) -> Any:
