@@ -98,6 +98,10 @@ def test_commit_refuses_incomplete_or_mixed_steps(tmp_path):
         commit(root, 7, ["a"], [neither, neither])
     with pytest.raises(CheckpointError, match="no shards"):
         commit(root, 7, [], [])
+    # A shard another writer may have renamed over (verify): its file is read back.
+    with pytest.raises(CheckpointError, match="is not the save kept"):
+        commit(root, 7, ["a"], [neither], verify={"a"})
+    assert latest_committed(root) is None
     assert not os.path.exists(os.path.join(step_dir(root, 7), MANIFEST))
     assert latest_committed(root) is None
 

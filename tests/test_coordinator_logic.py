@@ -15,7 +15,13 @@ import time
 import pytest
 
 from ray_graceful import TeardownReport, latest_committed
-from ray_graceful.checkpoint import save_state_dict, step_dir, write_shard
+from ray_graceful.checkpoint import (
+    load_state_dict,
+    save_state_dict,
+    shard_file_name,
+    step_dir,
+    write_shard,
+)
 from ray_graceful.coordinator import CoordinatorActor, outcomes
 from ray_graceful.protocol import (
     Ack,
@@ -438,8 +444,8 @@ def test_only_a_named_backup_may_ask_for_a_turn(config):
 
 def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
     """A window of 5 s: a SIGTERM to one of two processes on a node waits for the other (or
-    the window) and plans the moment it comes; a drain keeps the whole window (a fault arriving
-    with it must still change who saves)."""
+    the window) and plans the moment it comes; Ray's drain of a node plans at once; a notice
+    of another kind (here the API's) keeps the whole window."""
 
     async def scenario():
         coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
@@ -465,16 +471,78 @@ def test_gathering_ends_as_soon_as_every_touched_node_is_covered(config):
     assert after_both.value == "tearing down" and took < 1.0
     assert {n.rank for n in notices} == {("g", 0), ("g", 1)}
 
-    async def drained():
-        coord, *_ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
+    async def noticed(source: str):
+        coord, drains, _ = make(config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0))
         await register(coord, pid="p0", ranks=(PRIMARY,))
         await register(coord, pid="p2", node="n1", ranks=(REPLICA,))
-        await coord.notify({"node_id": "n1", "reason": "test"})
-        await until(lambda: coord.machine.cycle.notices, 5, "the drain as a notice")
-        await asyncio.sleep(0.05)  # a window in which nothing may happen: still gathering
-        return coord.machine.cycle.phase
+        started = time.monotonic()
+        if source == "drain":
+            drains.state = {"n1": int((time.time() + 30) * 1000)}
+        else:
+            await coord.notify({"node_id": "n1", "reason": "test"})
+        await until(lambda: coord.machine.cycle.notices, 5, "the notice")
+        await asyncio.sleep(0.3)  # a window in which nothing may happen: still gathering
+        return coord.machine.cycle.phase, coord.machine.cycle.plan_at, started
 
-    assert run(drained()).value == "gathering", "a drain keeps the window open"
+    phase, _, _ = run(noticed("api"))
+    assert phase.value == "gathering", "a notice from the API keeps the window open"
+    phase, plan_at, started = run(noticed("drain"))
+    assert phase.value == "tearing down", "a drained node, every process counted: planned"
+    assert plan_at is not None
+
+
+@pytest.mark.parametrize("faulty_lands", ["first", "last"])
+def test_a_saver_found_faulty_after_a_drain_was_planned_hands_its_save_to_its_backup(
+    config, faulty_lands
+):
+    """Ray drains n1; the plan goes out at once: rank 0 on n0 saves shard g/0, rank 1 (on the
+    drained n1) is its backup. Then n0's GPU is found FAULTY. A rank on faulty hardware never
+    saves: the backup is told to save, and the commit keeps the backup's save, not the faulty
+    rank's, which still reports one. Both rename into one file name: where the faulty rank's
+    file landed last, the file on disk is not the save kept, and nothing is committed."""
+    from ray_graceful.health import FAULTY, HealthReport, Reason
+
+    def save(pid: str, step: int):
+        def write(path, s):
+            return save_state_dict({"s": s, "by": pid}, path)
+
+        return write_shard(config.checkpoint_dir, step, "g/0", write, group="g")
+
+    async def scenario():
+        coord, drains, _ = make(
+            config.replace(notice_gather_s=5.0, teardown_timeout_s=20.0, save_budget_s=5.0)
+        )
+        await register(coord, pid="p0", actor_id=A0, ranks=(PRIMARY,))
+        await register(coord, pid="p1", node="n1", actor_id=A1, ranks=(REPLICA,))
+        polls = [asyncio.create_task(coord.poll(p, 0, IDLE, 10)) for p in ("p0", "p1")]
+        drains.state = {"n1": int((time.time() + 30) * 1000)}
+        saver, backup = [(await p).order for p in polls]
+        assert backup.saves[0].backup_for == 0, "the drained replica is the backup"
+        turn = asyncio.create_task(coord.save_turn(SaveTurn("p1", 0, "g/0"), 10))
+        await until(lambda: (0, "g/0") in coord.backups.events, 5, "the backup's turn held")
+        assert not turn.done(), "the backup waits for the saver's word"
+        xid = Reason(FAULTY, "xid_79", "XID 79: GPU has fallen off the bus")
+        health = PollState(9, HealthReport(FAULTY, (xid,), "scripted"))
+        await coord.poll("p0", 0, health, 0.1)
+        answer = await turn
+        faulty = report(0, [save("p0", 9)]) if faulty_lands == "first" else None
+        await coord.report_teardown("p1", report(0, [save("p1", 9)]))
+        await coord.report_teardown("p0", faulty or report(0, [save("p0", 9)]))
+        return answer, await coord.wait_outcome(0, 15)
+
+    answer, outcome = run(scenario())
+    assert answer.accepted and answer.save and "FAULTY after the plan" in answer.why, answer
+    assert [f["shard"] for f in outcome.fallbacks] == ["g/0"]
+    assert [n["source"] for n in outcome.notices] == ["drain", "health"]
+    if faulty_lands == "first":
+        assert outcome.result == "committed" and outcome.committed["step"] == 9
+        path = os.path.join(outcome.committed["path"], shard_file_name("g/0"))
+        loaded = load_state_dict(path)
+        assert loaded["by"] == "p1", "the backup's save is the one committed"
+    else:
+        assert outcome.result == "abandoned", outcome.reason
+        assert "is not the save kept" in outcome.reason
+        assert latest_committed(config.checkpoint_dir) is None
 
 
 def test_a_group_with_a_rank_never_registered_commits_nothing(config):

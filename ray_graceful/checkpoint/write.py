@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..dcp import DcpError, assemble, is_dcp_shard
@@ -127,12 +127,14 @@ def commit(
     records: list[ShardRecord],
     cycle: int = 0,
     extra: Mapping[str, Any] | None = None,
+    verify: Collection[str] = (),
 ) -> str:
     """Write the manifest - only if every expected shard was saved at ``step``.
 
     Raises CheckpointError (and writes nothing) when a shard is missing, saved at another
     step, saved twice with a file on disk that is neither save, or its file is not on disk with
-    the recorded size.
+    the recorded size. ``verify``: shards whose file another writer may have renamed over the
+    recorded save (a rank found faulty after the plan): read back, checked against the record.
     """
     if not expected_shards:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
@@ -146,7 +148,7 @@ def commit(
     for shard, saves in twice.items():
         by_shard[shard] = _the_save_on_disk(directory, step, shard, saves)
     for record in by_shard.values():
-        _check_on_disk(directory, record)
+        _check_on_disk(directory, record, read_back=record.shard in verify)
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -202,8 +204,9 @@ def _one_record_per_shard(
     return by_shard, twice
 
 
-def _check_on_disk(directory: str, record: ShardRecord) -> None:
-    """The shard's file is its own, a plain file, and of the recorded size; else refused."""
+def _check_on_disk(directory: str, record: ShardRecord, read_back: bool = False) -> None:
+    """The shard's file is its own, a plain file, and of the recorded size - and, to
+    ``read_back``, of the recorded CRC32; else refused."""
     if record.file != shard_file_name(record.shard):
         raise CheckpointError(
             f"shard {record.shard!r} reports file {record.file!r}, not its own "
@@ -218,6 +221,11 @@ def _check_on_disk(directory: str, record: ShardRecord) -> None:
         raise CheckpointError(
             f"shard {record.shard!r}: {path} has {size} bytes on disk, the report says "
             f"{record.bytes}; not committed"
+        )
+    if read_back and file_checksum(path) != (record.bytes, record.crc32):
+        raise CheckpointError(
+            f"shard {record.shard!r}: {path} is not the save kept (CRC32 {record.crc32:08x}): "
+            "another writer renamed its own over it; not committed"
         )
 
 

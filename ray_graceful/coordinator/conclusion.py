@@ -45,6 +45,7 @@ class CommitRequest:
     result: Result | None = None
     reason: str = ""
     failures: tuple[str, ...] = ()  # the savers' own words, where a memory commit fails
+    verify: frozenset[str] = frozenset()  # shards read back on disk (``trusted_records``)
 
     def __post_init__(self) -> None:
         if self.tier is not None:  # "memory" as well as Tier.MEMORY
@@ -69,7 +70,7 @@ def commit_request(
     plan = cycle.plan
     assert plan is not None
     reports = [p.report for p in involved if p.report is not None]
-    records = tuple(record for r in reports for record in r.saved)
+    records, verify = trusted_records(cycle, involved)
     expected = tuple(shard.key for shard in plan.savers)
     root = config.checkpoint_dir
 
@@ -102,7 +103,24 @@ def commit_request(
         )
     if root is None:
         return nothing(Result.NO_CHECKPOINT, "no checkpoint_dir is configured")
-    return CommitRequest(cycle.number, job_id, Tier.DISK, root, expected, records)
+    return CommitRequest(cycle.number, job_id, Tier.DISK, root, expected, records, verify=verify)
+
+
+def trusted_records(
+    cycle: Cycle, involved: list[Process]
+) -> tuple[tuple[ShardRecord, ...], frozenset[str]]:
+    """Every save reported, but none of a rank found FAULTY after the plan where another rank
+    saved the same shard (its backup, told to save at the verdict: ``intake.fault_after_plan``).
+
+    Also the shards whose file on disk the faulty rank may have renamed over the backup's
+    (both write one file name): the commit reads those back against the kept record.
+    """
+    saves = [(p.process_id, r) for p in involved if p.report is not None for r in p.report.saved]
+    faulty = cycle.late_faulty
+    healthy = {record.shard for pid, record in saves if pid not in faulty}
+    dropped = {record.shard for pid, record in saves if pid in faulty and record.shard in healthy}
+    kept = tuple(r for pid, r in saves if pid not in faulty or r.shard not in healthy)
+    return kept, frozenset(dropped)
 
 
 def carry_out(request: CommitRequest) -> CommitResult:
@@ -128,6 +146,7 @@ def carry_out(request: CommitRequest) -> CommitResult:
                 list(request.records),
                 cycle=request.cycle,
                 extra={"job_id": request.job_id},
+                verify=request.verify,
             )
             result, committed = Result.COMMITTED, {"step": step, "path": os.path.dirname(path)}
         except CheckpointError as exc:

@@ -43,6 +43,10 @@ MOVES: dict[Phase, frozenset[Phase]] = {
 }
 
 
+# Notices whose node, once every process on it is counted, is planned for at once (``cover``).
+PLANNED_AT_ONCE = frozenset({"sigterm", "drain"})
+
+
 class PhaseError(RuntimeError):
     """A cycle was moved where its table does not go: a bug in the machine, not an input."""
 
@@ -73,6 +77,10 @@ class Cycle:
     # a backup saved because its saver could not.
     save_results: dict[str, tuple[bool, str]] = field(default_factory=dict)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    # Processes found FAULTY after the plan (process id -> the verdict): their saves are
+    # taken over by their backups, and a backup's save of a shard stands over theirs
+    # (``conclusion.trusted_records``).
+    late_faulty: dict[str, str] = field(default_factory=dict)
 
     def move(self, to: Phase, at: float) -> None:
         """The one way a cycle's phase changes; ``at``: when (the first notice, the plan)."""
@@ -94,12 +102,14 @@ class Cycle:
     def cover(self, notice: EvictionNotice, registry: Registry) -> bool:
         """Count what ``notice`` tells about its node; all touched nodes covered: plan now.
 
-        The gathering window is for notices that belong together (a SIGTERM to every rank of a
-        pod, a drain and a fault). When every notice so far is a SIGTERM - the shortest grace
-        there is - and every process on each node they touched has one, waiting longer learns
-        nothing more about those nodes, and each millisecond is one the ranks do not have. A
-        drain or a fault keeps the whole window: a drain brings its own deadline, and a fault
-        elsewhere arriving with it must change who saves.
+        The gathering window is for notices that belong together: a SIGTERM to every rank of a
+        pod, one notice per rank of a node. Once every notice so far is a SIGTERM or a drain,
+        and every process on each node they touched has one, waiting longer learns nothing
+        more about those nodes, and each millisecond of it is one the job is not training (a
+        warm restart waits for the plan). A fault elsewhere that comes after the plan - within
+        the window or later, it is the same event - has its saves taken over by their backups
+        (``intake.fault_after_plan``). Any other notice (a health verdict, an API or cloud
+        notice) keeps the whole window.
 
         Returns True once gathering may end now.
         """
@@ -120,4 +130,6 @@ class Cycle:
                 }
             if all(key in self.noticed_ranks for key in process.keys):
                 self.uncovered[node].discard(process.process_id)
-        return not any(self.uncovered.values()) and all(n.source == "sigterm" for n in self.notices)
+        return not any(self.uncovered.values()) and all(
+            n.source in PLANNED_AT_ONCE for n in self.notices
+        )

@@ -11,7 +11,8 @@ Functions of the machine's ``CoordinatorState``, each appending its decisions to
   late;
 - ``sigterm``, ``drains``, ``lost``, ``host_lost`` - the notices of a SIGTERM, of Ray's drain
   state, of ranks that died without one and of a host gone silent; ``not_back`` - of ranks
-  that did not register again after the coordinator's restart.
+  that did not register again after the coordinator's restart;
+- ``fault_after_plan`` - a FAULTY verdict once the plan is out: its saves go to the backups.
 """
 
 from __future__ import annotations
@@ -155,6 +156,27 @@ def _update_health(
         number = state.cycle.number
         notices = [EvictionNotice("health", summary, number, rank=k) for k in process.keys]
         take_notices(state, notices, out, answer=False)
+        if state.cycle.phase is Phase.TEARING_DOWN:
+            fault_after_plan(state, process, summary, out)
+
+
+def fault_after_plan(
+    state: CoordinatorState, process: Process, summary: str, out: list[ev.Decision]
+) -> None:
+    """A process found FAULTY once the plan is out: a rank on faulty hardware never saves.
+
+    Each shard it was to save and has not yet reported saved is resolved as not saved, so its
+    backup (where the plan has one) saves it now; a save it still reports is kept only where
+    no backup saved the shard (``conclusion.trusted_records``). A save it reported before the
+    verdict stands: it was made before anyone knew. A drain is planned without waiting for
+    such a fault (``Cycle.cover``); this is what makes that safe.
+    """
+    cycle = state.cycle
+    if process.order is None or process.order.cycle != cycle.number:
+        return  # no order this cycle: it saves nothing
+    cycle.late_faulty[process.process_id] = summary
+    why = f"{process.name} was found FAULTY after the plan ({summary})"[:300]
+    state.resolve_saves(process, set(), why, out)
 
 
 def sigterm(state: CoordinatorState, message: SigtermSeen, out: list[ev.Decision]) -> None:
