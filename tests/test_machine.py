@@ -494,3 +494,44 @@ def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(confi
     assert m.registry.processes == {}
     with pytest.raises(SetupError, match=r"'/' separates a group from its shard.*'team-actor'"):
         resolve_group("team/actor")
+
+
+def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_takes_its_slot(
+    tmp_path,
+):
+    """Three replicas of shard g/0 on n0, n1, n2; Ray drains n2 and the plan goes out at once
+    (a drain, its node counted: nothing to wait for). Then n1's GPU is found FAULTY. Its save
+    goes to its backup, and it is not kept as a survivor: the warm restart tells it to leave
+    with the verdict and hands its slot to a spare - a rank on faulty hardware never trains on."""
+    from ray_graceful.health import FAULTY, HealthReport, Reason
+
+    config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0)
+    m = registered(config, ranks=3)
+    m.spares.add("spare-x", "spare", "n3", 9)
+    m.spares.add("spare-y", "spare", "n3", 10)
+    drain = EvictionNotice("drain", "Ray is draining the node", 0, time.time() + 30, node_id="n2")
+    assert of(m.step(ev.NoticesIn((drain,))), ev.Gathered) == [ev.Gathered(0)], "at once"
+    out = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
+    faulty = "p1" if saver != "p1" else "p0"
+
+    xid = Reason(FAULTY, "xid_79", "XID 79: GPU has fallen off the bus")
+    polled = m.step(ev.Polled(faulty, 0, PollState(5, HealthReport(FAULTY, (xid,), "scripted"))))
+    assert m.cycle.late_faulty.keys() == {faulty}
+    assert [n.source for n in m.cycle.late_notices] == ["health"]
+    if faulty == saver:
+        assert of(polled, ev.SaveResolved)[0].saved is False, "its backup saves now"
+    record = write_shard(
+        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
+    )
+    for pid in ("p0", "p1", "p2"):
+        report(m, pid, [record] if pid == saver else [])
+    (commit,) = of(m.step(ev.ReportsClosed(0)), ev.Commit)
+    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request))), ev.Concluded)
+
+    assert done.outcome.result == "committed" and done.outcome.committed["step"] == 5
+    warm = done.outcome.warm
+    assert "FAULTY after the plan" in warm["told_to_leave"][faulty]
+    was = {(m["rank"], m["was"].split(" ")[0]) for m in warm["members"]}
+    faulty_rank, drained_rank = int(faulty[1:]), 2
+    assert {(faulty_rank, "spare"), (drained_rank, "spare")} <= was, was

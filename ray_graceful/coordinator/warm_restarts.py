@@ -369,6 +369,7 @@ class WarmRestarts:
     ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareAnswer]]]:
         """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
         slot with its word (marked ``assigned``; the caller tells it)."""
+        faulty = [pid for pid in cycle.late_faulty if self.survivors.pop(pid, None) is not None]
         if not self.survivors:
             return None, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
@@ -400,6 +401,10 @@ class WarmRestarts:
                 if p.report is not None and step is not None and p.report.parked_at == step
             ),
         )
+        if record is not None:  # found FAULTY after the plan: a spare takes its slot
+            for pid in faulty:
+                why = f"found FAULTY after the plan: {cycle.late_faulty[pid]}"[:300]
+                record.told_to_leave[pid] = why
         by_id = {s.spare_id: s for s in spares}
         told = []
         for member, answer in record.members.items() if record else ():

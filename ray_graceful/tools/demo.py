@@ -5,8 +5,9 @@ Six CPU ranks (gloo) on three worker nodes hold three shards, two replicas each:
     node A: ranks 0, 1 (shards 0, 2)    node B: ranks 2, 3 (shards 0, 1)
     node C: ranks 4, 5 (shards 1, 2)
 
-Mid-training, node B is drained by Ray with a deadline (a spot reclaim) and node A's GPU
-reports XID 79 through the scripted health probe. The coordinator plans - A's ranks never save,
+Mid-training, node A's GPU reports XID 79 through the scripted health probe and, while the
+coordinator gathers the notices that belong together, Ray drains node B with a deadline (a
+spot reclaim). The coordinator plans both at once - A's ranks never save,
 B saves what only it can still save in time, C saves the rest - releases every rank from its
 collective and commits the checkpoint. With the memory tier on (the default here), each saver
 hands its shard to the keeper of a node that survives (C, or the head), the checkpoint commits
@@ -176,9 +177,8 @@ def run_demo(
         checkpoint_dir=os.path.join(work, "checkpoints"),
         health_probe="scripted",
         health_script_path=os.path.join(work, "faults.json"),
-        drain_poll_interval_s=0.5,
         health_interval_s=0.5,
-        notice_gather_s=0.6,
+        notice_gather_s=0.8,
         expected_save_s=2.0,
         teardown_timeout_s=20.0,
         save_budget_s=10.0,
@@ -235,7 +235,7 @@ def run_demo(
                 "and 3, its node agent; no drain, no SIGTERM, no notice"
             )
         else:
-            _drain_b_and_fault_a(nodes, config, clock)
+            _fault_a_and_drain_b(coordinator, nodes, config, clock)
 
         def current_or_concluded_plan() -> str | None:
             status = coordinator.status()  # the cycle may be over already: it is that fast
@@ -369,14 +369,16 @@ def run_demo(
                 _until_ray_declares_dead(nodes["B"].node_id, clock)
 
 
-def _drain_b_and_fault_a(nodes: dict[str, Any], config: GracefulConfig, clock: _Clock) -> None:
-    """The default scene's eviction: Ray drains node B with a deadline; node A reports XID 79."""
+def _fault_a_and_drain_b(
+    coordinator: Any, nodes: dict[str, Any], config: GracefulConfig, clock: _Clock
+) -> None:
+    """The default scene's eviction: node A reports XID 79; while the coordinator gathers (a
+    health verdict keeps the gathering window open), Ray drains node B with a deadline. A
+    drain on its own is planned at once (docs/concepts.md); one in the same window as a fault
+    is planned with it."""
     from ..health.scripted import write_faults
     from ..ray_adapter import drain_node
 
-    deadline = time.time() + 12.0
-    drain_node(nodes["B"].node_id, deadline, "demo: spot instance reclaimed")
-    clock.say("EVICTION  Ray drains node B (a spot reclaim), deadline in 12.0s")
     write_faults(
         config.health_script_path,
         [
@@ -390,6 +392,10 @@ def _drain_b_and_fault_a(nodes: dict[str, Any], config: GracefulConfig, clock: _
         ],
     )
     clock.say("FAULT     node A: XID 79, GPU has fallen off the bus (scripted probe)")
+    _wait_for(lambda: coordinator.status()["phase"] == "gathering", 10)
+    deadline = time.time() + 12.0
+    drain_node(nodes["B"].node_id, deadline, "demo: spot instance reclaimed")
+    clock.say("EVICTION  Ray drains node B (a spot reclaim), deadline in 12.0s")
 
 
 def _crash(node: Any) -> int:
