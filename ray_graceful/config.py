@@ -182,8 +182,8 @@ class GracefulConfig(BaseModel):
 
     notice_gather_s: GatherWindow = 0.2
     """After the first notice of a cycle, the longest the coordinator gathers further notices (a
-    drain and a fault together, a SIGTERM to every rank) before it plans; while every notice is
-    a SIGTERM it plans as soon as every process on the nodes they touched has one."""
+    fault and a drain together, a SIGTERM to every rank) before it plans; while every notice is
+    a SIGTERM or a drain it plans as soon as every process on the nodes they touched has one."""
 
     drain_poll_interval_s: PollInterval = 0.25
     """How often the coordinator polls Ray's drain state (the notice that carries a node's
