@@ -18,9 +18,11 @@ the fault: host B's ranks out of their training loop (released), and the cycle's
   host's actors dead (Ray's own detection, in the same run);
 - no plugin at all is not run: its survivors wait out the collective's timeout (gloo: 30 min).
 
-``--warm-reps N`` runs, per fault, a two-rank group with ``warm_restart=True`` (rank 0 on host A,
-its replica on host B, a spare on host C) and times the fault to ``WarmGroup.restart()``
-returning and to the first step of the re-formed group. ``--stalls N`` then keeps one job
+``--warm-reps N`` runs, per fault, a group with ``warm_restart=True`` and times the fault to
+``WarmGroup.restart()`` returning and to the first step of the re-formed group: two ranks
+(rank 0 on host A, its replica on host B, a spare on host C), or with ``--warm-hosts 4`` the
+issue's shape - eight ranks, two on each of four hosts, each shard's replicas on different
+hosts, two spares on a fifth. ``--stalls N`` then keeps one job
 training and stalls host A N times: each stall the host watch declares lost is a false alarm.
 """
 
@@ -57,7 +59,7 @@ class HostLossRank(GracefulWorkerMixin, BenchRank):
 
 
 class WarmHostRank(GracefulWorkerMixin, BenchRank):
-    """A rank of a two-rank group holding one replicated shard; a spare until it joins one."""
+    """A rank of a warm group holding one replicated shard; a spare until it joins one."""
 
     def __init__(self, config: Any) -> None:
         import torch
@@ -65,12 +67,12 @@ class WarmHostRank(GracefulWorkerMixin, BenchRank):
         self.config = config
         self.weights = torch.zeros(1 << 14)
 
-    def setup(self, rank: int, world: int, addr: str, port: int) -> int:
-        self.weights.fill_(1.0)
+    def setup(self, rank: int, world: int, addr: str, port: int, shard: str = "0") -> int:
+        self.weights.fill_(1.0 + int(shard))
         pid = self.join_group(rank, world, port, timeout_s=600.0, addr=addr)
         self.graceful_setup(
             "warm",
-            shard="0",
+            shard=shard,
             config=self.config,
             state_dict=self._state,
             load_state_dict=self._load,
@@ -92,7 +94,7 @@ class WarmHostRank(GracefulWorkerMixin, BenchRank):
 
 
 def add_host_loss_parser(names: Any) -> Any:
-    from ray_graceful.tools.arguments import comma_choices, count, positive_seconds
+    from ray_graceful.tools.arguments import comma_choices, count, positive_int, positive_seconds
 
     p = names.add_parser("host-loss", help="a host lost without a word: watch vs Ray's verdict")
     p.add_argument("--reps", type=count, default=5, help="per fault and way (default 5; 0: none)")
@@ -104,8 +106,16 @@ def add_host_loss_parser(names: Any) -> Any:
         "--warm-reps",
         type=count,
         default=5,
-        help="per fault: a two-rank warm group (rank 0 on the failed host, its replica on "
-        "another, a spare on a third), timed to training again (default 5; 0: none)",
+        help="per fault: a warm group (see --warm-hosts), timed to training again "
+        "(default 5; 0: none)",
+    )
+    p.add_argument(
+        "--warm-hosts",
+        type=positive_int,
+        default=1,
+        help="the warm group's hosts: 1 (default) - rank 0 on the failed host, its replica on "
+        "another, a spare on a third; N >= 2 - two ranks on each of N hosts, replicas on "
+        "different hosts, two spares on one more host",
     )
     return p
 
@@ -196,29 +206,44 @@ def _one(hosts: Any, tmp: str, fault: str, way: str) -> dict[str, Any]:
         job.end()
 
 
-def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
-    """Rank 0's host fails; the host watch declares it lost, rank 1 saves, a spare on a third
-    host takes slot 0: seconds from the fault to ``restart()`` and to the first step."""
+def _warm_one(hosts: Any, tmp: str, fault: str, rank_hosts: int) -> dict[str, Any]:
+    """Host A fails; the host watch declares it lost, the replicas elsewhere hold or save its
+    shards, spares on a host of their own take its slots: seconds from the fault to
+    ``restart()`` and to the first step of the re-formed group.
+
+    ``rank_hosts`` 1: the small shape - rank 0 on host A, its replica on host B, a spare on a
+    third. Otherwise the issue's shape: two ranks on each of ``rank_hosts`` hosts, shard
+    ``rank % (world / 2)`` so that each shard's two replicas sit on different hosts, and two
+    spares on one more host."""
     import ray
 
     from ray_graceful import Coordinator, WarmGroup
 
     tag = uuid.uuid4().hex[:8]
-    a, b, c = (hosts.add_host(num_cpus=2, resources={f"{h}-{tag}": 1}) for h in "ABC")
+    small = rank_hosts == 1
+    names = ["A", "B", "S"] if small else [*"ABCDEFGH"[:rank_hosts], "S"]
+    made = [hosts.add_host(num_cpus=2, resources={f"{h}-{tag}": 1}) for h in names]
+    a = made[0]
     config = _config(tmp, tag, watch=True).replace(warm_restart=True, rejoin_timeout_s=30.0)
     coordinator = Coordinator.start(config)
     actor = ray.remote(num_cpus=0)(WarmHostRank)
     env = {"env_vars": {"GLOO_SOCKET_IFNAME": "eth0"}}
-    ranks = [
-        actor.options(resources={f"{h}-{tag}": 0.1}, runtime_env=env).remote(config) for h in "AB"
-    ]
-    spare = actor.options(resources={f"C-{tag}": 0.1}, runtime_env=env).remote(config)
+    on = names[:2] if small else [h for h in names[:-1] for _ in range(2)]
+    world = len(on)
+    shards = ["0"] * world if small else [str(r % (world // 2)) for r in range(world)]
+
+    def placed(h: str) -> Any:
+        return actor.options(resources={f"{h}-{tag}": 0.1}, runtime_env=env).remote(config)
+
+    ranks = [placed(h) for h in on]
+    spares = [placed("S") for _ in range(1 if small else 2)]
     try:
         port = random.randint(20000, 40000)
-        ray.get([r.setup.remote(i, 2, a.ip, port) for i, r in enumerate(ranks)], timeout=120)
-        group = WarmGroup(coordinator, ranks, spares=[spare], method="rejoin")
+        setups = [r.setup.remote(i, world, a.ip, port, shards[i]) for i, r in enumerate(ranks)]
+        ray.get(setups, timeout=180)
+        group = WarmGroup(coordinator, ranks, spares=spares, method="rejoin")
         ray.get([r.train.remote(3, 1 << 10) for r in ranks], timeout=60)
-        wait_watched(coordinator, 2)  # the ranks' hosts (a spare's host has no agent)
+        wait_watched(coordinator, len(names) - 1)  # the ranks' hosts (a spare's has no agent)
         training = [r.train.remote(10**7, 1 << 10, 0.01) for r in ranks]
         time.sleep(0.5)  # a few steps in
         started = time.monotonic()
@@ -227,9 +252,10 @@ def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
         back_s = time.monotonic() - started
         ray.get([w.train.remote(1, 1 << 10) for w in group.workers], timeout=60)
         trained_s = time.monotonic() - started
-        ray.wait(training[1:], timeout=5)
+        ray.wait(training[2:], timeout=5)
         return {
             "fault": fault,
+            "shape": f"{world} ranks on {len(names) - 1} host(s)",
             "back_s": back_s,
             "trained_s": trained_s,
             "step": restart.step,
@@ -237,10 +263,10 @@ def _warm_one(hosts: Any, tmp: str, fault: str) -> dict[str, Any]:
             "source": restart.outcome.notices[0]["source"],
         }
     finally:
-        for r in [*ranks, spare]:
+        for r in [*ranks, *spares]:
             ray.kill(r)
         coordinator.shutdown()
-        for host in (a, b, c):
+        for host in made:
             hosts.remove_host(host)
 
 
@@ -285,7 +311,7 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
         warm = []
         for rep in range(args.warm_reps):
             for fault in args.faults.split(","):
-                run = _warm_one(hosts, tmp, fault)
+                run = _warm_one(hosts, tmp, fault, args.warm_hosts)
                 print(f"  warm rep {rep} {fault}: {run}", flush=True)
                 warm.append(run)
         if args.stalls:
@@ -322,7 +348,8 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
                 f"{percentile(trained, 0.5):.2f} / {max(trained):.2f}",
                 ", ".join(sorted({r["source"] for r in mine})),
             ])  # fmt: skip
-        table += "\n\nWarm, a spare on a third host (seconds from the fault):\n\n" + (
+        shape = f"{warm[0]['shape']}, spares on a host of their own"
+        table += f"\n\nWarm, {shape} (seconds from the fault):\n\n" + (
             markdown_table(
                 ["fault", "runs", "restart() p50 / max s", "first step p50 / max s", "by"],
                 warm_rows,

@@ -315,7 +315,7 @@ class WarmRestarts:
             source = record.members.get(holder)
             if member == holder or source is None or source.group != answer.group:
                 continue
-            if member in self.survivors and member in parked:
+            if member in parked:  # only survivors have a parked step
                 continue  # it holds the step itself (rejoin.py checks it is parked there)
             record.members[member] = replace(answer, peer=source.rank, shard_bytes=nbytes)
             source = record.members[holder]

@@ -425,12 +425,12 @@ def _crash(node: Any) -> int:
 def _until_ray_declares_dead(node_id: str, clock: _Clock, timeout: float = 60.0) -> None:
     """A crashed node stays alive to Ray's scheduler until its health checks fail (about 15 s):
     on a cluster that lives on, wait for that, so no later actor is placed on it."""
-    import ray
+    from ..ray_adapter import raylet_address
 
     clock.say("waiting for Ray's own verdict on node B, so nothing is placed on it")
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        if raylet_address(node_id) is None:  # no longer listed alive
             return
         time.sleep(0.5)
 
