@@ -19,7 +19,10 @@ own eviction of a fresh node:
   never read them).
 
 Per repetition: a group of N ranks (each its own shard of ``mb`` MB, one memory replica) trains
-on node A and on a fresh node B, which hosts N/4 of them (at least one). Node B is drained
+on node A and on a fresh node B, which hosts N/4 of them (at least one). With ``--replicas 2``
+rank r holds shard r mod N/2, so each of node B's shards has a replica on node A that stays:
+the warm restart's spares receive those over the new group instead of from the evicted ranks'
+hand-offs. Node B is drained
 through Ray (``drain_node``) with a deadline. The clock starts at that call and stops when
 every rank of the new group has taken its first step (an all-reduce over a sum of its whole
 state); *durable* stops when the step's manifest is on disk. Nothing is simulated: real
@@ -65,14 +68,16 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
 
     # --- the group that will be evicted -------------------------------------------------------
 
-    def join(self, rank: int, world: int, port: int) -> int:
-        """``init_process_group``, then the plugin's one call (with the loader a rejoin uses)."""
+    def join(self, rank: int, world: int, port: int, replicas: int = 1) -> int:
+        """``init_process_group``, then the plugin's one call (with the loader a rejoin uses).
+        ``replicas`` 2: rank r holds shard ``r % (world / 2)``, as its replica does."""
         self.join_group(rank, world, port, self.backend)
+        shard = rank % (world // replicas)
         for tensor in self.state.values():
-            tensor.fill_(float(rank + 1))
+            tensor.fill_(float(shard + 1))
         self.graceful_setup(
             "bench",
-            shard=str(rank),
+            shard=str(shard),
             config=self.config,
             state_dict=lambda: self.state,
             load_state_dict=self.load,
@@ -111,7 +116,9 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
 
     # --- cold: a new group ---------------------------------------------------------------------
 
-    def start_cold(self, rank: int, world: int, port: int, tier: str) -> dict[str, Any]:
+    def start_cold(
+        self, rank: int, world: int, port: int, tier: str, replicas: int = 1
+    ) -> dict[str, Any]:
         """Join a new group, load the committed shard (``tier``: "memory" or "disk"), step."""
         from ray_graceful.memory.handoff import load_shard
         from ray_graceful.protocol import shard_key
@@ -123,7 +130,7 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
         if tier == "memory":
             loaded = load_latest("bench", rank, self.config)
         else:
-            key = shard_key("bench", str(rank))
+            key = shard_key("bench", str(rank % (world // replicas)))
             loaded = load_shard(key, None, self.config.checkpoint_dir, NAMESPACE)
         if loaded is None:
             raise RuntimeError(f"rank {rank}: nothing committed to load")
@@ -262,7 +269,10 @@ def _restart_once(
         ]
         actors += workers
         port = free_port()
-        start_ranks(ray, workers, lambda i, w: w.join.remote(i, n, port), f"num_gpus={gpus}")
+        replicas = args.replicas
+        start_ranks(
+            ray, workers, lambda i, w: w.join.remote(i, n, port, replicas), f"num_gpus={gpus}"
+        )
         group = None
         if way.startswith("warm"):
             spares = [on(node_a).remote(mb, config, args.backend) for _ in range(evicted)]
@@ -295,7 +305,8 @@ def _restart_once(
             port = free_port()
             tier = "memory" if way == "cold-memory" else "disk"
             marks = ray.get(
-                [w.start_cold.remote(i, n, port, tier) for i, w in enumerate(new)], timeout=300
+                [w.start_cold.remote(i, n, port, tier, replicas) for i, w in enumerate(new)],
+                timeout=300,
             )
             if {m["step"] for m in marks} != {step}:
                 raise RuntimeError(f"loaded steps {sorted({m['step'] for m in marks})}, not {step}")
@@ -457,8 +468,10 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
         rows,
     )
     return table + (
-        f"\n{args.reps} repetitions per row; node B (N/4 of the ranks, at least 1) drained "
-        f"through Ray with a {args.deadline:g} s deadline, drain polled every "
+        f"\n{args.reps} repetitions per row; "
+        + ("each shard on two ranks, one on node A; " if args.replicas == 2 else "")
+        + "node B (N/4 of the ranks, at least 1) drained "
+        + f"through Ray with a {args.deadline:g} s deadline, drain polled every "
         f"{args.drain_poll:g} s. back = the drain call -> every rank of the new group took its "
         "first step; outcome = the drain call -> the driver holds the outcome (committed, or "
         "held by the warm survivors); durable = the drain call -> the step's manifest on disk; "
@@ -504,6 +517,14 @@ def add_restart_parser(names: Any) -> Any:
         type=positive_seconds,
         default=10.0,
         help="the drain's deadline (default 10 s)",
+    )
+    restart.add_argument(
+        "--replicas",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1 (default): each rank its own shard; 2: each shard held by two ranks, one on the "
+        "drained node and one on the node that stays, so a spare receives it from the survivor",
     )
     restart.add_argument(
         "--drain-poll",
