@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,11 @@ class Snapshot:
     Inside Ray it is one ``ray.put`` into this node's object store - a single copy, into pages
     Ray keeps (a fresh 1 GB allocation per snapshot, faulted in under memory pressure, took
     seconds where the put took a fraction of one); outside Ray, a tree of copies.
+
+    A survivor's snapshot is put in the background (``put``): its teardown reports the shard
+    held at once, and the copy is made while the coordinator concludes and the group forms -
+    the live state does not move until the rejoin returns, and the rejoin waits for the copy
+    (``settle``) first.
     """
 
     step: int
@@ -50,16 +58,40 @@ class Snapshot:
     ref: Any = None  # the tree's ObjectRef (inside Ray)
     tree: Any = None  # the tree itself (outside Ray)
     chunks: dict[str, Any] | None = None  # a dcp_saver's shard: its chunks (dcp.chunk_summary)
+    put: Future[Any] | None = None  # the ObjectRef, while the put runs in the background
+
+    def object_ref(self) -> Any:
+        """The tree's ObjectRef (None outside Ray); a put still running is waited for, and its
+        error raised."""
+        return self.put.result() if self.put is not None else self.ref
 
     def value(self) -> Any:
         """The tree (``memory/tree.py``); from this node's object store without a copy."""
         import ray
 
-        return ray.get(self.ref) if self.ref is not None else self.tree
+        ref = self.object_ref()
+        return ray.get(ref) if ref is not None else self.tree
+
+    def settle(self, timeout_s: float) -> str | None:
+        """Wait for a background put; None once the copy is made, else why it is not."""
+        if self.put is None:
+            return None
+        try:
+            self.put.result(timeout=timeout_s)
+        except FutureTimeout:
+            return f"the snapshot's copy took over {timeout_s:.1f}s"
+        except Exception as exc:  # ObjectStoreFullError, MemoryError...: said, never raised here
+            return f"the snapshot's copy failed: {type(exc).__name__}: {exc}"[:300]
+        return None
 
 
-def take_snapshot(state: Any, step: int, max_bytes: int) -> Snapshot | str:
-    """``state`` at ``step`` as a ``Snapshot``, or why not (over ``max_bytes``)."""
+def take_snapshot(
+    state: Any, step: int, max_bytes: int, background: bool = False
+) -> Snapshot | str:
+    """``state`` at ``step`` as a ``Snapshot``, or why not (over ``max_bytes``).
+
+    ``background``: inside Ray, the put runs on a thread of its own and the snapshot returns
+    at once; the caller must not change ``state`` until ``settle`` said it is done."""
     import ray
 
     inside_ray = ray.is_initialized()
@@ -68,6 +100,17 @@ def take_snapshot(state: Any, step: int, max_bytes: int) -> Snapshot | str:
     nbytes = tree_bytes(tree)
     if nbytes > max_bytes:
         return f"{nbytes} bytes do not fit memory_budget_mb={max_bytes >> 20} for a snapshot"
+    if inside_ray and background:
+        put: Future[Any] = Future()
+
+        def copy() -> None:
+            try:
+                put.set_result(ray.put(tree))
+            except BaseException as exc:  # handed to whoever waits: settle() says it
+                put.set_exception(exc)
+
+        threading.Thread(target=copy, name="ray_graceful-snapshot", daemon=True).start()
+        return Snapshot(step, nbytes, put=put)
     if inside_ray:
         return Snapshot(step, nbytes, ref=ray.put(tree))
     return Snapshot(step, nbytes, tree=tree)
@@ -114,7 +157,8 @@ def hand_off_snapshot(
     import ray
 
     started = time.monotonic()
-    ref = snapshot.ref if snapshot.ref is not None else ray.put(snapshot.tree)
+    ref = snapshot.object_ref()
+    ref = ref if ref is not None else ray.put(snapshot.tree)
     step, nbytes, chunks = snapshot.step, snapshot.nbytes, snapshot.chunks
     handles = [ray.get_actor(name, namespace=namespace) for name in keepers]
     calls = [

@@ -178,7 +178,9 @@ class EmergencySave:
             value = state()
             if is_shard_files(value):
                 return "a DCP shard is not held"
-            return take_snapshot(value, step, self.config.memory_budget_mb << 20)
+            # The copy runs while the coordinator concludes and the group forms: the rejoin
+            # waits for it before the live state moves (``rejoin._settle``).
+            return take_snapshot(value, step, self.config.memory_budget_mb << 20, background=True)
 
         try:
             snapshot = run_bounded(snap, budget, "hold-snapshot")
@@ -202,8 +204,8 @@ class EmergencySave:
         self.saved.append(record)
         self.held.append(HeldShard(snapshot, record, order.keepers, order.namespace, budget))
         done.append(
-            f"shard {order.shard!r}: {snapshot.nbytes} bytes held by this process (a snapshot "
-            f"in {record.seconds:.2f}s), to the keepers once the group trains again"
+            f"shard {order.shard!r}: {snapshot.nbytes} bytes held by this process (a snapshot, "
+            "copied in the background), to the keepers once the group trains again"
         )
         return True
 

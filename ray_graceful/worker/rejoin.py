@@ -51,6 +51,7 @@ from ..protocol import (
 from . import peer_transfer
 from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
+from .late_copy import HeldShard
 from .lifecycle import RankPhase, RejoinBegun, RejoinEnded
 from .process_groups import SetupError, resolve_group
 from .process_runtime import ProcessRuntime, Registration, process_runtime
@@ -246,6 +247,7 @@ def _join(
             f"({control.describe() if control else 'no coordinator'})"
         )
     seconds = {"rendezvous": formed - started, "register": registered - formed}
+    _settle(held, seconds)  # the live state may move from here on
     if own_state and answer.peer < 0:
         loaded_from = LoadedFrom.OWN_STATE
         if answer.send_to:
@@ -265,6 +267,20 @@ def _join(
     )
     _tell(coordinator, result)
     return result
+
+
+def _settle(held: list[HeldShard], seconds: dict[str, float]) -> None:
+    """Every snapshot this survivor reported held is copied out of the live state (the copies
+    run in the background from the teardown on: ``memory.handoff.take_snapshot``). One that
+    could not be made ends the rejoin: the held step would have no copy to commit from."""
+    started = time.monotonic()
+    for shard in held:
+        why = shard.snapshot.settle(shard.budget_s)
+        if why is not None:
+            record = shard.record
+            raise SetupError(f"shard {record.shard!r} held at step {record.step}: {why}")
+    if held:
+        seconds["snapshot_wait"] = time.monotonic() - started
 
 
 def _register_again(
