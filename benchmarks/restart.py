@@ -127,10 +127,11 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
         self.marks["called_at"] = time.time()
         self.join_group(rank, world, port, self.backend)
         self.marks["joined_at"] = time.time()
+        shard = rank % (world // replicas)
         if tier == "memory":
-            loaded = load_latest("bench", rank, self.config)
+            loaded = load_latest("bench", shard, self.config)
         else:
-            key = shard_key("bench", str(rank % (world // replicas)))
+            key = shard_key("bench", str(shard))
             loaded = load_shard(key, None, self.config.checkpoint_dir, NAMESPACE)
         if loaded is None:
             raise RuntimeError(f"rank {rank}: nothing committed to load")
