@@ -56,7 +56,7 @@ class Snapshot:
     step: int
     nbytes: int
     ref: Any = None  # the tree's ObjectRef (inside Ray)
-    tree: Any = None  # the tree itself (outside Ray)
+    tree: Any = None  # the tree itself (outside Ray); the live views while ``put`` runs
     chunks: dict[str, Any] | None = None  # a dcp_saver's shard: its chunks (dcp.chunk_summary)
     put: Future[Any] | None = None  # the ObjectRef, while the put runs in the background
 
@@ -66,9 +66,12 @@ class Snapshot:
         return self.put.result() if self.put is not None else self.ref
 
     def value(self) -> Any:
-        """The tree (``memory/tree.py``); from this node's object store without a copy."""
+        """The tree (``memory/tree.py``); from this node's object store without a copy. While
+        a background put runs, the live state's own views: valid only until ``settle``."""
         import ray
 
+        if self.put is not None and not self.put.done() and self.tree is not None:
+            return self.tree
         ref = self.object_ref()
         return ray.get(ref) if ref is not None else self.tree
 
@@ -82,6 +85,7 @@ class Snapshot:
             return f"the snapshot's copy took over {timeout_s:.1f}s"
         except Exception as exc:  # ObjectStoreFullError, MemoryError...: said, never raised here
             return f"the snapshot's copy failed: {type(exc).__name__}: {exc}"[:300]
+        object.__setattr__(self, "tree", None)  # the live views: the state moves on now
         return None
 
 
@@ -110,7 +114,7 @@ def take_snapshot(
                 put.set_exception(exc)
 
         threading.Thread(target=copy, name="ray_graceful-snapshot", daemon=True).start()
-        return Snapshot(step, nbytes, put=put)
+        return Snapshot(step, nbytes, tree=tree, put=put)
     if inside_ray:
         return Snapshot(step, nbytes, ref=ray.put(tree))
     return Snapshot(step, nbytes, tree=tree)

@@ -8,10 +8,12 @@ spare checks it is the step and the size the coordinator recorded before it load
 that dies while it sends makes the spare's receive fail: the warm restart fails, and its
 members are ended as for any member that cannot load (``coordinator/warm_restarts.py``).
 
-The tree (``memory/tree.py``) goes in two messages: its outline - the nesting, the step, each
-tensor's dtype, shape and place in one buffer - as a small object, then every tensor's bytes in
-that one flat buffer, sent as a tensor (on NCCL, from and into GPU memory). Pickling the whole
-tree instead (``send_object_list``) copied 64 MB three times and took 0.3 s on gloo.
+The tree (``memory/tree.py``) goes as its outline - the nesting, the step, each tensor's dtype,
+shape and place in one buffer - as a small object, then each tensor's bytes as a tensor, received
+straight into its place in that buffer (on NCCL, from and into GPU memory). Pickling the whole
+tree instead (``send_object_list``) copied 64 MB three times and took 0.3 s on gloo. The sender
+may send before its snapshot's background copy is done: until ``rejoin`` settles it, the
+snapshot reads the live state, which has not moved.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ def send(held: list[HeldShard], answer: Rendezvous) -> None:
         raise RuntimeError(f"asked to send shard {key!r}, which this survivor does not hold")
     parts = _Parts()
     outline = _outline(snapshot.value(), parts)
+    device = _device()
     with warnings.catch_warnings():  # read-only views of the snapshot in Ray's store
         warnings.simplefilter("ignore", UserWarning)
-        arrays = [torch.from_numpy(a) for a in parts.arrays]
-    flat = (torch.cat(arrays) if arrays else torch.empty(0, dtype=torch.uint8)).to(_device())
+        tensors = [torch.from_numpy(a) for a in parts.arrays]
     for rank in answer.send_to:
-        dist.send_object_list([(outline, int(flat.numel()))], dst=rank)
-        dist.send(flat, dst=rank)
+        dist.send_object_list([(outline, parts.size)], dst=rank)
+        for tensor in tensors:  # each tensor as it is: no copy into one buffer first
+            if tensor.numel():
+                dist.send(tensor.to(device), dst=rank)
 
 
 def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
@@ -63,13 +67,15 @@ def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
         raise RuntimeError(
             f"rank {answer.peer} sent shard {key!r} of step {step}, not {answer.step}"
         )
-    if not 0 <= nbytes <= answer.shard_bytes + ALIGN * _leaves(outline):  # with the padding
+    if not 0 <= nbytes <= answer.shard_bytes + ALIGN * len(_places(outline)):  # with the padding
         raise RuntimeError(
             f"rank {answer.peer} announced shard {key!r} as {nbytes} bytes of tensors; the "
             f"survivor held {answer.shard_bytes} in all: not received"
         )
     flat = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=_device())
-    dist.recv(flat, src=answer.peer)
+    for start, size in _places(outline):
+        if size:
+            dist.recv(flat[start : start + size], src=answer.peer)
     snapshot = _filled(outline, flat.cpu().numpy())
     received = tree_bytes(snapshot)
     if received != answer.shard_bytes:
@@ -82,18 +88,15 @@ def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
 
 
 class _Parts:
-    """The leaves' bytes in the order they go into the flat buffer, each start aligned."""
+    """The leaves' bytes in the order they are sent, and where each goes in the receiver's
+    buffer: each start aligned, as an allocation would be."""
 
     def __init__(self) -> None:
         self.arrays: list[Any] = []
         self.size = 0
 
     def add(self, data: Any) -> int:
-        import numpy as np
-
-        start = -(-self.size // ALIGN) * ALIGN  # aligned, as an allocation would be
-        if start > self.size:
-            self.arrays.append(np.zeros(start - self.size, dtype=np.uint8))
+        start = -(-self.size // ALIGN) * ALIGN
         self.arrays.append(data)
         self.size = start + int(data.size)
         return start
@@ -110,15 +113,15 @@ def _outline(obj: Any, parts: _Parts) -> Any:
     return obj
 
 
-def _leaves(obj: Any) -> int:
-    """How many tensors the outline places."""
+def _places(obj: Any) -> list[tuple[int, int]]:
+    """Each tensor's (start, size) in the buffer, in the order they were sent."""
     if isinstance(obj, TensorLeaf):
-        return 1
+        return [obj.data]
     if isinstance(obj, dict):
-        return sum(_leaves(v) for v in obj.values())
+        return [p for v in obj.values() for p in _places(v)]
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return sum(_leaves(v) for v in obj)
-    return 0
+        return [p for v in obj for p in _places(v)]
+    return []
 
 
 def _filled(obj: Any, flat: Any) -> Any:

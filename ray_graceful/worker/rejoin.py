@@ -247,13 +247,14 @@ def _join(
             f"({control.describe() if control else 'no coordinator'})"
         )
     seconds = {"rendezvous": formed - started, "register": registered - formed}
-    _settle(held, seconds)  # the live state may move from here on
     if own_state and answer.peer < 0:
         loaded_from = LoadedFrom.OWN_STATE
         if answer.send_to:
-            peer_transfer.send(held, answer)
+            peer_transfer.send(held, answer)  # from the live state if the copy is not done
             seconds["sent"] = time.monotonic() - registered
+        _settle(held, seconds)  # the live state may move from here on
     else:
+        _settle(held, seconds)
         loaded_from = _load(answer, loader, fetch, started, seconds)
     seconds["load"] = time.monotonic() - registered  # what was left of the fetch, and the load
     runtime.loop.last_step = answer.step
