@@ -212,6 +212,9 @@ def saving(state, **config) -> EmergencySave:
 
 
 def test_a_held_snapshot_is_its_own_copy_whatever_the_training_does_next():
+    """Reported held at once; inside Ray its copy is made in the background, and once
+    ``settle`` said it is done (``rejoin`` waits for that before the state may move) it is its
+    own copy, whatever the training does to the live state next."""
     weights = torch.arange(8, dtype=torch.float32)
     state = {"model": {"w": weights}, "step_count": 5, "rng": [1, 2]}
     save = saving(state)
@@ -219,6 +222,7 @@ def test_a_held_snapshot_is_its_own_copy_whatever_the_training_does_next():
     assert "held by this process" in done
     [held] = save.held
     assert save.saved == [held.record] and held.record.tier == "held"
+    assert held.snapshot.settle(30.0) is None, "the copy is made"
     weights.add_(100.0)  # the group trains on, in place
     state["rng"].append(3)
     from ray_graceful.memory.tree import from_tree, tree_bytes
