@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,25 @@ def to_tree(obj: Any, copy: bool = False) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(to_tree(v, copy) for v in obj)
     return deepcopy(obj) if copy else obj
+
+
+def map_leaves(obj: Any, fn: Callable[[TensorLeaf], Any]) -> Any:
+    """The tree with each ``TensorLeaf`` replaced by ``fn(leaf)``, in a fixed order (the
+    order ``leaves`` gives); the containers rebuilt, every other value kept as is."""
+    if isinstance(obj, TensorLeaf):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_leaves(v, fn)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(map_leaves(v, fn) for v in obj)
+    return obj
+
+
+def leaves(obj: Any) -> list[TensorLeaf]:
+    """Every ``TensorLeaf`` of the tree, in ``map_leaves``'s order."""
+    found: list[TensorLeaf] = []
+    map_leaves(obj, found.append)
+    return found
 
 
 def from_tree(obj: Any) -> Any:

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..memory.tree import TensorLeaf, from_tree, tree_bytes
+from ..memory.tree import from_tree, leaves, map_leaves, tree_bytes
 from ..protocol import LoadedFrom, Rendezvous, shard_key
 from .late_copy import HeldShard
 
@@ -40,16 +40,20 @@ def send(held: list[HeldShard], answer: Rendezvous) -> None:
     if snapshot is None:
         raise RuntimeError(f"asked to send shard {key!r}, which this survivor does not hold")
     parts = _Parts()
-    outline = _outline(snapshot.value(), parts)
+    # each leaf's bytes replaced by their place in the receiver's buffer
+    outline = map_leaves(
+        snapshot.value(),
+        lambda leaf: dataclasses.replace(leaf, data=(parts.add(leaf.data), int(leaf.data.size))),
+    )
     device = _device()
     with warnings.catch_warnings():  # read-only views of the snapshot in Ray's store
         warnings.simplefilter("ignore", UserWarning)
-        tensors = [torch.from_numpy(a) for a in parts.arrays]
+        # each tensor as it is: no copy into one buffer first (on NCCL, one to the GPU)
+        tensors = [torch.from_numpy(a).to(device) for a in parts.arrays if a.size]
     for rank in answer.send_to:
         dist.send_object_list([(outline, parts.size)], dst=rank)
-        for tensor in tensors:  # each tensor as it is: no copy into one buffer first
-            if tensor.numel():
-                dist.send(tensor.to(device), dst=rank)
+        for tensor in tensors:
+            dist.send(tensor, dst=rank)
 
 
 def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
@@ -67,16 +71,23 @@ def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
         raise RuntimeError(
             f"rank {answer.peer} sent shard {key!r} of step {step}, not {answer.step}"
         )
-    if not 0 <= nbytes <= answer.shard_bytes + ALIGN * len(_places(outline)):  # with the padding
+    places = [leaf.data for leaf in leaves(outline)]  # (start, size), in the order sent
+    if not 0 <= nbytes <= answer.shard_bytes + ALIGN * len(places):  # with the padding
         raise RuntimeError(
             f"rank {answer.peer} announced shard {key!r} as {nbytes} bytes of tensors; the "
             f"survivor held {answer.shard_bytes} in all: not received"
         )
     flat = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=_device())
-    for start, size in _places(outline):
+    for start, size in places:
         if size:
             dist.recv(flat[start : start + size], src=answer.peer)
-    snapshot = _filled(outline, flat.cpu().numpy())
+    received_bytes = flat.cpu().numpy()
+    snapshot = map_leaves(  # each leaf a view of its place in the buffer: no copy
+        outline,
+        lambda leaf: dataclasses.replace(
+            leaf, data=received_bytes[leaf.data[0] : leaf.data[0] + leaf.data[1]]
+        ),
+    )
     received = tree_bytes(snapshot)
     if received != answer.shard_bytes:
         raise RuntimeError(
@@ -100,40 +111,6 @@ class _Parts:
         self.arrays.append(data)
         self.size = start + int(data.size)
         return start
-
-
-def _outline(obj: Any, parts: _Parts) -> Any:
-    """``obj`` with each leaf's bytes replaced by their place in the flat buffer (``parts``)."""
-    if isinstance(obj, TensorLeaf):
-        return dataclasses.replace(obj, data=(parts.add(obj.data), int(obj.data.size)))
-    if isinstance(obj, dict):
-        return type(obj)((k, _outline(v, parts)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_outline(v, parts) for v in obj)
-    return obj
-
-
-def _places(obj: Any) -> list[tuple[int, int]]:
-    """Each tensor's (start, size) in the buffer, in the order they were sent."""
-    if isinstance(obj, TensorLeaf):
-        return [obj.data]
-    if isinstance(obj, dict):
-        return [p for v in obj.values() for p in _places(v)]
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return [p for v in obj for p in _places(v)]
-    return []
-
-
-def _filled(obj: Any, flat: Any) -> Any:
-    """The outline with each leaf's bytes a view of its place in ``flat`` (no copy)."""
-    if isinstance(obj, TensorLeaf):
-        start, size = obj.data
-        return dataclasses.replace(obj, data=flat[start : start + size])
-    if isinstance(obj, dict):
-        return type(obj)((k, _filled(v, flat)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_filled(v, flat) for v in obj)
-    return obj
 
 
 def _device() -> Any:
