@@ -44,6 +44,11 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def session_dir():
+    """Ray's temp dir for the session; ``RG_KEEP_RAY_DIR=<dir>`` keeps it (its logs) after."""
+    if kept := os.environ.get("RG_KEEP_RAY_DIR"):
+        os.makedirs(kept, exist_ok=True)
+        yield tempfile.mkdtemp(prefix="rg-tests-", dir=kept)
+        return
     with tempfile.TemporaryDirectory(prefix="rg-tests-") as path:
         yield path
 

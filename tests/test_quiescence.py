@@ -96,6 +96,54 @@ def test_wrappers_are_not_taken_for_the_loop():
     assert runtime.loop.step_site[1] is loop.__code__
 
 
+GARBAGE_WITH_A_LOCAL = """
+import gc, threading
+from ray_graceful.worker.training_loop import TrainingLoop
+from ray_graceful.worker.threads import busy_threads
+
+gc.set_threshold(1)  # a collection at nearly every allocation, as a busy process has some
+
+
+class Node:
+    pass
+
+
+def garbage():
+    a, b = Node(), Node()
+    a.b, b.a = b, a
+    a.local = threading.local()  # freed by the collector: it takes the thread-list lock
+    a.local.x = 1
+
+
+loop_state = TrainingLoop()
+loop_state.step_site = (threading.get_ident(), garbage.__code__)  # a loop that has returned
+for _ in range(5000):
+    garbage()
+    assert loop_state.state() == "idle"
+garbage()
+assert busy_threads().startswith("MainThread at ")
+print("read 5000 times")
+"""
+
+
+def test_reading_the_training_threads_frame_survives_a_collection_of_a_thread_local():
+    """The teardown reads the training thread's frame every 2 ms while it waits for a step
+    boundary. On CPython 3.11 a collection inside ``sys._current_frames()`` that frees a
+    ``threading.local`` deadlocks the process (python/cpython#106883): a saver hung
+    mid-teardown and was killed at its deadline without a report (the cycle abandoned)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", GARBAGE_WITH_A_LOCAL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "read 5000 times" in done.stdout
+
+
 class _Training:
     """The teardown's view of a training thread, fixed in one state."""
 

@@ -4,11 +4,13 @@
 daemon thread and stops waiting for it at a deadline. ``thread_in_collective`` and
 ``busy_threads`` read the other threads' frames: whether one is inside ``torch.distributed``
 (so Ray's exit, which waits for the running task, would wait forever), and where each is, for
-the report when a save or an exit was held up.
+the report when a save or an exit was held up. Every read of the other threads' frames goes
+through ``current_frames``, which keeps the cyclic GC out of it on CPython 3.11.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -55,10 +57,38 @@ def run_bounded(fn: Callable[[], Any], timeout: float, name: str) -> Any:
     return box.get("result")
 
 
+# CPython before 3.12: sys._current_frames() holds the runtime's thread-list lock while it makes
+# frame objects. An allocation there may start a collection, and a threading.local among the
+# garbage takes that same lock to be freed: the thread waits on itself, holding the GIL, and the
+# whole process stops for good (python/cpython#106883, fixed in 3.12 only).
+_FRAMES_MAY_COLLECT = sys.version_info < (3, 12)
+_frames_lock = threading.Lock()  # one reader at a time: a second must not re-enable the GC
+
+
+def current_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()``, with the cyclic GC held off while it runs where it must be.
+
+    The teardown reads the training thread's frame every few milliseconds while it waits for a
+    step boundary; a process whose garbage held a ``threading.local`` (Ray's and torch's
+    threads make them) deadlocked there, mid-teardown, until the kernel deadline killed it
+    without a report. Collections only wait: nothing is freed later than the next allocation.
+    """
+    if not _FRAMES_MAY_COLLECT:
+        return sys._current_frames()
+    with _frames_lock:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames()
+        finally:
+            if enabled:
+                gc.enable()
+
+
 def _other_threads() -> list[tuple[str, FrameType]]:
     """(name, current frame) of every thread that is not one of ray_graceful's own."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    threads = [(names.get(i, str(i)), frame) for i, frame in sys._current_frames().items()]
+    threads = [(names.get(i, str(i)), frame) for i, frame in current_frames().items()]
     return [(name, frame) for name, frame in threads if not name.startswith("ray_graceful-")]
 
 

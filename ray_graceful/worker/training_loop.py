@@ -18,7 +18,7 @@ from types import CodeType
 from typing import TYPE_CHECKING
 
 from ..torch_adapter import in_torch_distributed
-from .threads import ThreadAt, thread_in_collective
+from .threads import ThreadAt, current_frames, thread_in_collective
 
 if TYPE_CHECKING:
     from .teardown import Teardown
@@ -71,7 +71,7 @@ class TrainingLoop:
         if site is None:  # no loop known: any thread inside a collective counts
             return ThreadAt.IN_COLLECTIVE if thread_in_collective() else ThreadAt.IDLE
         thread_id, code = site
-        frame = sys._current_frames().get(thread_id)
+        frame = current_frames().get(thread_id)
         in_collective = False
         while frame is not None:
             if frame.f_code is code:
