@@ -23,7 +23,9 @@ the fault: host B's ranks out of their training loop (released), and the cycle's
 (rank 0 on host A, its replica on host B, a spare on host C), or with ``--warm-hosts 4`` the
 issue's shape - eight ranks, two on each of four hosts, each shard's replicas on different
 hosts, two spares on a fifth. ``--stalls N`` then keeps one job
-training and stalls host A N times: each stall the host watch declares lost is a false alarm.
+training and stalls host A N times, and ``--slow-links N`` another whose host A is put behind a
+``--slow-ms`` link N times (``HostCluster.slow``): each time the host watch declares the host
+lost is a false alarm.
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ def add_host_loss_parser(names: Any) -> Any:
     p.add_argument("--stalls", type=count, default=20, help="stalls for false alarms (default 20)")
     p.add_argument("--stall-s", type=positive_seconds, default=2.0, help="each stall (default 2)")
     p.add_argument(
+        "--slow-links", type=count, default=20, help="slow links for false alarms (default 20)"
+    )
+    p.add_argument(
+        "--slow-ms",
+        type=_delay_ms,
+        default=200,
+        help="each slow link's added delay to the host, ms (1-60000; default 200)",
+    )
+    p.add_argument(
+        "--slow-back-ms",
+        type=_delay_ms,
+        help="and from the host, ms (1-60000; default: none)",
+    )
+    p.add_argument(
         "--warm-reps",
         type=count,
         default=5,
@@ -118,6 +134,18 @@ def add_host_loss_parser(names: Any) -> Any:
         "different hosts, two spares on one more host",
     )
     return p
+
+
+def _delay_ms(text: str) -> int:
+    """argparse type: a link's added delay, 1 to 60,000 ms."""
+    import argparse
+
+    from ray_graceful.tools.arguments import positive_int
+
+    value = positive_int(text)
+    if value > 60_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: a delay of at most 60000 ms")
+    return value
 
 
 def wait_watched(coordinator: Any, hosts: int, timeout_s: float = 30.0) -> None:
@@ -276,25 +304,46 @@ def _warm_one(hosts: Any, tmp: str, fault: str, rank_hosts: int) -> dict[str, An
             hosts.remove_host(host)
 
 
-def _false_alarms(hosts: Any, tmp: str, stalls: int, stall_s: float) -> dict[str, Any]:
+def _false_alarms(hosts: Any, tmp: str, times: int, hold: Any) -> dict[str, Any]:
+    """One job with the host watch; ``hold(job)`` ``times`` times (a stall, a slow link), each
+    followed by twice the detector's bound: the hosts it declared lost, the probes that found
+    host A alive, and whether all four ranks still train."""
     import ray
 
     job = _Job(hosts, tmp, watch=True)
     try:
-        for _ in range(stalls):
-            hosts.stall(job.a, seconds=stall_s)
-            time.sleep(stall_s + 2 * (job.config.host_suspect_s + job.config.host_confirm_s))
+        for _ in range(times):
+            hold(job)
+            time.sleep(2 * (job.config.host_suspect_s + job.config.host_confirm_s))
         watch = job.coordinator.status()["host_watch"]
-        still_training = not ray.wait(job.training, timeout=0)[0]
         return {
-            "stalls": stalls,
-            "stall_s": stall_s,
+            "times": times,
             "false_alarms": len(watch["lost"]),
             "probed_alive": watch["alive_after_suspicion"],
-            "still_training": still_training,
+            "still_training": not ray.wait(job.training, timeout=0)[0],
         }
     finally:
         job.end()
+
+
+def _stalled(hosts: Any, seconds: float) -> Any:
+    def hold(job: _Job) -> None:
+        hosts.stall(job.a, seconds=seconds)
+        time.sleep(seconds)
+
+    return hold
+
+
+def _slowed(hosts: Any, delay_ms: int, back_ms: int | None) -> Any:
+    """Host A behind a link ``delay_ms`` slower to it (``back_ms`` from it) for four detector
+    bounds, then healed."""
+
+    def hold(job: _Job) -> None:
+        hosts.slow(job.a, delay_ms=delay_ms, from_host_ms=back_ms or 0)
+        time.sleep(4 * (job.config.host_suspect_s + job.config.host_confirm_s))
+        hosts.heal(job.a)
+
+    return hold
 
 
 def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
@@ -306,7 +355,7 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
     reason = unavailable()
     if reason is not None:
         raise SystemExit(f"host-loss needs network namespaces: {reason}")
-    runs, alarms = [], None
+    runs, alarms, slow_alarms = [], None, None
     with tempfile.TemporaryDirectory(prefix="rg-host-loss-") as tmp, HostCluster() as hosts:
         for rep in range(args.reps):
             for fault in args.faults.split(","):
@@ -321,8 +370,12 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  warm rep {rep} {fault}: {run}", flush=True)
                 warm.append(run)
         if args.stalls:
-            alarms = _false_alarms(hosts, tmp, args.stalls, args.stall_s)
+            alarms = _false_alarms(hosts, tmp, args.stalls, _stalled(hosts, args.stall_s))
             print(f"  stalls: {alarms}", flush=True)
+        if args.slow_links:
+            slowed = _slowed(hosts, args.slow_ms, args.slow_back_ms)
+            slow_alarms = _false_alarms(hosts, tmp, args.slow_links, slowed)
+            print(f"  slow links: {slow_alarms}", flush=True)
     rows = []
     for fault in args.faults.split(","):
         for way in args.ways.split(","):
@@ -362,12 +415,26 @@ def bench_host_loss(args: argparse.Namespace) -> dict[str, Any]:
                 warm_rows,
             )
         )
-    if alarms is not None:
-        table += (
-            f"\n\nStalls of {alarms['stall_s']:g} s: {alarms['false_alarms']} false alarms in "
-            f"{alarms['stalls']}; probed and found alive {alarms['probed_alive']} times; the "
-            f"ranks {'still training' if alarms['still_training'] else 'NOT training'} after."
-        )
-    slow = netem_unavailable()
-    table += "\n\nSlow link (200 ms): " + (f"not run - {slow}" if slow else "not in this harness")
-    return {"table": table, "runs": runs, "warm": warm, "false_alarms": alarms}
+    link = "tc netem" if netem_unavailable() is None else "a relay through user space"
+    for what, found in (
+        (f"Stalls of {args.stall_s:g} s", alarms),
+        (
+            f"Links {args.slow_ms} ms slower to the host"
+            + (f" and {args.slow_back_ms} ms from it" if args.slow_back_ms else "")
+            + f" ({link})",
+            slow_alarms,
+        ),
+    ):
+        if found is not None:
+            table += (
+                f"\n\n{what}: {found['false_alarms']} false alarms in {found['times']}; "
+                f"probed and found alive {found['probed_alive']} times; the ranks "
+                f"{'still training' if found['still_training'] else 'NOT training'} after."
+            )
+    return {
+        "table": table,
+        "runs": runs,
+        "warm": warm,
+        "false_alarms": alarms,
+        "slow_false_alarms": slow_alarms,
+    }

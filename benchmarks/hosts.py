@@ -11,7 +11,8 @@ a host can fail the ways hosts fail:
         a = hosts.add_host(resources={"hostA": 1})  # namespace rgh1, 10.77.0.2
         hosts.crash(a)        # every process of the host SIGKILLed at once
         hosts.partition(a)    # its link down, its processes alive; hosts.heal(a) undoes it
-        hosts.slow(a, delay_ms=200, loss_pct=0)    # tc netem on its link
+        hosts.slow(a, delay_ms=200, loss_pct=0)    # every packet to it late (or lost)
+        hosts.slow(a, delay_ms=200, from_host_ms=200)  # and every packet from it
         hosts.stall(a, seconds=2.0)                # every process SIGSTOPped, SIGCONT after
 
 The head runs in the root namespace (``ray.cluster_utils.Cluster`` bound to the bridge's
@@ -23,6 +24,8 @@ sockets retry, and its links linger for minutes - ``../shared/RAY_FACTS.md``), t
 namespaces and the bridge, also when the test failed.
 
 Needs root and iproute2 (``ip``, ``tc``), as CI here has; ``unavailable()`` says why not.
+``slow`` uses ``tc netem`` where the kernel has it, else a relay of the host's frames through user
+space (``link_relay.py``, two TAP devices; ``/dev/net/tun``).
 """
 
 from __future__ import annotations
@@ -60,13 +63,10 @@ def unavailable() -> str | None:
     return None
 
 
-class NetemUnavailable(RuntimeError):
-    """This kernel cannot delay or drop a link's packets (no ``sch_netem``)."""
-
-
 def netem_unavailable() -> str | None:
-    """Why ``slow`` cannot work here, or None when it can: a throwaway veth is given a netem
-    qdisc (some kernels - this machine's 6.18 build among them - lack the module)."""
+    """Why ``tc netem`` cannot work here, or None when it can: a throwaway veth is given a netem
+    qdisc (some kernels - this machine's 6.18 build among them - lack the module; ``slow`` then
+    relays the host's link through user space)."""
     _ip("link", "add", "rgnetem0", "type", "veth", "peer", "name", "rgnetem1")
     try:
         tried = _run("tc", "qdisc", "add", "dev", "rgnetem0", "root", "netem", "delay", "1ms",
@@ -101,6 +101,7 @@ class Host:
     log_path: str
     resources: dict[str, float] = field(default_factory=dict)
     stalled: set[int] = field(default_factory=set)
+    relay: subprocess.Popen | None = None  # its slow link where there is no netem
 
     def pids(self) -> list[int]:
         """Every live process now in the host's namespace (not the zombies of dead ones)."""
@@ -250,21 +251,81 @@ class HostCluster:
     def partition(self, host: Host) -> None:
         """The host's link down: its processes run on, and nothing reaches them or leaves."""
         _ip("link", "set", host.veth, "down")
+        if host.relay is not None:
+            _ip("link", "set", _outer(host), "down")
 
     def heal(self, host: Host) -> None:
         """The link up again (after ``partition``), and any ``slow`` removed."""
+        if host.relay is not None:
+            self._end_relay(host)
         _run("tc", "qdisc", "del", "dev", host.veth, "root", check=False)
+        _ip("netns", "exec", host.namespace, "tc", "qdisc", "del", "dev", "eth0", "root",
+            check=False)  # fmt: skip
         _ip("link", "set", host.veth, "up")
 
-    def slow(self, host: Host, delay_ms: float = 200, loss_pct: float = 0) -> None:
+    def slow(
+        self, host: Host, delay_ms: float = 200, loss_pct: float = 0, from_host_ms: float = 0
+    ) -> None:
         """Every packet to the host delayed by ``delay_ms`` (the round trip grows by as much),
-        and ``loss_pct`` percent of them dropped: ``tc netem`` on its link. Raises
-        ``NetemUnavailable`` where the kernel has no netem (``netem_unavailable()`` says)."""
-        reason = netem_unavailable()
-        if reason is not None:
-            raise NetemUnavailable(reason)
-        args = ["delay", f"{delay_ms}ms"] + (["loss", f"{loss_pct}%"] if loss_pct else [])
-        _run("tc", "qdisc", "replace", "dev", host.veth, "root", "netem", *args)
+        ``loss_pct`` percent of them dropped, and every packet from it by ``from_host_ms``:
+        ``tc netem`` on both ends of its link; where the kernel has no netem
+        (``netem_unavailable()``), the host's link goes through ``link_relay.py``. ``heal``
+        ends either."""
+        delays = (delay_ms, from_host_ms)
+        if not all(0 <= d <= 60_000 for d in delays) or not 0 <= loss_pct <= 100:
+            raise ValueError(
+                f"delays are 0-60000 ms and loss_pct 0-100, not {delays} and {loss_pct}"
+            )
+        if netem_unavailable() is None:
+            args = ["delay", f"{delay_ms}ms"] + (["loss", f"{loss_pct}%"] if loss_pct else [])
+            _run("tc", "qdisc", "replace", "dev", host.veth, "root", "netem", *args)
+            if from_host_ms:
+                _ip("netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev", "eth0",
+                    "root", "netem", "delay", f"{from_host_ms}ms")  # fmt: skip
+            return
+        if host.relay is not None:
+            self._end_relay(host)
+        self._relay(host, delay_ms, loss_pct, from_host_ms)
+
+    def _relay(self, host: Host, delay_ms: float, loss_pct: float, from_host_ms: float) -> None:
+        """Move the host onto a link through user space: its TAP ``inner`` becomes its eth0
+        (same MAC, same address: its connections go on), the veth rests as ``rgveth``."""
+        inner, ns = f"rgi{host.index}", host.namespace
+        host.relay = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.link_relay", "--outer", _outer(host),
+             "--inner", inner, "--delay-ms", str(delay_ms), "--loss-pct", str(loss_pct),
+             "--from-host-ms", str(from_host_ms)],
+            stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+        )  # fmt: skip
+        assert host.relay.stdout is not None
+        if host.relay.stdout.readline().strip() != "ready":
+            host.relay.kill()
+            host.relay.wait(10)
+            host.relay = None
+            raise RuntimeError(f"the link relay of {ns} did not start (is /dev/net/tun there?)")
+        mac = _ip("-n", ns, "-j", "link", "show", "eth0").stdout
+        address = json.loads(mac)[0]["address"]
+        _ip("link", "set", _outer(host), "master", BRIDGE, "up")
+        _ip("link", "set", inner, "netns", ns)
+        for step in (
+            ["link", "set", "eth0", "down"],
+            ["link", "set", "eth0", "name", "rgveth"],
+            ["link", "set", inner, "name", "eth0"],
+            ["link", "set", "eth0", "address", address],
+            ["addr", "add", f"{host.ip}/24", "dev", "eth0"],
+            ["link", "set", "eth0", "up"],
+        ):
+            _ip("-n", ns, *step)
+
+    def _end_relay(self, host: Host) -> None:
+        """End the relay (its TAPs vanish with it) and give the host its veth back as eth0."""
+        relay, host.relay = host.relay, None
+        if relay is not None:
+            relay.kill()
+            relay.wait(10)
+        if _ip("-n", host.namespace, "link", "show", "rgveth", check=False).returncode == 0:
+            _ip("-n", host.namespace, "link", "set", "rgveth", "name", "eth0")
+            _ip("-n", host.namespace, "link", "set", "eth0", "up")
 
     def stall(self, host: Host, seconds: float) -> None:
         """Every process of the host SIGSTOPped, and SIGCONTed ``seconds`` later: a host that
@@ -288,6 +349,8 @@ class HostCluster:
         """End the host's processes and delete its link and namespace (a crashed host's
         namespace holds nothing, but its address and link remain until this)."""
         self.resume(host)
+        if host.relay is not None:
+            self._end_relay(host)
         for pid in host.pids():
             _signal(pid, signal.SIGKILL)
         if host.raylet.poll() is None:
@@ -323,6 +386,11 @@ class HostCluster:
             _ip("link", "del", f"rgv{namespace[3:]}", check=False)
             _ip("netns", "del", namespace, check=False)
         _ip("link", "del", BRIDGE, check=False)
+
+
+def _outer(host: Host) -> str:
+    """The bridge's side of a host's relayed link."""
+    return f"rgo{host.index}"
 
 
 def _alive(pid: int) -> bool:

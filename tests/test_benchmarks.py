@@ -59,6 +59,7 @@ def test_every_harness_has_help(name):
         (["save", "--format", "dcp", "--tier", "memory"], "use --tier disk"),
         (["host-loss", "--faults", "crash,flood"], "'flood' is not one of them"),
         (["host-loss", "--stalls", "-1"], "give an integer >= 0"),
+        (["host-loss", "--slow-ms", "90000"], "a delay of at most 60000 ms"),
     ],
 )
 def test_harness_mistakes_are_explained(args, message):

@@ -164,6 +164,34 @@ def test_a_host_stalled_for_two_seconds_is_not_declared_lost(hosts: HostCluster,
         end_job(hosts, job)
 
 
+def test_a_host_behind_a_200_ms_link_is_not_declared_lost(hosts: HostCluster, tmp_path):
+    """Every packet to host A 200 ms late for four of the detector's bounds: its heartbeats
+    still come, its raylet still accepts within ``host_confirm_s``; nothing is declared lost
+    and the ranks train on through the slow link, and after it."""
+    job = start_job(hosts, tmp_path, host_watch=True)
+
+    def slowest_step(status: dict) -> int:
+        return min(r["last_step"] or 0 for r in status["ranks"])
+
+    try:
+        before = job.coordinator.status()
+        hosts.slow(job.a, delay_ms=200)
+        bound = job.config.host_suspect_s + job.config.host_confirm_s
+        time.sleep(4 * bound)
+        slowed = job.coordinator.status()
+        hosts.heal(job.a)
+        time.sleep(2 * bound)
+        status = job.coordinator.status()
+        print("slow link 200 ms:", slowed["host_watch"], "healed:", status["host_watch"])
+        print("steps:", [slowest_step(s) for s in (before, slowed, status)])
+        assert slowed["host_watch"]["lost"] == {} == status["host_watch"]["lost"], status
+        assert status["phase"] == "idle" and status["notices"] == [], status["notices"]
+        assert not ray.wait(job.training, timeout=0)[0], "all four still in their loop"
+        assert slowest_step(before) < slowest_step(slowed) < slowest_step(status), "training"
+    finally:
+        end_job(hosts, job)
+
+
 @pytest.mark.parametrize("fault", ["crash", "partition"])
 def test_a_lost_hosts_slot_is_taken_by_a_spare_and_the_group_trains_again(
     hosts: HostCluster, tmp_path, fault: str
