@@ -378,10 +378,12 @@ def test_a_sigterm_while_the_coordinator_restarts_waits_for_the_new_ones_order(
         threading.Timer(0.4, runtime.on_order, args=(order,)).start()
     assert begun.wait(5)
     assert why in started["trigger"], started["trigger"]
+    # Bounds wide enough for a loaded machine, narrow enough to tell the rival behaviours
+    # apart: going alone at once (0.1 s) or waiting out the teardown (about 7 s).
     if order_comes:
-        assert 0.4 <= started["at"] - signalled < 0.9
+        assert 0.4 <= started["at"] - signalled < 1.5
     else:
-        assert 0.9 <= started["at"] - signalled < 1.4, started["at"] - signalled
+        assert 0.9 <= started["at"] - signalled < 2.5, started["at"] - signalled
 
     signalled = time.time()
     runtime, started, begun = signalled_runtime(monkeypatch, config, RestartingControl(), signalled)
