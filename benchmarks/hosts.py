@@ -323,9 +323,16 @@ class HostCluster:
         if relay is not None:
             relay.kill()
             relay.wait(10)
-        if _ip("-n", host.namespace, "link", "show", "rgveth", check=False).returncode == 0:
-            _ip("-n", host.namespace, "link", "set", "rgveth", "name", "eth0")
-            _ip("-n", host.namespace, "link", "set", "eth0", "up")
+        if _ip("-n", host.namespace, "link", "show", "rgveth", check=False).returncode != 0:
+            return  # the relay never took the host's link
+        deadline = time.monotonic() + 5.0  # the TAP's name is freed once the kernel drops it
+        while _ip(
+            "-n", host.namespace, "link", "set", "rgveth", "name", "eth0", check=False
+        ).returncode:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{host.namespace}: its eth0 did not go with the relay")
+            time.sleep(0.05)
+        _ip("-n", host.namespace, "link", "set", "eth0", "up")
 
     def stall(self, host: Host, seconds: float) -> None:
         """Every process of the host SIGSTOPped, and SIGCONTed ``seconds`` later: a host that
