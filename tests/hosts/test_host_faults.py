@@ -17,6 +17,7 @@ noticed (the notice's source) and what became of the checkpoint and the ranks.
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -92,8 +93,14 @@ def end_job(hosts: HostCluster, job: Job) -> None:
     hosts.remove_host(job.b)
 
 
-def committed_from_host_b(job: Job, fault: str, expected_source: str) -> float:
-    """Wait for the outcome; check who noticed and what was committed; seconds it took."""
+def committed_from_host_b(
+    job: Job, fault: str, expected_source: str, split_step_allowed: bool = False
+) -> float:
+    """Wait for the outcome; check who noticed and what was committed; seconds it took.
+
+    ``split_step_allowed``: a partition may cut an all-reduce that one of host B's ranks had
+    already finished, leaving them at steps k and k + 1; no step is then whole, and the only
+    right outcome is abandoned with that reason and nothing committed."""
     started = time.monotonic()
     outcome = job.coordinator.wait_outcome(timeout=120, cycle=0)
     noticed = time.monotonic() - started
@@ -102,9 +109,14 @@ def committed_from_host_b(job: Job, fault: str, expected_source: str) -> float:
     print(f"{fault}: outcome {noticed:.2f} s after it, by {outcome.notices[0]['source']}")
     print(f"  evidence: {outcome.notices[0]['reason']}")
     assert outcome.notices[0]["source"] == expected_source, outcome.notices
-    assert outcome.result == "committed", outcome.summary()
     latest = latest_committed(job.config.checkpoint_dir, verify_checksums=True)
-    assert latest is not None and sorted(latest.shards) == ["trainer/0", "trainer/1"]
+    split = split_step_allowed and re.search(r"was saved at step \d+, not \d+", outcome.reason)
+    if split and outcome.result == "abandoned":
+        print(f"  host B's ranks at different steps: {outcome.reason}")
+        assert latest is None, "nothing is committed when no step is whole"
+    else:
+        assert outcome.result == "committed", outcome.summary()
+        assert latest is not None and sorted(latest.shards) == ["trainer/0", "trainer/1"]
     assert len(released) == 2, "host B's ranks are out of their loop"
     assert job.b.pids(), "host B lives on"
     return noticed
@@ -136,7 +148,7 @@ def test_a_partitioned_host_is_declared_lost_and_its_own_ranks_leave(hosts: Host
         cut_off = job.pids[:2]
         started = time.monotonic()
         hosts.partition(job.a)
-        committed_from_host_b(job, "partition", "host_lost")
+        committed_from_host_b(job, "partition", "host_lost", split_step_allowed=True)
         lost = job.coordinator.status()["host_watch"]["lost"]
         assert list(lost) == [job.a_node], lost
         assert "no answer" in lost[job.a_node], lost
