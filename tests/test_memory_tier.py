@@ -196,3 +196,100 @@ def test_a_keeper_measures_what_it_holds_not_what_it_is_told(ray_cluster):
         assert (stats["used_bytes"], stats["reserved_bytes"]) == (4108, 0), stats
     finally:
         ray.kill(keeper)
+
+
+# --- what a keeper holds stays the step it was handed ------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class HoldersOf:
+    """The coordinator's one answer a load needs (``memory_checkpoint``): this step, held by
+    these keepers - the seam ``load_shard`` is written against, with nothing else around it."""
+
+    def __init__(self, step: int, holders: dict[str, str]) -> None:
+        self.answer = {"step": step, "holders": holders}
+
+    def memory_checkpoint(self, shard_key: str, step: int | None = None) -> dict:
+        return self.answer
+
+
+def _model_and_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(3):  # Adam's state exists only after a step
+        model(torch.randn(2, 8)).sum().backward()
+        adam.step()
+        adam.zero_grad()
+    return model, adam
+
+
+def test_a_rank_that_loads_from_a_keeper_and_trains_on_leaves_the_held_step_as_it_was(
+    ray_cluster, tmp_path
+):
+    """A spare loads step 5 from the keeper on its node into a model and an Adam optimizer,
+    then trains 3 steps. ``Optimizer.load_state_dict`` keeps the tensors it is given: they used
+    to be views of the keeper's object (mapped writable on its node), so Adam's steps landed in
+    the held step - and the keeper wrote that to disk as step 5, its checksum fine."""
+    from ray_graceful.memory.handoff import load_shard
+    from ray_graceful.memory.keeper import start_keeper
+
+    model, adam = _model_and_adam(seed=0)
+    state = {"model": model.state_dict(), "optim": adam.state_dict()}
+    held_state = pickle.loads(pickle.dumps(state))  # what step 5 is, apart from any memory
+    node = ray.get_runtime_context().get_node_id()
+    name = "rg-test-keeper-alias"
+    keeper = start_keeper(name, "rg-test", "j", node, 1 << 30, "").handle
+    holders = HoldersOf.remote(5, {node: name})
+    try:
+        tree = to_tree({"step": 5, "state": state})
+        kept = ray.get(keeper.hold.remote(0, 5, "trainer/0", [ray.put(tree)], 0), timeout=60)
+        assert kept.accepted, kept.reason
+
+        loaded = load_shard("trainer/0", holders, None, "rg-test", step=5)
+        assert loaded is not None and loaded.tier.value == "memory-local", loaded
+        spare_model, spare_adam = _model_and_adam(seed=1)
+        spare_model.load_state_dict(loaded.state["model"])
+        spare_adam.load_state_dict(loaded.state["optim"])
+        for _ in range(3):
+            spare_model(torch.randn(2, 8)).sum().backward()
+            spare_adam.step()
+            spare_adam.zero_grad()
+
+        ray.get(keeper.persist.remote(str(tmp_path), 5, "trainer/0"), timeout=60)
+        on_disk = torch.load(tmp_path / "step-00000005" / shard_file_name("trainer/0"))
+        written = on_disk["state"]["optim"]["state"]
+        for index, expected in held_state["optim"]["state"].items():
+            assert int(written[index]["step"]) == int(expected["step"]) == 3, written[index]
+            assert torch.equal(written[index]["exp_avg"], expected["exp_avg"])
+            assert torch.equal(written[index]["exp_avg_sq"], expected["exp_avg_sq"])
+        assert torch.equal(on_disk["state"]["model"]["weight"], held_state["model"]["weight"])
+    finally:
+        ray.kill(keeper)
+        ray.kill(holders)
+
+
+def test_a_held_shard_whose_bytes_changed_is_never_written_as_its_step(ray_cluster, tmp_path):
+    """Whatever changes a held copy's bytes in place (here: a view written to, as the old
+    loader handed out), the keeper's write checks them against the CRC taken when it was held
+    and refuses: no file at the shard's name, the reason says which step and why."""
+    from ray_graceful.memory.keeper import Keeper
+
+    keeper = ray.remote(Keeper).options(num_cpus=0).remote("j", "n", 1 << 30)
+    try:
+        tree = to_tree({"step": 5, "state": {"w": torch.ones(1000)}})
+        kept = ray.get(keeper.hold.remote(0, 5, "trainer/0", [ray.put(tree)], 0), timeout=60)
+        assert kept.accepted
+        first = ray.get(keeper.persist.remote(str(tmp_path / "a"), 5, "trainer/0"), timeout=60)
+        assert first["step"] == 5  # unchanged: written
+
+        held_ref = ray.get(keeper.fetch.remote(5, "trainer/0"), timeout=60)[0]
+        from_tree(ray.get(held_ref), copy=False)["state"]["w"].add_(1.0)  # in place, on its node
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(keeper.persist.remote(str(tmp_path / "b"), 5, "trainer/0"), timeout=60)
+        assert "HeldCopyChanged" in str(info.value) and "changed since it was held" in str(
+            info.value
+        ), info.value
+        assert not (tmp_path / "b" / "step-00000005" / shard_file_name("trainer/0")).exists()
+    finally:
+        ray.kill(keeper)

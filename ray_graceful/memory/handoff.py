@@ -6,8 +6,9 @@ only when every keeper answered "held" - each has its own copy by then, so this 
 exit. What it held is exactly what the default saver writes to disk: ``{"step", "state"}``.
 
 A restarted rank loads with ``load_shard``: the keeper on its own node if it holds the shard
-(no copy), else a peer keeper (one transfer), else the committed checkpoint on disk - and the
-caller gets the same ``{"step", "state"}`` whichever it was.
+(one copy, out of the keeper's object), else a peer keeper (one transfer, one copy), else the
+committed checkpoint on disk - and the caller gets the same ``{"step", "state"}`` whichever it
+was, in memory of its own: nothing it is handed aliases what a keeper holds.
 """
 
 from __future__ import annotations
@@ -243,7 +244,9 @@ def load_shard(
                 )
                 if ref_in_list is None:
                     continue
-                value = from_tree(ray.get(ref_in_list[0], timeout=timeout_s))
+                # copied out: the keeper's object is mapped writable here, and an optimizer's
+                # load_state_dict keeps what it is given - its steps would land in the held step
+                value = from_tree(ray.get(ref_in_list[0], timeout=timeout_s), copy=True)
             except Exception as exc:
                 logger.warning(
                     "ray_graceful: keeper on %s did not give %s: %r", node, shard_key, exc

@@ -4,14 +4,21 @@ Ray serializes numpy arrays out of band: one copy into the object store on ``ray
 a ``ray.get`` on the same node. A torch tensor would go through pickle instead (a copy into a
 bytes object, then another). So the memory tier ships a *tree*: the same nesting of dicts,
 lists and tuples, each tensor replaced by a ``TensorLeaf`` holding its bytes as uint8 (any
-dtype - bfloat16 and float8 have no numpy twin), its dtype and shape. ``from_tree`` gives the
-tensors back as views of those bytes, without a copy.
+dtype - bfloat16 and float8 have no numpy twin), its dtype and shape.
+
+``from_tree`` gives the tensors back as the caller's own copies: an object in Ray's store is
+mapped writable into every process on its node, and ``Optimizer.load_state_dict`` keeps the
+tensors it is given - so a view handed to user code had Adam's next steps written into a
+keeper's held step, which the keeper then made durable as that step. Only the plugin's own
+readers (a keeper writing its shard to disk) take views, and ``tree_checksum`` proves the bytes
+they read are the ones held.
 """
 
 from __future__ import annotations
 
 import pickle
 import warnings
+import zlib
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
@@ -74,8 +81,13 @@ def leaves(obj: Any) -> list[TensorLeaf]:
     return found
 
 
-def from_tree(obj: Any) -> Any:
-    """The state back, tensors as views of the leaves' bytes (read-only if they are)."""
+def from_tree(obj: Any, copy: bool = True) -> Any:
+    """The state back as torch tensors.
+
+    ``copy`` (the default): every tensor its own memory, safe to hand to user code that keeps
+    it. ``copy=False``: views of the leaves' bytes (no copy), for the plugin's own read-only
+    uses, or where the bytes are already the caller's alone (a buffer it just received into).
+    """
     import torch
 
     if isinstance(obj, TensorLeaf):
@@ -85,12 +97,24 @@ def from_tree(obj: Any) -> Any:
         with warnings.catch_warnings():  # a zero-copy view of an object in Ray's store
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(obj.data)
-        return raw.view(dtype).reshape(obj.shape)
+        tensor = raw.view(dtype).reshape(obj.shape)
+        return tensor.clone() if copy else tensor
     if isinstance(obj, dict):
-        return type(obj)((k, from_tree(v)) for k, v in obj.items())
+        return type(obj)((k, from_tree(v, copy)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(from_tree(v) for v in obj)
-    return obj
+        return type(obj)(from_tree(v, copy) for v in obj)
+    return deepcopy(obj) if copy else obj
+
+
+def tree_checksum(obj: Any) -> int:
+    """CRC32 of every leaf's bytes in ``leaves`` order, then of the pickled rest (the step,
+    numbers, strings): what a keeper takes when it holds a shard, and checks again before and
+    after it writes the shard to disk - a held step that changed is refused, never committed."""
+    crc = 0
+    rest = map_leaves(obj, lambda leaf: (leaf.dtype, leaf.shape))
+    for leaf in leaves(obj):
+        crc = zlib.crc32(leaf.data, crc)
+    return zlib.crc32(pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL), crc)
 
 
 def tree_bytes(obj: Any) -> int:

@@ -94,7 +94,7 @@ def receive(answer: Rendezvous, loader: Callable[[Any], Any]) -> LoadedFrom:
             f"rank {answer.peer} sent shard {key!r} of {received} bytes; the survivor held "
             f"{answer.shard_bytes}: not loaded"
         )
-    loader(from_tree(snapshot)["state"])
+    loader(from_tree(snapshot, copy=False)["state"])  # the buffer is this call's alone: no copy
     return LoadedFrom.GROUP_PEER
 
 
