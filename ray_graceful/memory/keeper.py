@@ -17,8 +17,8 @@ they hold. It is not detached from the job: it leaves once its coordinator is go
 A keeper refuses what does not fit its budget - the saver then saves to disk and says so -
 writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic, checksummed, exactly
 as a rank's own save - and only if the bytes are still those it was handed: the CRC of the tree
-taken when it was held is checked before and after the write), hands shards to a restarted rank (``fetch``), and forgets a step once a
-newer one is committed (``release``).
+taken when it was held is checked before and after the write), hands shards to a restarted
+rank (``fetch``), and forgets a step once a newer one is committed (``release``).
 """
 
 from __future__ import annotations
