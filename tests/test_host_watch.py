@@ -37,11 +37,20 @@ def closed_port() -> int:
     return port
 
 
-async def agent(address, node_id: str, raylet_port: int, beats: int, interval: float = 0.05):
-    """An agent's heartbeat: the hello, ``beats`` bytes, then its writer (still open)."""
-    _, writer = await asyncio.open_connection(*address)
-    hello = {"node_id": node_id, "raylet_ip": "127.0.0.1", "raylet_port": raylet_port}
-    writer.write(json.dumps(hello).encode() + b"\n")
+class Raylets(dict):
+    """Ray's view of the nodes' raylets for these tests: node id -> a local port."""
+
+    def __call__(self, node_id: str) -> tuple[str, int] | None:
+        port = self.get(node_id)
+        return None if port is None else ("127.0.0.1", port)
+
+
+async def agent(w: HostWatch, node_id: str, raylet_port: int, beats: int, interval: float = 0.05):
+    """An agent's heartbeat: the hello with its ticket, ``beats`` bytes, then its writer (still
+    open). ``raylet_port`` is where Ray lists the node's raylet."""
+    w.raylet_of[node_id] = raylet_port
+    _, writer = await asyncio.open_connection(*w.address)
+    writer.write(json.dumps({"node_id": node_id, "ticket": w.ticket(node_id)}).encode() + b"\n")
     for _ in range(beats):
         writer.write(b".")
         await writer.drain()
@@ -50,15 +59,17 @@ async def agent(address, node_id: str, raylet_port: int, beats: int, interval: f
 
 
 def watch(lost: list, suspect_s: float = 0.3) -> HostWatch:
-    return HostWatch(0.05, suspect_s, 0.5, on_lost=lambda node, why: lost.append((node, why)))
+    return HostWatch(
+        0.05, suspect_s, 0.5, lambda node, why: lost.append((node, why)), raylet_of=Raylets()
+    )
 
 
 def test_a_beating_host_is_never_suspected():
     async def scenario():
         lost: list = []
         w = watch(lost)
-        address = await w.start("127.0.0.1")
-        writer = await agent(address, "n1", closed_port(), beats=30, interval=0.05)  # 1.5 s
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", closed_port(), beats=30, interval=0.05)  # 1.5 s
         seen = (list(lost), w.alive_after_suspicion, w.describe()["hosts"]["n1"]["silent_s"])
         writer.close()
         await w.close()
@@ -76,8 +87,8 @@ def test_a_silent_host_whose_kernel_accepts_is_not_lost():
     async def scenario():
         lost: list = []
         w = watch(lost)
-        address = await w.start("127.0.0.1")
-        writer = await agent(address, "n1", raylet.getsockname()[1], beats=2)
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", raylet.getsockname()[1], beats=2)
         await asyncio.sleep(1.2)  # silent: suspected, probed, alive - more than once
         described = w.describe()
         writer.close()
@@ -97,8 +108,8 @@ def test_a_host_whose_processes_died_is_lost_at_once_with_the_evidence():
     async def scenario():
         lost: list = []
         w = watch(lost, suspect_s=5.0)  # the close alone must be enough, long before 5 s
-        address = await w.start("127.0.0.1")
-        writer = await agent(address, "n1", closed_port(), beats=2)
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", closed_port(), beats=2)
         started = time.monotonic()
         writer.close()
         while not lost and time.monotonic() - started < 3:
@@ -117,8 +128,8 @@ def test_an_agent_that_died_alone_leaves_its_live_host_unwatched_not_lost():
     async def scenario():
         lost: list = []
         w = watch(lost)
-        address = await w.start("127.0.0.1")
-        writer = await agent(address, "n1", raylet.getsockname()[1], beats=2)
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", raylet.getsockname()[1], beats=2)
         writer.close()
         await asyncio.sleep(0.8)
         return lost, w.describe()["hosts"]
@@ -132,12 +143,12 @@ def test_a_host_declared_lost_that_comes_back_is_not_watched_again():
     async def scenario():
         lost: list = []
         w = watch(lost, suspect_s=5.0)
-        address = await w.start("127.0.0.1")
+        await w.start("127.0.0.1")
         port = closed_port()
-        (await agent(address, "n1", port, beats=1)).close()
+        (await agent(w, "n1", port, beats=1)).close()
         while not lost:
             await asyncio.sleep(0.01)
-        back = await agent(address, "n1", port, beats=0)
+        back = await agent(w, "n1", port, beats=0)
         await asyncio.sleep(0.2)
         return lost, w.describe()["hosts"], back
 
@@ -184,3 +195,103 @@ def test_an_agent_whose_coordinator_is_slow_is_not_cut_off_and_one_gone_is_recon
     coordinator.close()
     with pytest.raises(ConnectionRefusedError):
         cut_off_evidence(("127.0.0.1", closed_port()), 0.5, 0.6)
+
+
+# --- only the job's own agents are heard -------------------------------------------------------
+
+
+async def _send_hello(address, hello: dict) -> bytes:
+    """One raw connection: ``hello`` as its first line; what the watch sent before it closed."""
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(json.dumps(hello).encode() + b"\n")
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
+def test_a_forged_hello_for_a_real_node_cannot_have_it_declared_lost():
+    """Any process that can open a TCP connection: one line naming a real node id and a closed
+    raylet port, then a close. It used to be probed at that port, refused, and the healthy host
+    declared lost - every rank there ordered out without a save."""
+    raylet = listening()  # the node's real raylet: alive
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost, suspect_s=5.0)
+        address = await w.start("127.0.0.1")
+        w.raylet_of["n1"] = raylet.getsockname()[1]
+        forged = [
+            {"node_id": "n1", "raylet_ip": "127.0.0.1", "raylet_port": closed_port()},
+            {"node_id": "n1", "ticket": "0" * 64},
+            {"node_id": "n1", "ticket": w.ticket("n2")},  # another node's ticket
+        ]
+        answers = [await _send_hello(address, hello) for hello in forged]
+        await asyncio.sleep(0.3)  # a probe, had one started, refuses within milliseconds
+        return lost, w.describe(), answers
+
+    lost, described, answers = asyncio.run(scenario())
+    raylet.close()
+    assert lost == [] and described["hosts"] == {}, described
+    assert described["refused"] == 3 and answers == [b""] * 3
+
+
+def test_a_host_is_probed_at_the_raylet_ray_lists_never_one_a_sender_names():
+    """A hello with a valid ticket that also names a closed port: the close is probed at the
+    raylet Ray lists for the node (alive), so the host is not lost."""
+    raylet = listening()
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost, suspect_s=5.0)
+        address = await w.start("127.0.0.1")
+        w.raylet_of["n1"] = raylet.getsockname()[1]
+        hello = {"node_id": "n1", "ticket": w.ticket("n1"), "raylet_port": closed_port()}
+        _, writer = await asyncio.open_connection(*address)
+        writer.write(json.dumps(hello).encode() + b"\n")
+        await writer.drain()
+        while "n1" not in w.describe()["hosts"]:
+            await asyncio.sleep(0.01)
+        writer.close()
+        while w.alive_after_suspicion == 0 and not lost:
+            await asyncio.sleep(0.01)
+        return lost, w.alive_after_suspicion
+
+    lost, alive = asyncio.run(asyncio.wait_for(scenario(), 10))
+    raylet.close()
+    assert lost == [] and alive == 1
+
+
+def test_a_second_connection_for_a_connected_node_is_refused_and_the_first_stands():
+    """A second hello for a node whose agent's connection is open - even one with the ticket -
+    is turned away: it cannot take the host's place, beat for a crashed host, or close it."""
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost, suspect_s=5.0)
+        address = await w.start("127.0.0.1")
+        first = await agent(w, "n1", closed_port(), beats=1)
+        second = await _send_hello(address, {"node_id": "n1", "ticket": w.ticket("n1")})
+        await asyncio.sleep(0.2)
+        before = (list(lost), w.describe()["refused"])
+        first.close()  # the real agent's process dies: its host is lost
+        while not lost:
+            await asyncio.sleep(0.01)
+        return before, second, lost
+
+    (lost_before, refused), second, lost = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert second == b"" and refused == 1
+    assert lost_before == [], "the second connection's close is not the host's"
+    assert [node for node, _ in lost] == ["n1"] and "refused" in lost[0][1]
+
+
+def test_a_hello_for_a_node_ray_does_not_list_alive_is_refused():
+    async def scenario():
+        w = watch([])
+        address = await w.start("127.0.0.1")
+        answer = await _send_hello(address, {"node_id": "gone", "ticket": w.ticket("gone")})
+        return answer, w.describe()
+
+    answer, described = asyncio.run(scenario())
+    assert answer == b"" and described["hosts"] == {} and described["refused"] == 1

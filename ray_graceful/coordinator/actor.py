@@ -138,7 +138,9 @@ class CoordinatorActor(NodeFacingCalls):
         self.host_watch = None  # heartbeats from node agents: hosts lost without a word
         if config.host_watch:
             timing = (config.host_heartbeat_s, config.host_suspect_s, config.host_confirm_s)
-            self.host_watch = HostWatch(*timing, on_lost=self._host_lost)
+            self.host_watch = HostWatch(
+                *timing, on_lost=self._host_lost, raylet_of=ray_adapter.raylet_address
+            )
         self.backups = BackupTurns()
         self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
         self.groups = GroupAgents(
@@ -558,14 +560,17 @@ class CoordinatorActor(NodeFacingCalls):
     def _host_lost(self, node_id: str, evidence: str) -> None:
         self._step(ev.HostLost(node_id, evidence))
 
-    async def host_watch_address(self) -> tuple[str, int] | None:
-        """Where node agents send their heartbeats (None: ``host_watch`` is off)."""
+    async def host_watch_ticket(self, node_id: str) -> dict[str, Any] | None:
+        """Where node ``node_id``'s agent sends its heartbeats, and the ticket its hello carries
+        (None: ``host_watch`` is off). Asked through Ray: what keeps others off the cluster
+        keeps them off the watch."""
         self._wake()
         if self.host_watch is None:
             return None
         import ray
 
-        return await self.host_watch.start(ray.util.get_node_ip_address())
+        address = await self.host_watch.start(ray.util.get_node_ip_address())
+        return {"address": list(address), "ticket": self.host_watch.ticket(node_id)}
 
     async def ping(self) -> str:
         self._wake()

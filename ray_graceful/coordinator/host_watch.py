@@ -23,6 +23,13 @@ lost: if it comes back its agent's connection is refused here, and its ranks, fe
 cycle prefix, never rejoin the group that moved on. Ray's own verdict remains the backstop
 (``watch.py``).
 
+Only the job's own agents are heard. Each asks the coordinator, through Ray, for the watch's
+address and a ticket for its node (an HMAC of the node id under a secret this watch made at
+start, never written anywhere); its hello names the node and carries the ticket. The raylet it
+is probed at is Ray's own record of that node, never an address a sender names, and a node that
+has a live connection is not taken over by a second one: a process that can merely open a TCP
+connection here cannot have a healthy host declared lost, nor keep a crashed one alive.
+
 The connections and probes are the actor's I/O; what they conclude goes to the cycle machine
 as ``HostLost`` through ``on_lost``. The watch also beats back to every agent, so that a host
 cut off from the coordinator ends its own ranks in the same bound (``node/heartbeat.py``).
@@ -32,8 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +62,7 @@ class WatchedHost:
     raylet: tuple[str, int]
     last_heard: float
     writer: asyncio.StreamWriter | None = None  # the coordinator's beat back, to the agent
+    connected: bool = True  # its agent's connection is open: a second one is refused
     probing: bool = False
     lost: bool = False
 
@@ -100,11 +111,17 @@ class HostWatch:
         suspect_s: float,
         confirm_s: float,
         on_lost: Callable[[str, str], object],
+        raylet_of: Callable[[str], tuple[str, int] | None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``raylet_of(node_id)``: the node's raylet address as Ray lists it alive (None if it
+        does not) - blocking, so asked off the event loop (``ray_adapter.raylet_address``)."""
         self.heartbeat_s, self.suspect_s, self.confirm_s = heartbeat_s, suspect_s, confirm_s
         self.on_lost = on_lost
+        self.raylet_of = raylet_of
         self.clock = clock
+        self._secret = secrets.token_bytes(32)  # this watch's: a restart makes a new one
+        self.refused = 0  # connections turned away (no valid ticket, a node already connected)
         self.hosts: dict[str, WatchedHost] = {}
         self.lost: dict[str, str] = {}  # node id -> the evidence it was declared lost on
         self.alive_after_suspicion = 0  # probes a suspected host answered (not lost)
@@ -123,6 +140,11 @@ class HostWatch:
         assert self.address is not None
         return self.address
 
+    def ticket(self, node_id: str) -> str:
+        """The credential node ``node_id``'s agent says hello with; handed out only through
+        Ray (``Coordinator.host_watch_ticket``), valid for this watch only."""
+        return hmac.new(self._secret, node_id.encode(), hashlib.sha256).hexdigest()
+
     def describe(self) -> dict:
         now = self.clock()
         return {
@@ -133,6 +155,7 @@ class HostWatch:
             },
             "lost": dict(self.lost),
             "alive_after_suspicion": self.alive_after_suspicion,
+            "refused": self.refused,
         }
 
     # --- the connections -------------------------------------------------------------------
@@ -153,19 +176,25 @@ class HostWatch:
             pass
         finally:
             writer.close()
+            if host is not None:
+                host.connected = False
             if host is not None and self.hosts.get(host.node_id) is host and not host.lost:
                 self._probe_soon(host, "its agent's heartbeat connection closed", closed=True)
 
     async def _hello(self, reader: asyncio.StreamReader) -> WatchedHost | None:
-        """The agent's first line: ``{"node_id", "raylet_ip", "raylet_port"}``."""
+        """The agent's first line, ``{"node_id", "ticket"}``: its host, watched from now on;
+        None (the connection is closed, nothing recorded) for anything else."""
         try:
             line = await asyncio.wait_for(reader.readline(), HELLO_TIMEOUT_S)
             hello = json.loads(line[:MAX_HELLO])
-            node_id = str(hello["node_id"])
-            raylet = (str(hello["raylet_ip"]), int(hello["raylet_port"]))
+            node_id, ticket = str(hello["node_id"]), str(hello["ticket"])
         except (asyncio.TimeoutError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ray_graceful host watch: a connection without a valid hello: %r", exc)
-            return None
+            return self._refuse(f"a connection without a valid hello: {exc!r}")
+        if not hmac.compare_digest(ticket.encode(), self.ticket(node_id).encode()):
+            return self._refuse(
+                f"a hello for node {node_id[:12]} without this watch's ticket for it: not one "
+                "of this job's node agents, or one of a coordinator that was restarted"
+            )
         if node_id in self.lost:
             logger.warning(
                 "ray_graceful host watch: host %s is back after it was declared lost (%s); its "
@@ -174,9 +203,23 @@ class HostWatch:
                 self.lost[node_id],
             )
             return None
+        live = self.hosts.get(node_id)
+        if live is not None and live.connected:
+            return self._refuse(
+                f"a second connection for node {node_id[:12]}, whose agent's is open: the "
+                "first one stands"
+            )
+        raylet = await asyncio.get_running_loop().run_in_executor(None, self.raylet_of, node_id)
+        if raylet is None:
+            return self._refuse(f"a hello for node {node_id[:12]}, which Ray does not list alive")
         host = WatchedHost(node_id, raylet, self.clock())
-        self.hosts[node_id] = host  # an agent that connects again replaces its old connection
+        self.hosts[node_id] = host  # an agent that connects again after its old one closed
         return host
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        logger.warning("ray_graceful host watch: refused %s", why)
+        return None
 
     # --- suspicion and probe ---------------------------------------------------------------
 

@@ -7,8 +7,9 @@ polls, and a heartbeat must not queue behind them. A heartbeat delayed by the ag
 or a garbage-collection pause is what the coordinator's probe of the host's raylet tells apart
 from a lost host.
 
-The first line says who is beating (the node id, and its raylet's address for that probe);
-then one byte every ``host_heartbeat_s``. Where the coordinator cannot be reached, or restarts
+The first line says who is beating: the node id, and the ticket the coordinator gave for it
+through Ray (the watch hears nobody else, and probes the raylet Ray lists for that node); then
+one byte every ``host_heartbeat_s``. Where the coordinator cannot be reached, or restarts
 on another port, the address is asked again and the connection made anew.
 
 The coordinator beats back. Silent for ``host_suspect_s``, it is probed the same way the
@@ -31,8 +32,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-from .. import ray_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +66,34 @@ class Heartbeat:
         self._stop.set()
 
     def _run(self) -> None:
-        raylet = None
         while not self._stop.is_set():
             try:
-                raylet = raylet or ray_adapter.raylet_address(self.node_id)
-                address = self._ask_address()
-                if address is None:
+                asked = self._ask_ticket()
+                if asked is None:
                     return  # the coordinator runs no host watch
-                if raylet is None:
-                    raise RuntimeError(f"Ray lists no live raylet for node {self.node_id[:12]}")
-                self._beat(tuple(address), raylet)
+                address, ticket = asked
+                self._beat(address, ticket)
                 if self.cut_off:
                     return  # its ranks are ordered out; the coordinator declared it lost
             except Exception as exc:
                 logger.debug("ray_graceful heartbeat: %r; again in %.1fs", exc, RETRY_S)
             self._stop.wait(RETRY_S)
 
-    def _ask_address(self) -> tuple[str, int] | None:
+    def _ask_ticket(self) -> tuple[tuple[str, int], str] | None:
+        """The watch's address and this node's ticket (None: no host watch), asked anew at
+        every connection: a restarted coordinator listens elsewhere, with a new secret."""
         import ray
 
-        return ray.get(self.coordinator.host_watch_address.remote(), timeout=ASK_TIMEOUT_S)
+        answer = ray.get(
+            self.coordinator.host_watch_ticket.remote(self.node_id), timeout=ASK_TIMEOUT_S
+        )
+        if answer is None:
+            return None
+        ip, port = answer["address"]
+        return (str(ip), int(port)), str(answer["ticket"])
 
-    def _beat(self, address: tuple[str, int], raylet: tuple[str, int]) -> None:
-        hello = {"node_id": self.node_id, "raylet_ip": raylet[0], "raylet_port": raylet[1]}
+    def _beat(self, address: tuple[str, int], ticket: str) -> None:
+        hello = {"node_id": self.node_id, "ticket": ticket}
         with socket.create_connection(address, timeout=5.0) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(json.dumps(hello).encode() + b"\n")
