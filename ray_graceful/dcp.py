@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 import pickle
 import re
 import tempfile
+import threading
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -241,12 +244,21 @@ def assemble(step_directory: str, shards: dict[str, Iterable[str]]) -> dict[str,
         directory = os.path.join(step_directory, relative)
         os.makedirs(directory, exist_ok=True)
         final = os.path.join(directory, GLOBAL_METADATA)
-        tmp = final + ".tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        data = pickle.dumps(metadata)
+        if _holds(final, data):
+            out[group] = relative  # another writer of this step wrote the same: left as it is
+            continue
+        # a name of this writer's own: two commits of one step never share a temporary file
+        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
         fd = os.open(directory, os.O_RDONLY)  # the rename, durable
         try:
             os.fsync(fd)
@@ -254,6 +266,17 @@ def assemble(step_directory: str, shards: dict[str, Iterable[str]]) -> dict[str,
             os.close(fd)
         out[group] = relative
     return out
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the file at ``path`` holds exactly ``data``."""
+    try:
+        if os.path.getsize(path) != len(data):
+            return False
+        with open(path, "rb") as f:
+            return f.read() == data
+    except OSError:
+        return False
 
 
 def merge(step_directory: str, shard_dirs: list[str]) -> Any:
@@ -329,11 +352,20 @@ def dcp_directory(group: str) -> str:
     return DIR_PREFIX + file_safe(group)
 
 
+MAX_SAFE_NAME = 120  # characters: "shard-<name>.pt" and its temporary name stay far below 255
+
+
 def file_safe(name: str) -> str:
     """``name`` as one part of a file name: ``[A-Za-z0-9._-]`` kept, any other character "_",
     and then the CRC32 of ``name`` - so that two names differing only there ("actor ref",
-    "actor_ref") never share a file or a directory."""
+    "actor_ref") never share a file or a directory. A name longer than ``MAX_SAFE_NAME`` (a
+    200-character group and its shard label) keeps its first 100 characters and a SHA-256
+    digest of the whole: a file system takes at most 255 bytes in a name, and a save that fails
+    on "File name too long" fails at the eviction."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
     if safe != name or not safe:
         safe = f"{safe}-{zlib.crc32(name.encode()):08x}"
+    if len(safe) > MAX_SAFE_NAME:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        safe = f"{safe[:100]}-{digest}"
     return safe

@@ -455,3 +455,67 @@ def test_shards_and_steps_behind_symbolic_links_are_not_followed(tmp_path, caplo
     with pytest.raises(CheckpointError, match="is a symbolic link"):
         commit(root, 30, ["a"], [record], cycle=2)
     assert not os.path.exists(os.path.join(step_dir(root, 30), MANIFEST))
+
+
+# --- names and writers the checkpoint module itself refuses or serialises ----------------------
+
+
+def test_the_checkpoint_api_refuses_a_group_named_with_a_slash(tmp_path):
+    """Setup refuses "team/actor"; the module's own API used to take it, and ``commit`` then
+    assembled "team/actor" and "team/critic" into one DCP checkpoint "team"."""
+    root = str(tmp_path)
+    with pytest.raises(CheckpointError, match=r"group 'team/actor' is not allowed: a name without"):
+        write_shard(root, 1, "team/actor/0", _saver(1), group="team/actor", rank=0)
+    assert not os.path.exists(step_dir(root, 1)) or os.listdir(step_dir(root, 1)) == []
+    record = write_shard(root, 1, "a", _saver(1))
+    with pytest.raises(CheckpointError, match=r"group 'team/critic' is not allowed"):
+        commit(root, 1, ["a"], [dataclasses.replace(record, group="team/critic")])
+    assert latest_committed(root) is None
+
+
+def test_a_shard_named_at_the_setup_limits_saves_and_stays_apart_from_its_neighbours(tmp_path):
+    """A 200-character group and a 58-character shard label (both allowed at setup) made a
+    277-character file name: the emergency save failed with "File name too long" at the
+    eviction. Long names keep a readable prefix and a digest of the whole."""
+    root = str(tmp_path)
+    group = "g" * 200
+    keys = [f"{group}/{'s' * 57}{end}" for end in "ab"]
+    records = [write_shard(root, 3, key, _saver(3), group=group, rank=0) for key in keys]
+    assert len({r.file for r in records}) == 2, "two long names, two files"
+    assert all(len(r.file) <= 255 and len(r.file.encode()) <= 255 for r in records)
+    commit(root, 3, keys, records)
+    ckpt = latest_committed(root, verify_checksums=True)
+    assert ckpt.step == 3 and sorted(ckpt.shards) == sorted(keys)
+    assert load_committed_shard(ckpt, keys[1])["w"][0].item() == 3.0
+
+
+def test_two_commits_of_one_dcp_step_at_once_both_succeed_and_never_touch_it_after(tmp_path):
+    """The coordinator commits on threads: two commits of one DCP step shared
+    ``dcp-<group>/.metadata.tmp`` (10 of 24 raised FileNotFoundError), and the one that lost
+    rewrote ``.metadata`` behind the committed manifest."""
+    from ray_graceful import dcp_saver
+
+    root = str(tmp_path)
+    model = torch.nn.Linear(4, 3)
+    errors: list[str] = []
+    for step in range(12):
+        saver = dcp_saver(lambda: {"model": model.state_dict()})
+        record = write_shard(root, step, "policy/0", saver, group="policy", rank=0)
+
+        def one_commit(step=step, record=record):
+            try:
+                commit(root, step, ["policy/0"], [record], cycle=step)
+            except Exception as exc:
+                errors.append(f"step {step}: {exc!r}")
+
+        threads = [threading.Thread(target=one_commit) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        directory = step_dir(root, step)
+        metadata = os.stat(os.path.join(directory, "dcp-policy", ".metadata"))
+        manifest = os.stat(os.path.join(directory, MANIFEST))
+        assert metadata.st_mtime_ns <= manifest.st_mtime_ns, f"step {step}: rewritten after"
+        assert sorted(os.listdir(os.path.join(directory, "dcp-policy"))) == [".metadata"]
+    assert errors == []

@@ -128,6 +128,17 @@ class CommittedCheckpoint:
         return self.shards[key]
 
 
+def check_group_name(group: str, where: str) -> None:
+    """CheckpointError unless ``group`` is a name a checkpoint can keep apart from the others:
+    "/" separates a group from its shard label in every shard key, so "team/actor" and
+    "team/critic" would be read back as one group "team" (one DCP checkpoint for both)."""
+    if "/" in group:
+        raise CheckpointError(
+            f"{where}: group {group!r} is not allowed: a name without '/' (it separates a group "
+            "from its shard label in a checkpoint's keys)"
+        )
+
+
 def shard_key(group: str, label: str) -> str:
     """How shard ``label`` of group ``group`` is named in a checkpoint: ``"policy/0"``."""
     return f"{group}/{label}"

@@ -32,6 +32,7 @@ from .records import (
     MANIFEST,
     CheckpointError,
     ShardRecord,
+    check_group_name,
     shard_file_name,
     step_dir,
 )
@@ -58,6 +59,7 @@ def write_shard(
             f"shard {shard!r}: no checkpoint directory given (an empty root would write into the "
             "working directory)"
         )
+    check_group_name(group, f"shard {shard!r}")
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     name = shard_file_name(shard)
@@ -138,9 +140,30 @@ def commit(
     """
     if not expected_shards:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
+    for record in records:
+        check_group_name(record.group, f"shard {record.shard!r}")
     by_shard, twice = _one_record_per_shard(records, step)
     check_shard_set(expected_shards, by_shard, f" at step {step}")
     directory = step_dir(root, step)
+    with _step_lock(directory):  # one commit of a step at a time in this process
+        return _commit_in(
+            directory, step, expected_shards, by_shard, twice, records, cycle, extra, verify
+        )
+
+
+def _commit_in(
+    directory: str,
+    step: int,
+    expected_shards: list[str],
+    by_shard: dict[str, ShardRecord],
+    twice: dict[str, list[ShardRecord]],
+    records: list[ShardRecord],
+    cycle: int,
+    extra: Mapping[str, Any] | None,
+    verify: Collection[str],
+) -> str:
+    """``commit``'s writing part, under the step's lock: the manifest is read first, so a
+    writer that lost never rewrites the DCP metadata behind a committed manifest."""
     existing, _reason = read_manifest(directory, step)
     if existing is not None:
         _kept_as_it_is(existing, step, expected_shards)
@@ -160,7 +183,8 @@ def commit(
     dcp_groups: dict[str, list[str]] = {}
     for record in records:
         if is_dcp_shard(os.path.join(directory, record.file)):
-            dcp_groups.setdefault(record.shard.partition("/")[0], []).append(record.file)
+            group = record.group or record.shard.partition("/")[0]
+            dcp_groups.setdefault(group, []).append(record.file)
     if dcp_groups:  # the savers wrote DCP: one global .metadata per group, before the manifest
         try:
             manifest["dcp"] = assemble(directory, dcp_groups)
@@ -175,6 +199,16 @@ def commit(
             raise  # the name is taken by what is no manifest: an I/O failure, nothing replaced
         _kept_as_it_is(existing, step, expected_shards)  # another writer committed it meanwhile
     return path
+
+
+_STEP_LOCKS = tuple(threading.Lock() for _ in range(64))  # striped: bounded, never dropped
+
+
+def _step_lock(directory: str) -> threading.Lock:
+    """The lock of one step's directory: the coordinator commits on threads, and two commits of
+    one step (a held step's durable copy and the next cycle's) shared the DCP metadata's
+    temporary name - one failed, and the one that lost rewrote it behind the manifest."""
+    return _STEP_LOCKS[hash(os.path.realpath(directory)) % len(_STEP_LOCKS)]
 
 
 def _kept_as_it_is(existing: Mapping[str, Any], step: int, expected_shards: list[str]) -> None:
