@@ -35,7 +35,7 @@ from .notices import EvictionNotice, NoticeError
 from .outcome import TerminationOutcome
 from .plan import RankInfo, RankPlan, TerminationPlan, TopologyError, plan_termination
 from .protocol import Rejoined
-from .warm_group import WarmGroup, WarmRestart, WarmRestartFailed
+from .warm_group import WarmGroup, WarmRestart, WarmRestartFailed, WarmRestartInProgress
 from .worker.mixin import GracefulWorkerMixin
 from .worker.process_groups import SetupError
 from .worker.rejoin import rejoin
@@ -107,6 +107,7 @@ __all__ = [
     "WarmGroup",
     "WarmRestart",
     "WarmRestartFailed",
+    "WarmRestartInProgress",
     "__version__",
     "add_process_group",
     "after_init_process_group",

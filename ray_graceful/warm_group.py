@@ -26,6 +26,7 @@ checkpoint, as without one.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,11 @@ class WarmRestartFailed(RuntimeError):
         super().__init__(reason)
         self.reason = reason
         self.outcome = outcome
+
+
+class WarmRestartInProgress(RuntimeError):
+    """``restart()`` was called while another call on the same group runs: one eviction has one
+    restart, and ``group.workers`` is the one it returns. Wait for that call instead."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class WarmGroup:
         self.workers = list(workers)
         self.method, self.args = method, args
         self._spares: dict[Any, Any] = {}  # ObjectRef of its pending rejoin -> the spare
+        self._restarting = threading.Lock()  # held by the one restart() that runs
         self.add_spares(spares)
 
     @property
@@ -121,7 +128,22 @@ class WarmGroup:
         members joined and another did not, the coordinator ends those that joined through a
         cycle of their new group; ``WarmRestartFailed`` is raised once that cycle's outcome is
         out (or ``timeout`` is spent), never while they still run.
+
+        ``WarmRestartInProgress`` at once if another ``restart()`` of this group runs: two calls
+        at once took each other's members, one raised a bare ``KeyError``, the other failed
+        after its timeout, and ``group.workers`` was left stale.
         """
+        if not self._restarting.acquire(blocking=False):
+            raise WarmRestartInProgress(
+                "another restart() of this group is running: one eviction has one restart - "
+                "wait for that call's result (group.workers is set by it)"
+            )
+        try:
+            return self._restart(timeout)
+        finally:
+            self._restarting.release()
+
+    def _restart(self, timeout: float) -> WarmRestart:
         import ray
 
         until = time.monotonic() + timeout

@@ -236,3 +236,51 @@ def test_a_warm_restarts_nccl_group_is_formed_eagerly_on_the_ranks_device(backen
 
     found = eager_device(backend, cuda)
     assert (str(found) if found is not None else None) == device
+
+
+class _SlowCoordinator:
+    """The one call ``WarmGroup.restart`` makes first (``wait_outcome``), held until released:
+    the coordinator's handle is the seam the driver's side is written against."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def wait_outcome(self, timeout: float, cycle: int | None = None):
+        self.entered.set()
+        self.release.wait(timeout)
+        return None  # no outcome: that call fails with its own reason
+
+
+def test_a_second_restart_of_a_group_while_one_runs_is_refused_at_once_and_the_first_goes_on():
+    """Two ``restart()`` calls at once took each other's members: one raised a bare KeyError,
+    the other failed after 45 s, and ``group.workers`` was left stale."""
+    import threading
+    import time
+
+    from ray_graceful import WarmGroup, WarmRestartFailed, WarmRestartInProgress
+
+    coordinator = _SlowCoordinator()
+    group = WarmGroup(coordinator, workers=[])  # type: ignore[arg-type]
+    first: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            group.restart(timeout=30)
+        except BaseException as exc:
+            first.append(exc)
+
+    runner = threading.Thread(target=restart)
+    runner.start()
+    assert coordinator.entered.wait(10)
+    started = time.monotonic()
+    with pytest.raises(WarmRestartInProgress, match="another restart\\(\\) of this group"):
+        group.restart(timeout=30)
+    assert time.monotonic() - started < 1.0, "refused at once, not after the first one"
+    coordinator.release.set()
+    runner.join(10)
+    assert len(first) == 1 and isinstance(first[0], WarmRestartFailed), first
+    coordinator.release.set()
+    with pytest.raises(WarmRestartFailed, match="no outcome"):  # the lock was let go
+        group.restart(timeout=0.1)
