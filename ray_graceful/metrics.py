@@ -91,6 +91,16 @@ WARM_RESTARTS = MetricDef(
     "Warm restarts decided at a cycle's end, by result (rejoining, or cold and why not)",
     ("result",),
 )
+DURABLE_STEP = MetricDef(
+    "ray_graceful_durable_step",
+    Kind.GAUGE,
+    "Step of the newest checkpoint the memory tier made durable on disk",
+)
+DURABLE_FAILURES = MetricDef(
+    "ray_graceful_durable_copy_failures",
+    Kind.COUNTER,
+    "Disk copies of a memory checkpoint that failed after every try (no durable step since)",
+)
 NODE_AGENT_POLLS = MetricDef(
     "ray_graceful_node_agent_polls",
     Kind.COUNTER,
@@ -109,6 +119,8 @@ DEFINITIONS: tuple[MetricDef, ...] = (
     SAVED_BYTES,
     MEMORY_HELD_BYTES,
     WARM_RESTARTS,
+    DURABLE_STEP,
+    DURABLE_FAILURES,
     NODE_AGENT_POLLS,
 )
 

@@ -46,6 +46,9 @@ class TerminationOutcome:
     # Warm restart: who rejoins as which rank, which spare took which slot, the resume step -
     # or why every survivor was told to leave (coordinator/warm_restarts.py). None without one.
     warm: dict[str, Any] | None = None
+    # The memory tier's disk copies as this outcome went out: the newest durable step, and a
+    # newer one whose copy failed after every try ("no durable step since k").
+    durable: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain data: its fields are plain data already (made for it when the
@@ -71,6 +74,8 @@ class TerminationOutcome:
         if self.reason:
             head += f" ({self.reason})"
         tail = f"{head}; {len(self.reports)} report(s), {len(self.missing)} missing; {resume}"
+        if self.durable and self.durable.get("says"):
+            tail += f"; {self.durable['says']}"
         if self.warm:
             members = len(self.warm.get("members", []))
             tail += f"; warm restart: {self.warm['result']}" + (

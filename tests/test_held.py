@@ -187,6 +187,22 @@ def test_a_copy_that_failed_or_did_not_land_in_time_loses_the_step_with_the_reas
     assert lost is not None and lost.stage is Stage.LOST and "g/1" in lost.reason
 
 
+def test_a_held_steps_disk_copy_that_failed_every_try_is_said_never_left_in_the_keepers():
+    """The checkpoint directory replaced by a file after a held restart: ``durability`` said
+    "in-keepers" with no reason for ever after."""
+    steps = HeldSteps()
+    held = steps.expect(request(record("g/0", "memory")), 9e9)
+    held.reached(Stage.IN_KEEPERS)
+    assert held.disk_copy_ended(None) is False and held.stage is Stage.IN_KEEPERS  # running
+    assert held.disk_copy_ended({"error": "NotADirectoryError: ckpt", "tries": 3}) is True
+    described = steps.describe(3)
+    assert described["stage"] == "durable-failed"
+    assert described["reason"] == "the disk copy failed: NotADirectoryError: ckpt"
+    other = steps.expect(request(record("g/0", "memory"), cycle=4), 9e9)
+    assert other.disk_copy_ended({"path": "/ckpt/step-9", "at": 1.0}) is True
+    assert steps.describe(4)["stage"] == "on-disk" and other.durable_path == "/ckpt/step-9"
+
+
 def test_late_saves_for_no_held_step_or_a_shard_not_held_are_refused():
     steps = HeldSteps()
     assert "no held step" in steps.take(LateSave("p", 9, ()))[1]

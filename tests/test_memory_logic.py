@@ -354,3 +354,97 @@ def test_a_durable_copy_under_way_is_never_started_twice(config):
     keepers, durable = run(scenario())
     assert "path" in durable, durable
     assert keepers["a"].persisted == [(3, "g/0")], "one copy of the step, not two"
+
+
+class FailingKeeper(FakeKeeper):
+    """A keeper whose first ``fail`` writes fail, as a full disk or a replaced directory does."""
+
+    def __init__(self, node: str, fail: int) -> None:
+        super().__init__(node)
+        self.fail = fail
+
+    async def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
+        if self.fail > 0:
+            self.fail -= 1
+            raise OSError(28, "No space left on device")
+        return await super().persist(root, step, shard_key)
+
+
+def _quick_retries(monkeypatch) -> None:
+    from ray_graceful.coordinator import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "DURABLE_RETRY_S", (0.05, 0.05))
+
+
+def test_a_durable_copy_that_fails_every_try_says_so_everywhere_a_user_looks(config, monkeypatch):
+    """``checkpoint_dir`` replaced by a file: the copy failed once, ``durability`` said "in the
+    keepers" with no reason for ever after, and nothing tried again. Now: three tries, then the
+    record, the summary (status, outcome) and the metric's hook say no step is durable since."""
+    from ray_graceful.coordinator.held import memory_durability
+
+    _quick_retries(monkeypatch)
+    os.makedirs(os.path.dirname(config.checkpoint_dir), exist_ok=True)
+    with open(config.checkpoint_dir, "w") as f:
+        f.write("not a directory")
+    told: list[tuple[dict, bool]] = []
+
+    async def scenario():
+        memory, keepers = tier(config)
+        memory.durable_changed = lambda summary, failed: told.append((summary, failed))
+        memory.ensure_keeper("a")
+        memory.after_commit(0, held_checkpoint(keepers, 9, {"g/0": "a"}))
+        return memory, await memory.wait_durable(0, 10)
+
+    memory, durable = run(scenario())
+    assert durable["tries"] == 3 and "NotADirectoryError" in durable["error"], durable
+    assert read_record(config, "durable-cycle-0")["tries"] == 3
+    where = memory_durability(memory.record(0))
+    assert where["stage"] == "durable-failed" and "NotADirectoryError" in where["reason"]
+    summary = memory.durable_summary()
+    assert summary["step"] is None and summary["failing"]["step"] == 9
+    assert summary["says"].startswith("no durable step since the start: the copy of step 9")
+    assert told == [(summary, True)]
+
+
+def test_a_durable_copy_that_fails_once_is_tried_again_and_lands(config, monkeypatch):
+    _quick_retries(monkeypatch)
+
+    async def scenario():
+        memory, keepers = tier(config)
+        keepers["a"] = FailingKeeper("a", fail=1)
+        memory.keepers["a"] = keepers["a"]
+        memory.after_commit(0, held_checkpoint(keepers, 9, {"g/0": "a"}))
+        return memory, await memory.wait_durable(0, 10)
+
+    memory, durable = run(scenario())
+    assert "path" in durable and latest_committed(config.checkpoint_dir).step == 9
+    assert memory.record(0)["durable_error"] is None
+    assert memory.durable_summary() == {"step": 9, "path": durable["path"], "failing": None}
+
+
+def test_a_failed_step_is_no_longer_failing_once_a_newer_one_is_durable(config, monkeypatch):
+    _quick_retries(monkeypatch)
+
+    async def scenario():
+        memory, keepers = tier(config)
+        keepers["a"] = FailingKeeper("a", fail=3)
+        memory.keepers["a"] = keepers["a"]
+        memory.after_commit(0, held_checkpoint(keepers, 9, {"g/0": "a"}, cycle=0))
+        failed = await memory.wait_durable(0, 10)
+        says = memory.durable_summary()["says"]
+        memory.after_commit(1, held_checkpoint(keepers, 12, {"g/0": "a"}, cycle=1))
+        return failed, says, await memory.wait_durable(1, 10), memory.durable_summary()
+
+    failed, says, landed, summary = run(scenario())
+    assert "error" in failed and "step 9 failed 3 time(s)" in says
+    assert "path" in landed and summary["step"] == 12 and summary["failing"] is None
+
+
+def test_an_outcome_published_while_no_step_is_durable_says_so_in_its_summary():
+    from ray_graceful.outcome import TerminationOutcome
+    from ray_graceful.protocol import Result
+
+    says = "no durable step since step 4: the copy of step 9 failed 3 time(s) (OSError: full)"
+    outcome = TerminationOutcome(1, "job", Result.COMMITTED, durable={"step": 4, "says": says})
+    assert outcome.summary().endswith(f"; {says}")
+    assert TerminationOutcome.from_dict(outcome.to_dict()).durable == outcome.durable

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -63,7 +64,7 @@ from .backups import BackupTurns
 from .conclusion import CommitRequest, carry_out
 from .fanout import Fanout, held, resolve
 from .groups import GroupAgents
-from .held import HeldStep, HeldSteps, Stage
+from .held import HeldStep, HeldSteps, Stage, memory_durability
 from .host_watch import HostWatch
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
@@ -119,6 +120,7 @@ class CoordinatorActor(NodeFacingCalls):
             home_node=home,
             publish=functools.partial(publish_record, config.report_dir, job_id),
             before_persist=self._rejoin_done,
+            durable_changed=lambda summary, failed: self.outcomes.durable_changed(summary, failed),
         )
         if self.restarted and config.memory_replicas > 0:  # our keepers outlived our process
             kept = recovery.memory_checkpoints(config.report_dir, job_id)
@@ -325,7 +327,10 @@ class CoordinatorActor(NodeFacingCalls):
 
     def _publish(self, concluded: ev.Concluded) -> None:
         """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
-        self.outcomes.publish(concluded.outcome)
+        outcome = concluded.outcome
+        if self.config.memory_replicas:
+            outcome = dataclasses.replace(outcome, durable=self.memory.durable_summary())
+        self.outcomes.publish(outcome)
         if concluded.outcome.result is not Result.HELD:  # a held step commits later
             self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
 
@@ -375,8 +380,7 @@ class CoordinatorActor(NodeFacingCalls):
         self._publish_held(held)
         self.memory.after_commit(held.cycle, landed.memory)  # the disk copy, in the background
         durable = await self.memory.wait_durable(held.cycle, REPORT_GRACE_S + 600.0)
-        if durable and durable.get("path"):
-            held.reached(Stage.ON_DISK, durable_path=durable["path"])
+        if held.disk_copy_ended(durable):
             self._publish_held(held)
 
     def _held_lost(self, held: HeldStep) -> None:
@@ -399,8 +403,7 @@ class CoordinatorActor(NodeFacingCalls):
         memory = self.memory.record(cycle)
         if memory is None:
             return None
-        stage = Stage.ON_DISK if memory.get("durable_path") else Stage.IN_KEEPERS
-        return {**memory, "stage": (Stage.LOST if memory.get("lost") else stage).value}
+        return memory_durability(memory)
 
     async def _join_deadline(self, cycle: int, join_by: float) -> None:
         """A warm restart's members have until ``join_by`` to say what they did."""
@@ -528,6 +531,7 @@ class CoordinatorActor(NodeFacingCalls):
             "group_agents": self.groups.describe(),
             "failures": list(self.watcher.failures),
             "host_watch": self.host_watch.describe() if self.host_watch else None,
+            "durable": self.memory.durable_summary() if self.config.memory_replicas else None,
             "last_outcome": last.to_dict() if last else None,
         }
 

@@ -13,6 +13,7 @@ background (manifest last). Until then nothing marks it committed: ``load_latest
 restart see the step before it, and ``Coordinator.durability(cycle)`` says which stage it is in:
 
     held  ->  in the keepers  ->  on disk
+      |               \\-> durable-failed (every try of the disk copy failed: ``reason``)
       \\-> lost (a copy failed, or did not land by ``until``: the step is never committed)
 
 Ray-free and clock-free: the actor feeds it the cycle's commit request, the late reports and
@@ -41,6 +42,7 @@ class Stage(Word):
     COMMITTING = "committing"  # every copy landed: committing in memory
     IN_KEEPERS = "in-keepers"  # committed in memory: ``load_latest`` returns it
     ON_DISK = "on-disk"  # its manifest is written
+    DURABLE_FAILED = "durable-failed"  # in the keepers; its disk copy failed every try (reason)
     LOST = "lost"  # a copy failed or never came: never committed (``reason``)
 
 
@@ -122,6 +124,18 @@ class HeldStep:
         for name, value in fields.items():
             setattr(self, name, value)
 
+    def disk_copy_ended(self, durable: dict[str, Any] | None) -> bool:
+        """The memory tier's disk copy ended (``wait_durable``'s record; None: still running):
+        on disk, or ``durable-failed`` with the error - never left "in the keepers" as if it
+        were on its way. Whether the stage changed."""
+        if durable and durable.get("path"):
+            self.reached(Stage.ON_DISK, durable_path=durable["path"])
+            return True
+        if durable and durable.get("error"):
+            self.reached(Stage.DURABLE_FAILED, reason=f"the disk copy failed: {durable['error']}")
+            return True
+        return False
+
     def describe(self) -> dict[str, Any]:
         """What ``Coordinator.durability(cycle)`` answers: which step is held where."""
         return {
@@ -138,6 +152,21 @@ class HeldStep:
             "at": dict(self.at),
             "reason": self.reason,
         }
+
+
+def memory_durability(record: dict[str, Any]) -> dict[str, Any]:
+    """``Coordinator.durability`` of a step committed in memory at its cycle's end (no held
+    step): its memory record, with the stage it is in and why - a disk copy that failed every
+    try is ``durable-failed`` with its error, never "in the keepers" as if it were on its way."""
+    if record.get("lost"):
+        stage, reason = Stage.LOST, record["lost"]
+    elif record.get("durable_path"):
+        stage, reason = Stage.ON_DISK, ""
+    elif record.get("durable_error"):
+        stage, reason = Stage.DURABLE_FAILED, record["durable_error"]
+    else:
+        stage, reason = Stage.IN_KEEPERS, ""
+    return {**record, "stage": stage.value, "reason": reason}
 
 
 class HeldSteps:

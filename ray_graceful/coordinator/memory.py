@@ -63,6 +63,13 @@ class KeeperClient(Protocol):
 
 KeeperFactory = Callable[[str, str], KeeperClient]  # (keeper name, node id) -> a started keeper
 Publish = Callable[[str, dict[str, Any]], None]  # (record name, record) -> written
+# (durable_summary(), whether this copy failed every try), after each durable copy ended
+DurableChanged = Callable[[dict[str, Any], bool], None]
+
+# A durable copy that fails is tried again, a bounded number of times: a full disk or a
+# replaced directory may be put right by an operator, and until then no step is durable.
+DURABLE_TRIES = 3
+DURABLE_RETRY_S = (2.0, 8.0)  # the waits before the second and the third try
 BeforePersist = Callable[[int], Awaitable[None]]  # cycle -> wait until its copy may start
 
 
@@ -78,6 +85,7 @@ class MemoryTier:
         home_node: str = "",
         publish: Publish | None = None,
         before_persist: BeforePersist | None = None,
+        durable_changed: DurableChanged | None = None,
     ) -> None:
         self.config = config
         self.job_id = job_id
@@ -86,6 +94,9 @@ class MemoryTier:
         self.home_node = home_node
         self.publish = publish or (lambda name, record: None)
         self.before_persist = before_persist
+        self.durable_changed = durable_changed or (lambda summary, failed: None)
+        self.newest_durable: dict[str, Any] | None = None  # {"step", "cycle", "path", "at"}
+        self.failing: dict[str, Any] | None = None  # the newest step whose copy failed, and why
         self.keepers: dict[str, KeeperClient] = {}  # node id -> its keeper
         self.checkpoints: dict[int, MemoryCheckpoint] = {}  # step -> committed in memory
         self.by_cycle: dict[int, MemoryCheckpoint] = {}  # cycle -> its memory checkpoint
@@ -197,12 +208,55 @@ class MemoryTier:
                 await asyncio.wait_for(
                     self.before_persist(memory.cycle), self.config.rejoin_timeout_s
                 )
-        async with self.writing.setdefault(memory.step, asyncio.Lock()):
-            durable = await self._write_durable(root, memory)
+        for attempt in range(DURABLE_TRIES):
+            if attempt:
+                await asyncio.sleep(DURABLE_RETRY_S[min(attempt, len(DURABLE_RETRY_S)) - 1])
+                if (self.newest_durable or {}).get("step", -1) > memory.step:
+                    break  # a newer step is durable: this one no longer needs to be
+            async with self.writing.setdefault(memory.step, asyncio.Lock()):
+                durable = await self._write_durable(root, memory)
+            if "path" in durable:
+                break
+            durable["tries"] = attempt + 1
+        self._durable_ended(memory, durable)
         self.durable[memory.cycle] = durable
         self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
         self._changed(memory)
         self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
+
+    def _durable_ended(self, memory: MemoryCheckpoint, durable: dict[str, Any]) -> None:
+        """Keep ``durable_summary`` true: the newest durable step, and a newer one that failed."""
+        newest = (self.newest_durable or {}).get("step", -1)
+        if "path" in durable:
+            if memory.step >= newest:
+                self.newest_durable = {"step": memory.step, "cycle": memory.cycle, **durable}
+            if self.failing is not None and self.failing["step"] <= memory.step:
+                self.failing = None
+        elif memory.step > newest:
+            self.failing = {
+                "step": memory.step,
+                "cycle": memory.cycle,
+                "reason": durable.get("error", ""),
+                "tries": durable.get("tries", 1),
+            }
+        self.durable_changed(self.durable_summary(), "path" not in durable)
+
+    def durable_summary(self) -> dict[str, Any]:
+        """What is on disk, as a user asks it: the newest durable step (None: none yet), and
+        the newer step whose copy failed after every try - "no durable step since k"."""
+        summary: dict[str, Any] = {
+            "step": (self.newest_durable or {}).get("step"),
+            "path": (self.newest_durable or {}).get("path"),
+            "failing": dict(self.failing) if self.failing else None,
+        }
+        if self.failing:
+            since = summary["step"]
+            summary["says"] = (
+                f"no durable step since {'the start' if since is None else f'step {since}'}: "
+                f"the copy of step {self.failing['step']} failed {self.failing['tries']} "
+                f"time(s) ({self.failing['reason']})"
+            )[:500]
+        return summary
 
     async def _write_durable(self, root: str, memory: MemoryCheckpoint) -> dict[str, Any]:
         """The keepers write the shards, then the manifest; where it landed, or the error. A
@@ -227,6 +281,7 @@ class MemoryTier:
                 {"job_id": self.job_id, "tiers": ["memory", "disk"]},
             )
             memory.durable_path, memory.durable_at = os.path.dirname(path), time.time()
+            memory.durable_error = None
             durable = {"path": memory.durable_path, "at": memory.durable_at}
             for older in [s for s in self.checkpoints if s < memory.step]:
                 del self.checkpoints[older]

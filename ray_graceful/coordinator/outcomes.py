@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..metrics import NOTICES, REJECTED, MetricDef, Metrics
+from ..metrics import DURABLE_FAILURES, DURABLE_STEP, NOTICES, REJECTED, MetricDef, Metrics
 from ..outcome import TerminationOutcome
 from . import recovery
 
@@ -101,6 +101,16 @@ class OutcomeBoard:
         """One more of ``spec`` (a counter of ``metrics.py``), where metrics are recorded."""
         if self.metrics is not None:
             self.metrics.inc(spec, tags)
+
+    def durable_changed(self, summary: dict, failed: bool) -> None:
+        """A durable copy ended: the newest durable step, and one more failure where it failed
+        every try."""
+        if self.metrics is None:
+            return
+        if summary.get("step") is not None:
+            self.metrics.set(DURABLE_STEP, summary["step"])
+        if failed:
+            self.metrics.inc(DURABLE_FAILURES)
 
     def count_rejected(self) -> None:
         self.count(REJECTED)

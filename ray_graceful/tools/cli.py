@@ -130,6 +130,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"{spare['role']} {spare['id']} on {spare['node_id'][:12]} (pid {spare['pid']})")
     for group, why in sorted(status.get("incomplete_groups", {}).items()):
         print(f"group {group} is incomplete, so never saved: {why}")
+    durable = status.get("durable")
+    if durable and durable.get("says"):
+        print(f"DURABLE: {durable['says']}")
+    elif durable and durable.get("step") is not None:
+        print(f"durable: step {durable['step']} at {durable['path']}")
     if status["plan_table"]:
         print("\ncurrent plan:\n" + status["plan_table"])
     if status["last_outcome"]:

@@ -17,6 +17,8 @@ from typing import Any
 from .. import __version__
 from ..metrics import (
     COMMITTED_STEP,
+    DURABLE_FAILURES,
+    DURABLE_STEP,
     MEMORY_HELD_BYTES,
     NODE_AGENT_POLLS,
     NOTICES,
@@ -91,6 +93,13 @@ PANELS = (
         "Step of the last committed emergency checkpoint.",
         "none",
         (COMMITTED_STEP,),
+    ),
+    PanelSpec(
+        "Durable step, and failed disk copies",
+        "Step of the newest checkpoint the memory tier wrote to disk; disk copies that failed "
+        "every try (no durable step since).",
+        "none",
+        (DURABLE_STEP, DURABLE_FAILURES),
     ),
     PanelSpec(
         "Warm restarts, by decision",
