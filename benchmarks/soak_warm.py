@@ -60,23 +60,34 @@ RESOURCES = (
 
 
 class WarmSoakRank(GracefulWorkerMixin, BenchRank):
-    """A rank whose state is 256 KiB of its shard's weights; it rejoins in place."""
+    """A rank whose state is a user's: 256 KiB of weights and their Adam optimizer; it rejoins
+    in place.
+
+    Every step all-reduces, then takes one Adam step with a gradient of ones, so the state at
+    step k is known exactly: Adam's own step count is k, its first moment ``1 - 0.9**k``. A
+    checkpoint on disk whose optimizer is not at its step holds state from another step
+    (``_on_disk_is_its_step``) - what a spare that loaded views of a keeper's object used to
+    write into the held step."""
 
     def __init__(self, config: Any) -> None:
         import torch
 
         self.config = config
-        self.weights = torch.zeros(1 << 16)
+        self.weights = torch.nn.Parameter(torch.zeros(1 << 16))
+        self.adam = torch.optim.Adam([self.weights], lr=1e-3)
 
     def join(self, rank: int, world: int, port: int) -> int:
         """A cold start resumes as a user's would: from the committed step, if there is one
         (after a warm restart that could not be made, the group starts again from it)."""
+        import torch
+
         from ray_graceful import load_latest
 
         pid = self.join_group(rank, world, port, timeout_s=60.0)
         loaded = load_latest("soak", SHARDS[rank], self.config)
         if loaded is None:
-            self.weights.fill_(float(SHARDS[rank]))
+            with torch.no_grad():
+                self.weights.fill_(float(SHARDS[rank]))
         else:
             self._load(loaded.state)
             self.step = loaded.step
@@ -97,11 +108,36 @@ class WarmSoakRank(GracefulWorkerMixin, BenchRank):
             self.step = joined.step
         return joined
 
+    def train(self, steps: int, elements: int = 1 << 18, pause_s: float = 0.0) -> dict[str, Any]:
+        """``BenchRank.train``'s loop with one Adam step after each all-reduce."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.ones(elements)
+        try:
+            for _ in range(steps):
+                dist.all_reduce(tensor)
+                self.weights.grad = torch.ones_like(self.weights)
+                self.adam.step()
+                self.step += 1
+                if self.should_stop(self.step):
+                    break
+                if pause_s:
+                    time.sleep(pause_s)
+        except Exception as exc:
+            return {"released_at": time.time(), "error": str(exc)[-80:], "step": self.step}
+        return {"released_at": time.time(), "error": None, "step": self.step}
+
     def _state(self) -> dict[str, Any]:
-        return {"weights": self.weights, "step": self.step}
+        optim = self.adam.state_dict()
+        return {"weights": self.weights.detach(), "optim": optim, "step": self.step}
 
     def _load(self, state: dict[str, Any]) -> None:
-        self.weights.copy_(state["weights"])
+        import torch
+
+        with torch.no_grad():
+            self.weights.copy_(state["weights"])
+        self.adam.load_state_dict(state["optim"])
 
     def step_now(self) -> int:
         return self.step
@@ -272,8 +308,32 @@ def _one_cycle(
         result="no outcome" if outcome is None else str(outcome.result),
         torn=torn_commits(coordinator, config.checkpoint_dir, cycle_number, outcome, before),
         crashes=recorded_crashes(set(pids)),
+        not_its_step=_on_disk_is_its_step(config.checkpoint_dir),
     )
     return record, group
+
+
+def _on_disk_is_its_step(root: str) -> list[str]:
+    """The newest durable checkpoint's shards whose state is not of its step: Adam's step count
+    and first moment (gradient ones: ``1 - 0.9**k``) say which step a shard's state is from."""
+    import torch
+
+    from ray_graceful.checkpoint import load_committed_shard
+
+    latest = latest_committed(root, verify_checksums=True)
+    if latest is None:
+        return []
+    wrong = []
+    for shard in sorted(latest.shards):
+        saved = load_committed_shard(latest, shard)
+        step, optim = int(saved["step"]), saved["state"]["optim"]["state"]
+        if step == 0 and not optim:
+            continue
+        adam = optim[0]
+        moment = torch.full_like(adam["exp_avg"], 1 - 0.9**step)
+        if int(adam["step"]) != step or not torch.allclose(adam["exp_avg"], moment, atol=1e-6):
+            wrong.append(f"{shard}@{step}: Adam at step {int(adam['step'])}")
+    return wrong
 
 
 def _resources(ray: Any, coordinator: Any, group: Any) -> dict[str, Any]:
@@ -298,7 +358,7 @@ def _line(c: dict[str, Any]) -> str:
     return (
         f"{c['result']}, evicted out in {c['out_s']:.2f}s, {joined}, training again after "
         f"{c['training_again_s']:.2f}s (first step {c['first_step_s']:.2f}s), hangs {c['hangs']}, "
-        f"torn {c['torn']}, crashes "
+        f"torn {c['torn']}, not its step {c['not_its_step'] or 0}, crashes "
         f"{c['crashes']}, coordinator {c['coordinator_rss_mb']:.0f} MB, ranks "
         f"{c['rank_rss_mb']:.0f} MB / {c['rank_threads']} threads / {c['rank_fds']} fds, "
         f"{c['live_actors']} actors"
@@ -314,6 +374,7 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
         len(cycles),
         sum(c["hangs"] for c in cycles),
         sum(c["torn"] for c in cycles),
+        f"{sum(1 for c in cycles if not c['not_its_step'])} of {len(cycles)}",
         sum(c["crashes"] for c in cycles),
         f"{len(warm)} re-formed in place, {len(cycles) - len(warm)} failed",
         ", ".join(f"{n} {r}" for r, n in sorted(Counter(c["result"] for c in cycles).items())),
@@ -322,7 +383,10 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
         max((c["training_again_s"] for c in warm), default=float("nan")),
         percentile([c["first_step_s"] for c in warm], 0.5),
     ]
-    header = ["eviction", "cycles", "hangs", "torn", "Ray: crashes", "warm restarts", "results"]
+    header = [
+        "eviction", "cycles", "hangs", "torn", "on disk = its step", "Ray: crashes",
+        "warm restarts", "results",
+    ]  # fmt: skip
     timed = ["evicted out p50 s", "training again p50 s", "max s", "first step p50 s"]
     text = markdown_table([*header, *timed], [row])
     steady = cycles[args.warmup :] or cycles
