@@ -261,3 +261,67 @@ def test_an_abort_that_raises_is_reported_after_every_other_group_was_released()
     assert calls == ["abort"], "the failing group kept the other from being released"
     assert "bad: Failing.abort() (nccl, cuda): RuntimeError: NCCL error" in str(caught.value)
     assert "ok: _SharedBarrierBackend.abort() (nccl, cuda)" in str(caught.value)
+
+
+def _async_ahead_rank(rank: int, world: int, port: int, queue) -> None:
+    """The GPU hang's shape on gloo: rank 1's loop issues ``async_op=True`` all-reduces and never
+    waits on them, rank 0 (a departed peer) never joins them; rank 1's teardown then runs as at
+    a step boundary, with its collectives still pending on gloo's worker thread."""
+    import torch
+    import torch.distributed as dist
+
+    import ray_graceful
+    from ray_graceful import GracefulConfig
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    x = torch.ones(1 << 16)
+    dist.all_reduce(x)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(40)  # present, but in no collective: rank 1's work never completes
+        os._exit(0)
+    pending = [dist.all_reduce(x, async_op=True) for _ in range(8)]
+    config = GracefulConfig(
+        report_dir=f"/tmp/rg-gloo-async-{os.getpid()}", teardown_timeout_s=8, save_budget_s=4
+    )
+    ray_graceful.after_init_process_group("ahead", config=config)
+    started = time.monotonic()
+    teardown = ray_graceful.teardown_now("test", exit_process=False)
+    finished = teardown.done.wait(30)
+    seconds = time.monotonic() - started
+    ended = [w.is_completed() for w in pending]  # a released collective ends, with an error
+    queue.put((finished, seconds, ended, teardown.report.to_dict()))
+    queue.close()
+    queue.join_thread()  # the put is made by a feeder thread: flushed before the hard exit
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_with_unwaited_async_collectives_is_released_and_ends_within_its_bound():
+    """A loop that never waits on its ``async_op=True`` collectives parks with them pending on
+    a peer that left (the H100's hang, 3 runs in 5, on the CPU): the release shuts gloo's
+    connections, every pending collective ends, and the teardown ends well inside its deadline -
+    no wait for gloo's 10-minute timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_async_ahead_rank, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        finished, seconds, ended, report = queue.get(timeout=100)
+    finally:
+        for p in procs:
+            p.join(1)
+            if p.is_alive():
+                p.kill()
+    steps = {s["name"]: s for s in report["phases"]}
+    assert finished, report
+    assert steps["release_peers"]["status"] == "ran", steps["release_peers"]
+    assert steps["drain_device"]["status"] == "skipped", "no device: nothing queued there"
+    assert steps["destroy_process_group"]["status"] in ("ran", "failed"), steps
+    assert all(ended), f"pending collectives left inside gloo after the release: {ended}"
+    assert seconds < 5.0, f"released and torn down in {seconds:.1f}s, deadline 8 s"

@@ -162,6 +162,8 @@ def _parked_ahead_rank(rank: int, world: int, port: int, queue) -> None:
     teardown = ray_graceful.teardown_now("test", exit_process=False)
     finished = teardown.done.wait(30)
     queue.put((finished, time.monotonic() - started, teardown.report.to_dict()))
+    queue.close()
+    queue.join_thread()  # the put is made by a feeder thread: flushed before the hard exit
     os._exit(0)
 
 
