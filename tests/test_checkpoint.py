@@ -519,3 +519,14 @@ def test_two_commits_of_one_dcp_step_at_once_both_succeed_and_never_touch_it_aft
         assert metadata.st_mtime_ns <= manifest.st_mtime_ns, f"step {step}: rewritten after"
         assert sorted(os.listdir(os.path.join(directory, "dcp-policy"))) == [".metadata"]
     assert errors == []
+
+
+def test_a_files_checksum_is_the_crc32_of_its_bytes_empty_or_not(tmp_path):
+    import zlib
+
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    empty.write_bytes(b"")
+    data = os.urandom(3 << 20) + b"tail"
+    full.write_bytes(data)
+    assert file_checksum(str(empty)) == (0, 0)
+    assert file_checksum(str(full)) == (len(data), zlib.crc32(data))

@@ -293,3 +293,28 @@ def test_a_held_shard_whose_bytes_changed_is_never_written_as_its_step(ray_clust
         assert not (tmp_path / "b" / "step-00000005" / shard_file_name("trainer/0")).exists()
     finally:
         ray.kill(keeper)
+
+
+def test_a_shard_a_later_cycle_handed_over_again_outlives_the_release_of_a_lost_cycle(
+    ray_cluster,
+):
+    """Cycle 5 handed shard g/0 of step 100 over; the group was evicted again before it
+    trained, and cycle 6 handed the same step over again (the keeper answered "held again").
+    Cycle 5's held step is then lost, and its release used to drop the shard cycle 6's commit
+    relies on: an entry was tagged with the first cycle that stored it, only."""
+    from ray_graceful.memory.keeper import Keeper
+
+    keeper = ray.remote(Keeper).options(num_cpus=0).remote("j", "n", 1 << 30)
+    try:
+        tree = ray.put(to_tree({"step": 100, "state": {"w": torch.ones(10)}}))
+        first = ray.get(keeper.hold.remote(5, 100, "g/0", [tree], 40), timeout=60)
+        again = ray.get(keeper.hold.remote(6, 100, "g/0", [tree], 40), timeout=60)
+        assert first.accepted and again.accepted and again.again
+        ray.get(keeper.release.remote(cycle=5), timeout=60)
+        assert ray.get(keeper.fetch.remote(100, "g/0"), timeout=60) is not None, "cycle 6's"
+        stats = ray.get(keeper.stats.remote(), timeout=60)
+        assert [s["cycles"] for s in stats["shards"]] == [[6]]
+        ray.get(keeper.release.remote(cycle=6), timeout=60)  # no cycle relies on it now
+        assert ray.get(keeper.fetch.remote(100, "g/0"), timeout=60) is None
+    finally:
+        ray.kill(keeper)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -74,12 +75,15 @@ def file_checksum(path: str) -> tuple[int, int]:
                 size += s
                 crc = zlib.crc32(c.to_bytes(4, "little"), crc)
         return size, crc
-    size, crc = 0, 0
+    # Read through a mapping of the file, not into buffers: an 8 MB bytes object per chunk, made
+    # on a thread of each save's own, stayed in that thread's allocator arena, and a keeper that
+    # wrote one shard per eviction grew by about one shard an eviction (``heap.py``).
     with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0, 0
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+            return size, zlib.crc32(mapped)
 
 
 def fsync_tree(path: str) -> None:

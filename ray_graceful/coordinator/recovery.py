@@ -275,7 +275,7 @@ async def held_in_keepers(keepers: Mapping[str, KeeperClient], cycle: int) -> li
             logger.warning("ray_graceful coordinator: keeper on %s: %r", node[:12], answer)
             continue
         for held in answer.get("shards", []):
-            if held.get("cycle") != cycle:
+            if cycle not in held.get("cycles", [held.get("cycle")]):
                 continue
             key = (held["step"], held["shard"])
             known = records.get(key)

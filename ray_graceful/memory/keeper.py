@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import CheckpointError, ShardRecord, save_state_dict, write_shard
@@ -72,10 +72,10 @@ class Held:
 
     shard_key: str
     step: int
-    cycle: int
     nbytes: int
     ref: Any  # the keeper's own ObjectRef
     held_at: float
+    cycles: set[int] = field(default_factory=set)  # every cycle that handed it over
     group: str = ""
     rank: int = -1
     dcp_chunks: dict[str, Any] | None = None  # a dcp_saver's shard: its chunks (dcp.py)
@@ -137,7 +137,8 @@ class Keeper:
 
         with self.lock:
             existing = self.held.get((step, shard_key))
-            if existing is not None:  # a second delivery, or a backup after its saver
+            if existing is not None:  # a second delivery, a backup after its saver, a later cycle
+                existing.cycles.add(cycle)  # relies on it too: released only when none does
                 return ShardKept(True, self.node_id, existing.nbytes, again=True)
             if self.used() + self.reserved + nbytes > self.budget_bytes:
                 return ShardKept(
@@ -169,7 +170,7 @@ class Keeper:
         checksum = self.checksums.submit(lambda: tree_checksum(ray.get(own)))
         with self.lock:
             self.held[(step, shard_key)] = Held(
-                shard_key, step, cycle, measured, own, time.time(), group, rank, dcp_chunks,
+                shard_key, step, measured, own, time.time(), {cycle}, group, rank, dcp_chunks,
                 checksum,
             )  # fmt: skip
         return ShardKept(True, self.node_id, measured)
@@ -232,14 +233,16 @@ class Keeper:
         return record.to_dict()
 
     def release(self, below_step: int | None = None, cycle: int | None = None) -> int:
-        """Forget every shard of a step below ``below_step`` (or of ``cycle``); bytes freed."""
+        """Forget every shard of a step below ``below_step``, and what only ``cycle`` relied
+        on (a cycle that did not commit); bytes freed. A shard a later cycle handed over again
+        at the same step (the group evicted again before it trained) stays for that cycle."""
         with self.lock:
-            gone = [
-                key
-                for key, h in self.held.items()
-                if (below_step is not None and h.step < below_step)
-                or (cycle is not None and h.cycle == cycle)
-            ]
+            gone = []
+            for key, h in self.held.items():
+                if cycle is not None:
+                    h.cycles.discard(cycle)
+                if (below_step is not None and h.step < below_step) or not h.cycles:
+                    gone.append(key)
             freed = sum(self.held.pop(key).nbytes for key in gone)
         return freed
 
@@ -257,7 +260,8 @@ class Keeper:
                         "step": h.step,
                         "shard": h.shard_key,
                         "bytes": h.nbytes,
-                        "cycle": h.cycle,
+                        "cycle": max(h.cycles),  # the newest cycle that relies on it
+                        "cycles": sorted(h.cycles),
                         "group": h.group,
                         "rank": h.rank,
                         **({"dcp_chunks": h.dcp_chunks} if h.dcp_chunks is not None else {}),
