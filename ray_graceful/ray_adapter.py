@@ -94,6 +94,13 @@ def raylet_address(node_id: str) -> tuple[str, int] | None:
     return None
 
 
+def node_ip_address() -> str:
+    """This node's IP address as Ray knows it (where a listener other nodes reach binds)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def current_node_id() -> str:
     """This process's Ray node id ("" outside Ray)."""
     try:

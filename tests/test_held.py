@@ -287,3 +287,31 @@ def test_a_late_copy_waits_for_the_group_then_reports_what_did_not_land():
     [(cycle, saved, failed, why)] = told
     assert (cycle, [r.shard for r in saved], failed) == (3, ["g/2"], ["g/1"])
     assert why == "g/1: MemoryTierError: keeper gone"
+
+
+def test_a_spare_in_the_slot_of_a_holder_found_faulty_waits_for_its_copy_not_an_older_step():
+    """A held survivor found FAULTY after the plan is told to leave, and copies its snapshot to
+    the keepers as it goes. The spare that takes its slot cannot receive the shard from it over
+    the group (it is no member): it loads from the keepers, and asked before the copy landed it
+    used to be offered the older step - "found at step k-1, not the committed step k", the
+    restart failed. The coordinator now holds the answer while that copy is on its way."""
+    part = warm({1: "s1", 2: "s0", 3: "s1"})
+    part.survivors.pop("p1")  # found FAULTY after the plan: no member (``after_cycle``)
+    held = {"g/s1": ("p1", 2048), "g/s0": ("p2", 10)}
+    spares = [Spare("a", "spare", "na", 1), Spare("b", "spare", "nb", 1)]
+    record = part.decide(0, STEP, True, {"p2": True, "p3": True}, {"g": {0: "s0", 1: "s1"}},
+                         spares, frozenset(), held, parked=frozenset({"p2", "p3"}))  # fmt: skip
+    assert record is not None and record.result == "rejoining", record.reason
+    assert record.members["b"].shard == "s1" and record.members["b"].peer == -1, "a keeper's"
+
+    steps = HeldSteps()
+    steps.expect(request(record_of("g/s0", "held"), record_of("g/s1", "held")), 9e9)
+    assert steps.awaiting_copy("g/s1", STEP) and steps.saved_copy("g/s1", STEP) is None
+    assert not steps.awaiting_copy("g/s1", STEP - 1), "another step: nothing to wait for"
+    steps.take(LateSave("p1", 3, (record_of("g/s1", "memory"),)))
+    assert not steps.awaiting_copy("g/s1", STEP) and steps.saved_copy("g/s1", STEP) is not None
+    steps.steps[3].lose("a copy failed")
+    assert not steps.awaiting_copy("g/s0", STEP), "a lost step: nothing will come"
+
+
+record_of = record

@@ -501,6 +501,9 @@ class CoordinatorActor(NodeFacingCalls):
         ``step``: a warm restart's member loading that step, which may be held and not
         committed yet - a keeper's copy of its evicted shards is loadable already."""
         if step is not None:
+            until = time.monotonic() + self.config.rejoin_timeout_s
+            while self.held.awaiting_copy(shard_key, step) and time.monotonic() < until:
+                await asyncio.sleep(0.05)  # its holder left the group: it copies it as it goes
             copy = self.held.saved_copy(shard_key, step)
             if copy is not None:
                 names = self.memory.names(copy.holders)
@@ -565,16 +568,10 @@ class CoordinatorActor(NodeFacingCalls):
         self._step(ev.HostLost(node_id, evidence))
 
     async def host_watch_ticket(self, node_id: str) -> dict[str, Any] | None:
-        """Where node ``node_id``'s agent sends its heartbeats, and the ticket its hello carries
-        (None: ``host_watch`` is off). Asked through Ray: what keeps others off the cluster
-        keeps them off the watch."""
+        """Where node ``node_id``'s agent beats, and its hello's ticket (None: no host watch);
+        asked through Ray, which keeps others off the cluster and so off the watch."""
         self._wake()
-        if self.host_watch is None:
-            return None
-        import ray
-
-        address = await self.host_watch.start(ray.util.get_node_ip_address())
-        return {"address": list(address), "ticket": self.host_watch.ticket(node_id)}
+        return None if self.host_watch is None else await self.host_watch.ticket_for(node_id)
 
     async def ping(self) -> str:
         self._wake()

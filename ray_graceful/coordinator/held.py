@@ -215,6 +215,15 @@ class HeldSteps:
                 return record
         return None
 
+    def awaiting_copy(self, shard_key: str, step: int) -> bool:
+        """Whether ``shard_key`` of held ``step`` has no keeper copy yet but one is on its way:
+        its holder left the group (found FAULTY after the plan) and copies it as it goes - a
+        spare that takes its slot waits for that copy rather than loading an older step."""
+        for held in self.steps.values():
+            if held.step == step and held.stage is Stage.HELD and shard_key in held.missing():
+                return True
+        return False
+
     def describe(self, cycle: int) -> dict[str, Any] | None:
         held = self.steps.get(cycle)
         return held.describe() if held is not None else None

@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import ray_adapter
+
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # an agent says who it is at once; a connection that does not is closed
@@ -139,6 +141,12 @@ class HostWatch:
             self._checker = asyncio.get_running_loop().create_task(self._check_forever())
         assert self.address is not None
         return self.address
+
+    async def ticket_for(self, node_id: str) -> dict:
+        """What node ``node_id``'s agent needs: the watch's address (listening from now on, on
+        this node's IP) and its ticket."""
+        address = await self.start(ray_adapter.node_ip_address())
+        return {"address": list(address), "ticket": self.ticket(node_id)}
 
     def ticket(self, node_id: str) -> str:
         """The credential node ``node_id``'s agent says hello with; handed out only through
