@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .config_values import (  # noqa: F401 (MAX_SECONDS, the modes: part of this API)
     MAX_SECONDS,
+    CheckpointDir,
     CloudNotices,
     ConfigError,
     ExitCode,
@@ -143,8 +144,10 @@ class GracefulConfig(BaseModel):
     """Make graceful_setup raise instead of warn when the SIGTERM listener cannot be installed (not
     on the main thread, and neither __init__ nor the setup hook did it)."""
 
-    checkpoint_dir: OptionalPath = None
-    """Directory for emergency checkpoints; unset means no rank saves one."""
+    checkpoint_dir: CheckpointDir = None
+    """Directory for emergency checkpoints; unset means no rank saves one. Absolute (``~`` is
+    expanded); ``Coordinator.start`` and setup check that it is a directory this process can
+    write, or can make."""
 
     report_dir: Path = Field(default_factory=_default_report_dir)
     """Directory where each rank writes its TeardownReport as JSON."""
@@ -373,6 +376,20 @@ class GracefulConfig(BaseModel):
     def field_names(cls) -> tuple[str, ...]:
         return tuple(cls.model_fields)
 
+    def check_checkpoint_dir(self, where: str = "") -> None:
+        """``ConfigError`` naming ``where`` unless ``checkpoint_dir`` (if set) is a directory
+        this process can write: every save of an eviction would fail there otherwise."""
+        if self.checkpoint_dir is None:
+            return
+        problem = checkpoint_dir_problem(self.checkpoint_dir)
+        if problem is not None:
+            raise ConfigError(
+                f"{f'{where}: ' if where else ''}checkpoint_dir = {self.checkpoint_dir!r} cannot "
+                f"take checkpoints: "
+                f"{problem}. Give a directory every process of the job can write (a shared "
+                "file system on a multi-node job), or leave it unset."
+            )
+
     def replace(self, **changes: Any) -> GracefulConfig:
         """A copy with some fields changed (validated again)."""
         return GracefulConfig(**{**dict(self), **changes})
@@ -397,6 +414,21 @@ def _config_error(error: ValidationError, values: Mapping[str, Any]) -> ConfigEr
     return ConfigError(
         f"GracefulConfig.{name} = {short(values[name])} is not allowed: must be {allowed}."
     )
+
+
+def checkpoint_dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot take checkpoints from this process (None: it can). A directory that
+    does not exist is made, as the first save would; a regular file, a directory this process
+    may not write, or a parent it may not create in is found now, not at the eviction."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "it exists and is not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"it cannot be made ({exc.strerror or exc})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "this process may not write in it"
+    return None
 
 
 def is_rays_own(name: str) -> bool:

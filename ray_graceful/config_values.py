@@ -7,6 +7,7 @@ marker carries the words a ``ConfigError`` shows the user ("a number of seconds 
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -143,6 +144,24 @@ OptionalPath = Annotated[
     str | None,
     AfterValidator(_trimmed_or_none),
     Allowed("a non-empty path without surrounding spaces"),
+]
+
+
+def _absolute_dir_or_none(value: str | None) -> str | None:
+    """``~`` expanded where it is given (the driver's home, not each rank's), then absolute: a
+    relative path resolves against each process's own working directory."""
+    if value is None:
+        return None
+    expanded = os.path.expanduser(_trimmed(value))
+    if not os.path.isabs(expanded):
+        raise ValueError("a relative path: each process would resolve it on its own")
+    return os.path.normpath(expanded)
+
+
+CheckpointDir = Annotated[
+    str | None,
+    AfterValidator(_absolute_dir_or_none),
+    Allowed("an absolute path (~ is expanded), the same directory for every process of the job"),
 ]
 
 # --- the environment's text ----------------------------------------------------------------

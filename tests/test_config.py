@@ -217,3 +217,50 @@ def test_the_default_report_dir_cannot_shadow_the_package():
     name = os.path.basename(GracefulConfig().report_dir)
     assert not name.isidentifier(), f"{name!r} is importable as a package name"
     assert "ray_graceful" not in GracefulConfig().report_dir
+
+
+def test_a_checkpoint_dir_is_absolute_with_its_home_expanded_where_it_is_given():
+    """A relative path resolved against each process's own working directory, and "~" against
+    each process's home: the ranks and the coordinator could write to different places."""
+    assert GracefulConfig(checkpoint_dir="~/ckpt").checkpoint_dir == os.path.expanduser("~/ckpt")
+    assert GracefulConfig(checkpoint_dir="/shared//ckpt/").checkpoint_dir == "/shared/ckpt"
+    with pytest.raises(ConfigError, match=r"checkpoint_dir = 'ckpt' is not allowed: must be an "):
+        GracefulConfig(checkpoint_dir="ckpt")
+
+
+@pytest.mark.parametrize("case", ["file", "under a file", "fine", "made"])
+def test_a_checkpoint_dir_is_checked_where_it_is_given_not_at_the_eviction(tmp_path, case):
+    """``Coordinator.start`` checks it before anything starts (no cluster needed to refuse)."""
+    from ray_graceful.config import ConfigError
+    from ray_graceful.coordinator import Coordinator
+
+    path = tmp_path / "ckpt"
+    if case == "file":
+        path.write_text("x")
+    elif case == "under a file":  # cannot be made, even by root
+        (tmp_path / "a-file").write_text("x")
+        path = tmp_path / "a-file" / "ckpt"
+    config = GracefulConfig(checkpoint_dir=str(path))
+    if case in ("fine", "made"):
+        if case == "fine":
+            path.mkdir()
+        config.check_checkpoint_dir("Coordinator.start")
+        assert path.is_dir()
+        return
+    with pytest.raises(ConfigError) as info:
+        Coordinator.start(config)
+    assert str(info.value).startswith(f"Coordinator.start: checkpoint_dir = '{path}' cannot")
+
+
+def test_the_config_command_refuses_a_checkpoint_dir_that_is_a_file(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "ckpt").write_text("x")
+    env = {**os.environ, "RAY_GRACEFUL_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_graceful.tools.cli", "config"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "it exists and is not a directory" in done.stderr
+    assert "Traceback" not in done.stderr

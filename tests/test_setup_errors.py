@@ -65,3 +65,15 @@ def test_rank_mismatch_is_refused(ray_cluster, tmp_path):
     message = _error_of(actor.register_as.remote(3))
     assert "rank=3 was passed, but torch.distributed says this process is rank 0" in message
     kill_actors(actor)
+
+
+def test_a_checkpoint_dir_that_cannot_take_checkpoints_is_refused_at_setup(ray_cluster, tmp_path):
+    """A regular file as checkpoint_dir passed setup and failed every save at the eviction."""
+    not_a_dir = tmp_path / "ckpt"
+    not_a_dir.write_text("a file")
+    config = GracefulConfig(report_dir=str(tmp_path), checkpoint_dir=str(not_a_dir))
+    actor = ray.remote(actors.GracefulTrainer).options(num_cpus=0).remote()
+    message = _error_of(actor.setup.remote(0, 1, "127.0.0.1", free_port(), config))
+    assert "SetupError" in message and "graceful_setup: checkpoint_dir" in message, message
+    assert "it exists and is not a directory" in message
+    kill_actors(actor)

@@ -48,12 +48,14 @@ class Coordinator:
 
         It is named after this Ray job (or ``config.coordinator_name``) in
         ``config.coordinator_namespace``; the job's workers and the CLI find it there. Starting
-        a second one under the same name raises ``CoordinatorExists``.
+        a second one under the same name raises ``CoordinatorExists``; a ``checkpoint_dir`` this
+        process cannot write, ``ConfigError``.
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         config = config or GracefulConfig.from_env()
+        config.check_checkpoint_dir("Coordinator.start")  # here, not at the eviction
         ctx = ray.get_runtime_context()
         name = coordinator_name(config, ctx.get_job_id())
         try:

@@ -212,7 +212,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.markdown:
         sys.stdout.write(config_reference_markdown())
         return 0
-    print(json.dumps(GracefulConfig.from_env().model_dump(mode="json"), indent=2, sort_keys=True))
+    config = GracefulConfig.from_env()
+    config.check_checkpoint_dir()
+    print(json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True))
     return 0
 
 

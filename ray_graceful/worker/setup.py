@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import save_state_dict
-from ..config import GracefulConfig
+from ..config import ConfigError, GracefulConfig
 from ..dcp import DcpSaver
 from .connect import connect
 from .emergency_save import Saver
@@ -190,6 +190,10 @@ def register_rank(
     """
     runtime = process_runtime()
     cfg = runtime.adopt_config(config)
+    try:
+        cfg.check_checkpoint_dir("graceful_setup")  # at setup, not at the eviction
+    except ConfigError as exc:
+        raise SetupError(str(exc)) from None
     if shard is not None and (not isinstance(shard, (str, int)) or isinstance(shard, bool)):
         raise SetupError(f"shard={shard!r} is not allowed: give a str or an int.")
     handle = resolve_group(name, process_group, rank, world_size)
