@@ -34,8 +34,12 @@ assert "ray_graceful/py.typed" in names, "py.typed is missing: the package is ty
 dist_info = f"ray_graceful-{version}.dist-info"
 meta = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
 for needed in ("Name: ray-graceful", f"Version: {version}", "Requires-Dist: ray[train]",
-               "Requires-Dist: torch", "Requires-Dist: nvidia-ml-py"):
+               "Requires-Dist: torch", "Requires-Dist: nvidia-ml-py",
+               "License-Expression: Apache-2.0", "License-File: LICENSE",
+               "Classifier: Typing :: Typed", "Provides-Extra: metrics"):
     assert needed in meta, f"METADATA lacks {needed!r}"
+licence = zipfile.ZipFile(wheel).read(f"{dist_info}/licenses/LICENSE").decode()
+assert "Apache License" in licence and "Version 2.0" in licence, "the wheel carries no licence"
 points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
 assert "ray-graceful = ray_graceful.tools.cli:main" in points, points
 print(f"{len(source)} modules, py.typed, metadata and the ray-graceful entry point: present")

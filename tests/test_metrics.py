@@ -16,14 +16,15 @@ from ray_graceful.metrics import (
     SAVES,
     TEARDOWNS,
     WARM_RESTARTS,
+    Kind,
     Metrics,
 )
 from ray_graceful.tools.cli import main
-from ray_graceful.tools.dashboard import dashboard
+from ray_graceful.tools.dashboard import dashboard, queries
 
 pytestmark = pytest.mark.unit
 
-SERIES = re.compile(r"\b(ray_[a-z_]+)")
+SERIES = re.compile(r"\b(ray_[a-z_]+)\b(?!=)")  # a series, not a label (ray_io_cluster=~)
 
 
 def _scraped_names(metrics: Metrics) -> set[str]:
@@ -113,3 +114,29 @@ def test_a_concluded_cycle_is_counted_in_each_metric_it_touches():
     assert calls(SAVED_BYTES) == [("inc", 1000, {"tier": "memory"}), ("inc", 7, {"tier": "disk"})]
     assert calls(MEMORY_HELD_BYTES) == [("set", 2000, None)]  # two keepers hold it
     assert calls(WARM_RESTARTS) == [("inc", 1, {"result": "rejoining"})]
+
+
+def test_every_query_keeps_to_the_chosen_session_and_counters_count_per_interval():
+    """Ray's own dashboards pick a session and a cluster; a raw counter total falls to 0
+    whenever the coordinator restarts, so counters show their increase."""
+    board = dashboard()
+    names = [v["name"] for v in board["templating"]["list"]]
+    assert names == ["datasource", "SessionName", "Cluster"]
+    for spec in DEFINITIONS:
+        for expr, _legend in queries(spec):
+            assert 'SessionName=~"$SessionName"' in expr, expr
+            if spec.kind is Kind.COUNTER:
+                assert "increase(" in expr or "rate(" in expr, expr
+
+
+def test_the_metrics_extra_brings_the_exporter_and_the_docs_say_to_install_it():
+    """With the declared dependencies alone (``ray[train]``) no agent exports the metrics."""
+    import pathlib
+    from importlib.metadata import metadata
+
+    requires = metadata("ray-graceful").get_all("Requires-Dist") or []
+    assert any(r.startswith("ray[default]") and 'extra == "metrics"' in r for r in requires), (
+        requires
+    )
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+    assert 'pip install "ray-graceful[metrics]"' in docs.read_text()

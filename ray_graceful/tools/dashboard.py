@@ -117,13 +117,20 @@ PANELS = (
 )
 
 
+# Every query keeps to the session and cluster picked above the panels, as Ray's own
+# dashboards do (Ray's exporter tags each series with its SessionName; KubeRay adds
+# ray_io_cluster). A series without ray_io_cluster still matches "All" (".*").
+SELECTED = 'SessionName=~"$SessionName",ray_io_cluster=~"$Cluster"'
+
+
 def queries(spec: MetricDef) -> list[tuple[str, str]]:
-    """(PromQL, legend) for one metric: counters as totals, by their tags; gauges as their
-    value; histograms as their p50 and p99."""
+    """(PromQL, legend) for one metric: counters as their increase per interval, by their tags
+    (a raw total jumps to 0 whenever the coordinator restarts); gauges as their value;
+    histograms as their p50 and p99."""
     by = f" by ({', '.join(spec.tags)})" if spec.tags else ""
     legend = " ".join(f"{{{{{tag}}}}}" for tag in spec.tags) or spec.name
     if spec.kind is Kind.HISTOGRAM:
-        bucket = f"{spec.exported}_bucket"
+        bucket = f"{spec.exported}_bucket{{{SELECTED}}}"
         return [
             (
                 f"histogram_quantile({q}, sum(rate({bucket}[$__rate_interval])) by (le))",
@@ -131,11 +138,32 @@ def queries(spec: MetricDef) -> list[tuple[str, str]]:
             )
             for q in (0.5, 0.99)
         ]
+    series = f"{spec.exported}{{{SELECTED}}}"
     if spec is NODE_AGENT_POLLS:
-        return [(f"sum(rate({spec.exported}[$__rate_interval]))", "polls/s")]
+        return [(f"sum(rate({series}[$__rate_interval]))", "polls/s")]
     if spec.kind is Kind.COUNTER:
-        return [(f"sum({spec.exported}){by}", legend)]
-    return [(f"max({spec.exported})", spec.name)]
+        return [(f"sum(increase({series}[$__rate_interval])){by}", legend)]
+    return [(f"max({series})", spec.name)]
+
+
+def _label_variable(name: str, label: str, description: str) -> dict[str, Any]:
+    """A variable over one label of Ray's series, "All" by default (as Ray's dashboards)."""
+    query = f"label_values(ray_node_network_receive_speed, {label})"
+    return {
+        "name": name,
+        "type": "query",
+        "description": description,
+        "datasource": "${datasource}",
+        "definition": query,
+        "query": {"query": query, "refId": "StandardVariableQuery"},
+        "refresh": 2,
+        "hide": 0,
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 2,
+    }
 
 
 def panel(index: int, spec: PanelSpec) -> dict[str, Any]:
@@ -182,7 +210,11 @@ def dashboard() -> dict[str, Any]:
                     "includeAll": False,
                     "multi": False,
                     "current": {"selected": False},
-                }
+                },
+                _label_variable(
+                    "SessionName", "SessionName", "The Ray session (one per cluster start)."
+                ),
+                _label_variable("Cluster", "ray_io_cluster", "The cluster (KubeRay's label)."),
             ]
         },
         "annotations": {"list": []},
