@@ -586,3 +586,37 @@ def test_the_documented_prestop_line_reaches_every_job_on_the_node(ray_cluster, 
         other.kill()
         other.wait(30)
         coordinator.shutdown()
+
+
+@pytest.mark.parametrize("name,content", [("s.yaml", "ranks: [\n  - {rank"), ("s.json", "{")])
+def test_a_malformed_scenario_is_said_to_be_malformed_not_out_of_range(
+    tmp_path, capsys, name, content
+):
+    """``ScenarioError`` is a ValueError: the outer handler for over-long integers wrapped it
+    again as "a number in it is out of range (not valid YAML: ...)"."""
+    path = tmp_path / name
+    path.write_text(content)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert ("not valid YAML" in err or "not valid JSON" in err) and "out of range" not in err
+
+
+def test_an_unknown_flag_is_answered_with_the_subcommands_own_usage(capsys):
+    cases = (
+        (["status", "--bogus"], "usage: ray-graceful status"),
+        (["bench", "release", "--bogus"], "usage: ray-graceful bench release"),
+    )
+    for argv, usage in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith(usage), err
+        assert "unrecognized arguments: --bogus" in err
+
+
+def test_the_release_benchs_drain_poll_is_the_librarys_default():
+    from ray_graceful import GracefulConfig
+    from ray_graceful.tools.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "release"])
+    assert args.drain_poll == GracefulConfig().drain_poll_interval_s == 0.25

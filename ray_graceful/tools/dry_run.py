@@ -63,6 +63,8 @@ def load(path: str) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ScenarioError(f"not valid JSON ({exc}); YAML files end in .yaml") from None
+    except ScenarioError:
+        raise  # said already: not valid YAML or JSON
     except ValueError as exc:  # an integer of over 4,300 digits (Python's limit), in either
         raise ScenarioError(f"a number in it is out of range ({str(exc)[:120]})") from None
     except RecursionError:
@@ -112,7 +114,7 @@ def _parse(
             f"config: unknown fields {unknown_fields}; allowed: "
             + ", ".join(GracefulConfig.field_names())
         )
-    config = GracefulConfig(**{"checkpoint_dir": "(dry run)", **overrides})
+    config = GracefulConfig(**{"checkpoint_dir": "/(dry run)", **overrides})  # never written
 
     by_node: dict[str, list[RankInfo]] = {}
     for info in ranks:

@@ -20,6 +20,7 @@ import argparse
 import importlib
 from typing import Any
 
+from ...config import GracefulConfig
 from ..arguments import (
     CliError,
     comma_choices,
@@ -75,8 +76,9 @@ def add_release_arguments(release: argparse.ArgumentParser) -> None:
     release.add_argument(
         "--drain-poll",
         type=positive_seconds,
-        default=1.0,
-        help="the coordinator's drain_poll_interval_s in these runs (default 1.0); --how drain "
+        default=GracefulConfig.model_fields["drain_poll_interval_s"].default,
+        help="the coordinator's drain_poll_interval_s in these runs (default: the library's, "
+        f"{GracefulConfig.model_fields['drain_poll_interval_s'].default}); --how drain "
         "also measures what one poll costs the GCS",
     )
     release.add_argument(
