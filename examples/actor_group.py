@@ -109,7 +109,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     args = parser.parse_args()
 
-    work = tempfile.mkdtemp(prefix="actor-group-")
+    with tempfile.TemporaryDirectory(prefix="actor-group-") as work:  # removed at the end
+        run(args, work)
+
+
+def run(args: argparse.Namespace, work: str) -> None:
     config = GracefulConfig(
         checkpoint_dir=os.path.join(work, "ckpt"),
         report_dir=os.path.join(work, "reports"),

@@ -16,7 +16,6 @@ logger = logging.getLogger(__name__)
 LOG_PREFIX = "ray_graceful outcome "
 # Past this many characters the log line is a summary that names the file with the whole record
 # (at 65,536 ranks the record is tens of MB: a log line that size floods the driver's log).
-LOG_LINE_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,10 @@ class TerminationOutcome:
         """Write the JSON file and the log line, the same JSON encoded once (compact: the
         indented form is encoded in pure Python, seconds at 16,384 ranks); the file's path.
 
-        The log line is the record a log search finds: the whole record, unless it is longer
-        than ``LOG_LINE_LIMIT`` and the file was written - then ``log_summary``, which names the
-        file. Where the file could not be written, the whole record goes to the log."""
+        The log line is ``log_summary`` - the verdict, what a restart loads, the counts, and the
+        file that holds the whole record: one short line however many ranks (the whole record
+        was 10 kB for four ranks, and could reach 1 MiB). Where the file could not be written,
+        the whole record goes to the log instead."""
         text = self.to_json()
         path: str | None = None
         try:
@@ -101,16 +101,16 @@ class TerminationOutcome:
         except OSError as exc:
             logger.error("ray_graceful: could not write the outcome under %s: %s", report_dir, exc)
             path = None
-        if path is not None and len(text) > LOG_LINE_LIMIT:
+        if path is not None:  # the file holds it all: the log line says what happened, and where
             text = json.dumps(self.log_summary(path, len(text)), sort_keys=True)
         sys.stderr.write(f"{LOG_PREFIX}{text}\n")
         sys.stderr.flush()
         return path
 
     def log_summary(self, path: str, length: int) -> dict[str, Any]:
-        """What the log line says of a record too long for it: the verdict and what a restart
-        loads, the notices, reports and missing processes counted (the first 20 missing named),
-        and the file that holds the whole record."""
+        """What the log line says: the verdict and what a restart loads, the notices, reports
+        and missing processes counted (the first 20 missing named), and the file that holds the
+        whole record."""
         return {
             "cycle": self.cycle,
             "job_id": self.job_id,

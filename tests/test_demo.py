@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 
 import pytest
@@ -14,7 +15,13 @@ from ray_graceful.tools.demo import run_demo
 
 @pytest.mark.timeout(300)
 def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
+    import glob
+    import tempfile
+
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "ray-graceful-demo-*")))
     assert run_demo(output=str(tmp_path), cluster=ray_cluster) == 0
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "ray-graceful-demo-*"))) == left
+    assert (tmp_path / "run" / "checkpoints").is_dir(), "what the run made: under its output"
     out = capsys.readouterr().out
     assert "SUMMARY" in out
     assert "exit status 0 via Ray's intended exit: 4/4 leaving; 2 survivors kept" in out

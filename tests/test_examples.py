@@ -12,18 +12,21 @@ import pytest
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def run_example(name, address, timeout=300):
+def run_example(name, address, timeout=300, temp=None):
+    """``temp``: the example's TMPDIR (to see what it leaves there)."""
+    env = {**os.environ, **({"TMPDIR": temp} if temp else {})}
     return subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, name), "--address", address],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
 @pytest.mark.timeout(320)
-def test_actor_group_example(ray_cluster):
-    result = run_example("actor_group.py", ray_cluster.address)
+def test_actor_group_example(ray_cluster, tmp_path):
+    result = run_example("actor_group.py", ray_cluster.address, temp=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "SIGTERM to rank 0" in out
@@ -33,6 +36,7 @@ def test_actor_group_example(ray_cluster):
     for rank in (1, 2, 3):  # the survivors kept their processes
         assert f"rank {rank}: survivor of rank {rank}, same process" in out
     assert "warm restart from step 3; now at step 5" in out
+    assert list(tmp_path.glob("actor-group-*")) == [], "the example leaves its temp dir behind"
 
 
 @pytest.mark.timeout(320)

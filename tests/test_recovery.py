@@ -220,32 +220,30 @@ def _logged_outcome(captured: str) -> dict:
     return json.loads(line[len(LOG_PREFIX) :])
 
 
-def test_the_outcome_log_line_is_the_record_or_names_the_file_that_holds_it(tmp_path, capsys):
-    """A record that fits is logged whole; one past LOG_LINE_LIMIT (a large job's reports) is
-    logged as a summary naming its file; one whose file cannot be written is logged whole."""
+def test_the_outcome_log_line_is_a_summary_naming_the_file_that_holds_the_record(tmp_path, capsys):
+    """The log line is one short summary, however large the record (it was the whole record:
+    10 kB for four ranks, up to 1 MiB), naming the file; a record whose file cannot be written
+    is logged whole."""
     import json
-
-    from ray_graceful.outcome import LOG_LINE_LIMIT
 
     small = TerminationOutcome(cycle=0, job_id="job", result=Result.COMMITTED, missing=["p9"])
     path = small.publish(str(tmp_path))
-    assert _logged_outcome(capsys.readouterr().err) == json.loads(Path(path).read_text())
+    logged = _logged_outcome(capsys.readouterr().err)
+    assert logged["record"] == path and logged["summary"] == small.summary()
+    assert json.loads(Path(path).read_text()) == small.to_dict()
 
-    reports = [{"pid": i, "phases": ["x" * 100] * 7} for i in range((LOG_LINE_LIMIT // 700) + 10)]
+    reports = [{"pid": i, "phases": ["x" * 100] * 7} for i in range(2000)]
     missing = [f"p{i}" for i in range(30)]
     big = TerminationOutcome(
         cycle=1, job_id="job", result=Result.ABANDONED, reports=reports, missing=missing
     )
     path = big.publish(str(tmp_path))
-    logged = _logged_outcome(capsys.readouterr().err)
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "outcome" in ln][-1]
+    logged = json.loads(line[line.index("{") :])
     on_disk = json.loads(Path(path).read_text())
     assert len(on_disk["reports"]) == len(reports), "the file holds the whole record"
-    assert logged["record"] == path and logged["record_chars"] > LOG_LINE_LIMIT
-    assert (logged["result"], logged["reports"], logged["missing"]) == (
-        "abandoned",
-        len(reports),
-        30,
-    )
+    assert len(line) < 2000 and logged["record_chars"] > 1_000_000
+    assert (logged["result"], logged["reports"], logged["missing"]) == ("abandoned", 2000, 30)
     assert logged["missing_first"] == missing[:20]
 
     blocked = tmp_path / "not-a-dir"

@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,10 +160,16 @@ def run_demo(
         raise ValueError(f"scene {scene!r} is not allowed: one of {', '.join(SCENES)}")
     host_loss = scene == "host-loss"
     os.makedirs(output, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="ray-graceful-demo-")
+    # What the run makes - checkpoints, reports - under the output, one run's at a time (a
+    # previous run's committed step must not be taken for this one's); Ray's own files in a
+    # temp dir of the run's, removed at the end (a socket path must stay short).
+    work = os.path.join(os.path.abspath(output), "run")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    ray_dir = tempfile.mkdtemp(prefix="ray-graceful-demo-")
     own_cluster = cluster is None
     if own_cluster:
-        os.environ["RAY_TMPDIR"] = work  # a private cluster: nothing shared with other Ray users
+        os.environ["RAY_TMPDIR"] = ray_dir  # a private cluster: nothing shared with other users
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
@@ -360,7 +367,9 @@ def run_demo(
         if own_cluster:
             ray.shutdown()
             cluster.shutdown()
+            shutil.rmtree(ray_dir, ignore_errors=True)
         else:
+            shutil.rmtree(ray_dir, ignore_errors=True)
             if coordinator is not None:
                 coordinator.shutdown()
             for node in nodes.values():
