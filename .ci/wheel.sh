@@ -17,7 +17,7 @@ echo "== build: sdist and wheel"
 "$PYTHON" -m venv "$work/build-venv"
 "$work/build-venv/bin/pip" install --quiet --upgrade pip build
 "$work/build-venv/bin/python" -m build --sdist --wheel --outdir "$work/dist" . >"$work/build.log"
-version=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
+version=$("$PYTHON" -c "import ast; print(next(n.value.value for n in ast.parse(open('ray_graceful/__init__.py').read()).body if isinstance(n, ast.Assign) and n.targets[0].id == '__version__'))")
 wheel="$work/dist/ray_graceful-$version-py3-none-any.whl"
 [ -f "$wheel" ] || { echo "no wheel $wheel: $(ls "$work/dist")"; exit 1; }
 [ -f "$work/dist/ray_graceful-$version.tar.gz" ] || { echo "no sdist"; exit 1; }

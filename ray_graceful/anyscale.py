@@ -85,7 +85,10 @@ def _package_name(requirement: str) -> str:
 
 
 def merge_requirements(user: Any, package: str) -> list[str]:
-    """The user's requirement list plus the plugin (unless they already list it)."""
+    """The user's requirement list with the plugin as this driver pins it: an entry for
+    ray-graceful already there is replaced (a cluster running 0.1.0 under a 0.2.0 driver reads
+    settings and messages it does not know); ``package=None`` (``--no-package``) leaves the
+    requirements as they are."""
     if user is None:
         return [package]
     if isinstance(user, str):
@@ -93,10 +96,12 @@ def merge_requirements(user: Any, package: str) -> list[str]:
             f"requirements is a file ({user!r}): add {package!r} to it, then call enable() "
             "with package=None (--no-package)."
         )
-    requirements = list(user)
-    if _package_name(package) not in {_package_name(r) for r in requirements}:
-        requirements.append(package)
-    return requirements
+    ours = _package_name(package)
+    listed = [r for r in user if _package_name(r) == ours]
+    if not listed:
+        return [*user, package]
+    first = user.index(listed[0])  # in its place, once
+    return [package if i == first else r for i, r in enumerate(user) if r not in listed[1:]]
 
 
 def enable(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from anyscale.job.models import JobConfig
 
-from ray_graceful import GracefulConfig
+from ray_graceful import GracefulConfig, __version__
 from ray_graceful.anyscale import (
     SETUP_HOOK_VAR,
     TRAIN_CALLBACK,
@@ -25,7 +25,8 @@ def test_enable_keeps_the_users_settings_and_adds_ours():
     assert patched.env_vars["A"] == "1"
     assert patched.env_vars[TRAIN_CALLBACKS_VAR] == f"my.Cb,{TRAIN_CALLBACK}"
     assert patched.env_vars["RAY_GRACEFUL_CHECKPOINT_DIR"] == "/ckpt"
-    assert patched.requirements == ["ray-graceful>=0.1", "numpy"], "already listed: kept as is"
+    # An older pin would run another plugin on the cluster than the driver's: ours, in its place.
+    assert patched.requirements == [f"ray-graceful=={__version__}", "numpy"]
     assert job.env_vars == {"A": "1", TRAIN_CALLBACKS_VAR: "my.Cb"}, "the input is not mutated"
     again = enable(patched, GracefulConfig(checkpoint_dir="/ckpt"))
     assert again.env_vars == patched.env_vars, "enabling twice changes nothing"

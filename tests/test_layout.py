@@ -300,3 +300,28 @@ def test_ray_private_names_only_in_the_ray_adapter():
                         if any(name in line for name in private):
                             offenders.append(f"{os.path.relpath(path, root)}:{number}")
     assert not offenders, offenders
+
+
+def test_the_version_is_written_once_and_everything_else_reads_it():
+    """The example job pinned ray-graceful 0.1.0 under a 0.2.0 driver, and the package said 0.2.0
+    while its changelog listed the next release's changes: each now follows
+    ``ray_graceful.__version__`` - pyproject.toml reads it, the newest released section of
+    the changelog is it, and the example job pins it."""
+    import pathlib
+    import re
+    from importlib.metadata import version
+
+    import yaml
+
+    import ray_graceful
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    ours = ray_graceful.__version__
+    assert version("ray-graceful") == ours, "pyproject.toml reads ray_graceful.__version__"
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and not re.search(r'(?m)^version = "', pyproject)
+    released = re.findall(r"(?m)^## \[(\d+\.\d+\.\d+)\]", (root / "CHANGELOG.md").read_text())
+    assert released and released[0] == ours, f"newest released section {released[:1]}, not {ours}"
+    job = yaml.safe_load((root / "examples" / "anyscale_job.yaml").read_text())
+    pins = [r for r in job["requirements"] if r.startswith("ray-graceful")]
+    assert pins == [f"ray-graceful=={ours}"], pins
