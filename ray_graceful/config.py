@@ -28,7 +28,7 @@ import enum
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -73,21 +73,40 @@ DEFAULT_DEGRADED_XIDS = (63, 92, 94)
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 
 # The ranges of this config's settings (config_values has the kinds).
-UpTo60s = seconds(0.0, 60.0)
-UpTo600s = seconds(0.0, 600.0)
-GatherWindow = seconds(0.0, 10.0, low_open=False)
-PollInterval = seconds(0.05, 60.0, low_open=False)
-SlowPoll = seconds(0.1, 300.0, low_open=False)
-Heartbeat = seconds(0.01, 10.0, low_open=False)
-Restarts = count(0, 100, "a number of restarts")
-NodeCount = count(0, 4096, "a number of nodes")
-ReplicaCount = count(0, 8, "a number of nodes")
-Megabytes = count(1, 1 << 24, "megabytes")
-RankCount = count(0, 1 << 24, "a number of ranks")
-NodeAgent = mode(NodeAgentMode)
-Probe = mode(HealthProbe)
-Shards = mode(TrainShards)
-Cloud = mode(CloudNotices)
+# A type checker sees each setting's plain type (users' checkers see float, int, the modes);
+# pydantic sees the bounds and the words an error shows.
+if TYPE_CHECKING:
+    UpTo60s = float
+    UpTo600s = float
+    GatherWindow = float
+    PollInterval = float
+    SlowPoll = float
+    Heartbeat = float
+    Restarts = int
+    NodeCount = int
+    ReplicaCount = int
+    Megabytes = int
+    RankCount = int
+    NodeAgent = NodeAgentMode
+    Probe = HealthProbe
+    Shards = TrainShards
+    Cloud = CloudNotices
+else:
+    UpTo60s = seconds(0.0, 60.0)
+    UpTo600s = seconds(0.0, 600.0)
+    GatherWindow = seconds(0.0, 10.0, low_open=False)
+    PollInterval = seconds(0.05, 60.0, low_open=False)
+    SlowPoll = seconds(0.1, 300.0, low_open=False)
+    Heartbeat = seconds(0.01, 10.0, low_open=False)
+    Restarts = count(0, 100, "a number of restarts")
+    NodeCount = count(0, 4096, "a number of nodes")
+    ReplicaCount = count(0, 8, "a number of nodes")
+    Megabytes = count(1, 1 << 24, "megabytes")
+    RankCount = count(0, 1 << 24, "a number of ranks")
+    NodeAgent = mode(NodeAgentMode)
+    Probe = mode(HealthProbe)
+    Shards = mode(TrainShards)
+    Cloud = mode(CloudNotices)
 
 
 def _default_report_dir() -> str:

@@ -11,7 +11,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, Field
 
@@ -105,8 +105,12 @@ def count(low: int, high: int, what: str) -> Any:
     ]
 
 
-Seconds = seconds()
-SecondsOrZero = seconds(low_open=False)
+if TYPE_CHECKING:  # a checker sees the plain type; pydantic, the bounds
+    Seconds = float
+    SecondsOrZero = float
+else:
+    Seconds = seconds()
+    SecondsOrZero = seconds(low_open=False)
 ExitCode = Annotated[int, Field(ge=0, le=255), Allowed("an integer from 0 to 255")]
 Switch = Annotated[bool, Allowed("true or false")]
 Xids = Annotated[
