@@ -325,3 +325,18 @@ def test_the_version_is_written_once_and_everything_else_reads_it():
     job = yaml.safe_load((root / "examples" / "anyscale_job.yaml").read_text())
     pins = [r for r in job["requirements"] if r.startswith("ray-graceful")]
     assert pins == [f"ray-graceful=={ours}"], pins
+
+
+def test_the_benchmarks_page_keeps_to_its_latest_runs_in_rows_a_reader_can_read():
+    """docs/benchmarks.md had grown to 2,269 lines of dated runs, with table rows of over 400
+    characters: the current figures and the latest run of each harness stay there, the history
+    has a page of its own."""
+    import pathlib
+
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    page = (docs / "benchmarks.md").read_text().splitlines()
+    long_rows = [i + 1 for i, line in enumerate(page) if line.startswith("|") and len(line) > 400]
+    assert long_rows == [], f"table rows over 400 characters at lines {long_rows}"
+    assert len(page) < 1200, f"{len(page)} lines: move the older runs to benchmarks-history.md"
+    assert "(benchmarks-history.md)" in "\n".join(page)
+    assert (docs / "benchmarks-history.md").exists()
