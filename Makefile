@@ -27,6 +27,7 @@ test: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) demo-output bench-output

@@ -79,8 +79,11 @@ class CloudEvent:
 # --- parsing: pure functions of what the cloud answered ----------------------------------------
 
 
-def _iso_time(text: str, what: str) -> float:
+def _iso_time(text: object, what: str) -> float:
+    """``text`` as a time: anything else (a missing field's None) is the service's error."""
     try:
+        if not isinstance(text, str):
+            raise TypeError(type(text).__name__)
         parsed = datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
     except (TypeError, ValueError):
         raise CloudResponseError(

@@ -37,7 +37,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -231,7 +231,7 @@ def is_dcp_shard(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, LOCAL_METADATA))
 
 
-def assemble(step_directory: str, shards: dict[str, Iterable[str]]) -> dict[str, str]:
+def assemble(step_directory: str, shards: Mapping[str, Iterable[str]]) -> dict[str, str]:
     """Write each group's global ``.metadata``; returns {group: its directory, relative}.
 
     ``shards`` maps a group to the shard directories (names inside ``step_directory``) its

@@ -119,7 +119,9 @@ class EvictionNotice:
 
     @property
     def target(self) -> str:
-        return f"node {self.node_id}" if self.node_id else f"rank {self.rank[0]}/{self.rank[1]}"
+        if self.node_id or self.rank is None:
+            return f"node {self.node_id}"
+        return f"rank {self.rank[0]}/{self.rank[1]}"
 
     def effective_deadline(self, default_timeout_s: float) -> float:
         """The deadline, or ``received_at + default_timeout_s`` when the source gave none."""

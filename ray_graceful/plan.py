@@ -249,7 +249,7 @@ def _notice_deadlines(notices: Iterable[EvictionNotice], config: GracefulConfig)
             node_deadline[notice.node_id] = min(
                 deadline, node_deadline.get(notice.node_id, deadline)
             )
-        else:
+        elif notice.rank is not None:  # a notice names a node or a rank (notices.py checks)
             key = notice.rank
             rank_deadline[key] = min(deadline, rank_deadline.get(key, deadline))
     return node_deadline, rank_deadline
@@ -291,9 +291,7 @@ def _rank_pass(
         if node_d is None and rank_d is None:
             deadline, evicted = default_deadline, verdict == FAULTY
         else:
-            deadline = (
-                node_d if rank_d is None else rank_d if node_d is None else min(node_d, rank_d)
-            )
+            deadline = min(d for d in (node_d, rank_d) if d is not None)
             evicted = True
         ranks.append((info, key, verdict, deadline, evicted))
         if incomplete and group in incomplete:
@@ -354,7 +352,7 @@ def _orders(
     saver_keys = set(savers.values())
     backup_of = {k: s for s, k in backups.items()}
     leave_reason = {s: f"rank {k[1]} saves shard {s[1]}" for s, k in savers.items()}
-    orders = []
+    orders: list[RankPlan] = []
     append = orders.append
     for info, key, verdict, deadline, evicted in ranks:
         group, rank, node, shard, can_save, _world = info
@@ -380,7 +378,7 @@ def _orders(
         elif not can_save:
             action, reason = Action.LEAVE, "has no saver"
         else:
-            action, reason = Action.LEAVE, leave_reason[(group, shard)]
+            action, reason = Action.LEAVE, leave_reason[ShardId(group, shard)]
         append(
             RankPlan(group, rank, node, shard, verdict, action, reason, deadline, evicted, start_by)
         )

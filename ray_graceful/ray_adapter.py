@@ -74,9 +74,11 @@ def drain_node(node_id: str, deadline_s: float, reason: str = "ray_graceful") ->
     try:
         from ray.core.generated import autoscaler_pb2
 
-        gcs_address = ray._private.worker.global_worker.gcs_client.address
-        client = ray._raylet.GcsClient(address=gcs_address)
-        preemption = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        gcs_address = ray._private.worker.global_worker.gcs_client.address  # type: ignore[attr-defined]
+        client = ray._raylet.GcsClient(address=gcs_address)  # type: ignore[attr-defined]
+        preemption = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
+            "DRAIN_NODE_REASON_PREEMPTION"
+        )
     except (AttributeError, ImportError, ValueError) as exc:
         raise _moved("GcsClient.drain_node", exc) from exc
     accepted, message = client.drain_node(node_id, preemption, reason, int(deadline_s * 1000))
@@ -232,10 +234,10 @@ def worker_exit_details(pids: set[int]) -> dict[int, tuple[str | None, str]]:
         raise _moved("GCS worker table (ray._private.state's accessor)", exc) from exc
     out: dict[int, tuple[str | None, str]] = {}
     for raw in rows:
-        worker = gcs_pb2.WorkerTableData.FromString(raw)
+        worker = gcs_pb2.WorkerTableData.FromString(raw)  # type: ignore[attr-defined]
         if worker.pid in pids and not worker.is_alive:
             kind = (
-                common_pb2.WorkerExitType.Name(worker.exit_type)
+                common_pb2.WorkerExitType.Name(worker.exit_type)  # type: ignore[attr-defined]
                 if worker.HasField("exit_type")
                 else None
             )
@@ -274,7 +276,7 @@ def _worker_core() -> Any | None:
         worker = ray._private.worker.global_worker
         if not ray.is_initialized() or worker.mode != ray.WORKER_MODE:
             return None
-        return worker.core_worker
+        return worker.core_worker  # type: ignore[attr-defined]
     except Exception:
         return None
 
@@ -339,7 +341,7 @@ def forced_intended_exit() -> Callable[[], None] | None:
         actor_id = core.get_actor_id() if core is not None else None
     except Exception:
         return None
-    if actor_id is None or actor_id.is_nil():
+    if core is None or actor_id is None or actor_id.is_nil():
         return None
     return lambda: core.kill_actor(actor_id, True)
 

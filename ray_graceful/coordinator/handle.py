@@ -82,7 +82,7 @@ class Coordinator:
             ),
         )
         handle = actor.remote(config, ctx.get_job_id())
-        ray.get(handle.ping.remote(), timeout=60)
+        ray.get(handle.ping.remote(), timeout=60)  # type: ignore[attr-defined]
         return cls(handle, config, name)
 
     @classmethod

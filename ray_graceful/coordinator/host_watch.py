@@ -224,7 +224,8 @@ class HostWatch:
         self.hosts[node_id] = host  # an agent that connects again after its old one closed
         return host
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str) -> WatchedHost | None:
+        """Count and log a refused connection; None, the hello's answer for it."""
         self.refused += 1
         logger.warning("ray_graceful host watch: refused %s", why)
         return None

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..checkpoint import CheckpointError, ShardRecord, Tier, commit
@@ -37,7 +37,6 @@ from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint
 from ..memory.keeper import keeper_name
 from ..memory.placement import choose_holders
-from ..protocol import Reply
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +44,20 @@ KEEPER_PING_S = 5.0  # a keeper that does not answer a ping in this long cannot 
 HOLDERS_FRESH_S = 5.0  # a restarted group's ranks ask at once: one check serves them all
 
 
+class HoldAnswer(Protocol):
+    """A keeper's answer to ``hold``: held, or refused and why (``keeper.ShardKept``)."""
+
+    @property
+    def accepted(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
 class KeeperClient(Protocol):
     """What the tier calls on a keeper (``memory/keeper.py``: ``RemoteKeeper``)."""
 
-    async def hold(self, *args: Any) -> Reply: ...
+    async def hold(self, *args: Any) -> HoldAnswer: ...
 
     async def fetch(self, step: int, shard_key: str) -> list[Any] | None: ...
 
@@ -134,7 +143,7 @@ class MemoryTier:
 
     # --- after a coordinator restart (coordinator/recovery.py reads the records) -----------------
 
-    def adopt(self, found: dict[str, KeeperClient], checkpoints: list[MemoryCheckpoint]) -> None:
+    def adopt(self, found: Mapping[str, KeeperClient], checkpoints: list[MemoryCheckpoint]) -> None:
         """A restarted coordinator takes back its keepers and the memory checkpoints they hold.
 
         The checkpoints come from their records (the newest durable one and any newer); each is

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..health import UNKNOWN, HealthReport
-from ..protocol import RankKey, RankSpec, Register, TeardownOrder
+from ..protocol import RankKey, RankSpec, Register, TeardownOrder, TeardownReport
 
 MAX_POLL_S = 60.0
 
@@ -33,7 +33,7 @@ class Process:
     health: HealthReport | None = None
     order: TeardownOrder | None = None  # this cycle's order, re-sent until acknowledged
     acked: bool = False
-    report: object | None = None  # its TeardownReport, once sent
+    report: TeardownReport | None = None  # once sent
     lost: bool = False  # found dead without a notice: no report will come
 
     @property

@@ -80,6 +80,7 @@ class NvmlProbe:
         self._event_set: Any = None
         self._nvlinks_up: dict[int, list[int]] = {}
         self._unavailable: Reason | None = None
+        self.nvml: Any
         try:
             self.nvml = nvml if nvml is not None else _import_pynvml()
         except ImportError as exc:

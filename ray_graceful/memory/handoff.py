@@ -170,7 +170,7 @@ def hand_off_snapshot(
         h.hold.remote(cycle, step, shard_key, [ref], nbytes, group, rank, timeout_s, chunks)
         for h in handles
     ]
-    replies = ray.get(calls, timeout=timeout_s)
+    replies: list[Any] = ray.get(calls, timeout=timeout_s)
     refused = [r.reason for r in replies if not r.accepted]
     if refused:
         raise MemoryTierError("; ".join(refused))
@@ -239,7 +239,7 @@ def load_shard(
         for node, name in holders:
             try:
                 keeper = ray.get_actor(name, namespace=namespace)
-                ref_in_list = ray.get(
+                ref_in_list: list[Any] | None = ray.get(
                     keeper.fetch.remote(memory["step"], shard_key), timeout=timeout_s
                 )
                 if ref_in_list is None:

@@ -34,15 +34,16 @@ class CloudWatch:
 
         config = self.config
         urls = {c: config.cloud_metadata_url for c in clouds.CLOUDS if config.cloud_metadata_url}
-        cloud = config.cloud_notices
+        cloud: str | None = config.cloud_notices
         if cloud == "auto":
             cloud = clouds.detect(urls)
             if cloud is None:
                 logger.info("ray_graceful: no cloud metadata service answers on this node")
                 return
-        self.cloud = cloud
+        assert cloud is not None  # a mode, or what detect() found
+        self.cloud = chosen = cloud
         poll_forever(
-            lambda: clouds.CloudPoller(cloud, urls.get(cloud)),
+            lambda: clouds.CloudPoller(chosen, urls.get(chosen)),
             self._tell,
             config.cloud_poll_interval_s,
         )
@@ -98,7 +99,7 @@ def poll_forever(
                 str(exc)[:300],
             )
             try:
-                seen = getattr(poller, "seen", set())
+                seen: set[str] = getattr(poller, "seen", set())
                 poller = make_poller()
                 poller.seen = seen  # an event already told is not told again
             except Exception as again:

@@ -71,9 +71,10 @@ class GroupRelay(Relay):
                 answers.setdefault(process_id, PollAnswer(PollKind.UNKNOWN, reason=why))
                 continue
             member.cycle, member.state, member.seen, member.wait_s = cycle, state, now, wait_s
-            lost = member.holding is not None and state.holding != member.holding_id()
-            if lost and process_id not in answers:  # its node never got its order: again
-                answers[process_id] = member.holding
+            holding = member.holding
+            lost = holding is not None and state.holding != member.holding_id()
+            if holding is not None and lost and process_id not in answers:  # never got it: again
+                answers[process_id] = holding
         if not answers:
             answers = await self._hold(node_key, wait_s)
         return self._handed(answers)

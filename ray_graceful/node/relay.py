@@ -311,13 +311,14 @@ class NodeRelay(Relay):
             return PollAnswer(PollKind.UNKNOWN, reason=why)
         member.cycle, member.state, member.seen = cycle, state, time.monotonic()
         member.wait_s = poll_wait(wait_s)
-        if member.answer is not None or member.holding is not None:
+        again = member.answer or member.holding
+        if again is not None:
             # its order again if it polls without having acknowledged it (a reply lost)
-            answer, member.answer = member.answer or member.holding, None
-            return self._handed(process_id, answer)
+            member.answer = None
+            return self._handed(process_id, again)
         member.waiting = asyncio.get_running_loop().create_future()
         try:
-            answer = await asyncio.wait_for(member.waiting, timeout=member.wait_s)
+            answer: PollAnswer = await asyncio.wait_for(member.waiting, timeout=member.wait_s)
         except asyncio.TimeoutError:
             return PollAnswer(PollKind.IDLE)
         finally:

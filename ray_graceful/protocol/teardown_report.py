@@ -107,7 +107,7 @@ class TeardownReport:
 
 
 @functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
+def _field_names(cls: Any) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
@@ -115,4 +115,4 @@ def _plain(record: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict, one level deep: ``asdict`` without its deep copy, and
     without ``fields()`` asked again for every record - at 65,536 reports in an outcome the two
     cost 1.5 s of the coordinator's time. A report's phases and ranks hold only scalars."""
-    return {name: getattr(record, name) for name in _field_names(type(record))}
+    return {name: getattr(record, name) for name in _field_names(record.__class__)}

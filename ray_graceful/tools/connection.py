@@ -7,6 +7,7 @@ every failure is a ``CliError`` with its exit status: 3 no Ray cluster, 4 no coo
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from ..config import GracefulConfig
@@ -27,7 +28,7 @@ def init_ray(args: argparse.Namespace) -> None:
 
     check_reachable(args.address, args.timeout)
     try:
-        ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+        ray.init(address=args.address, log_to_driver=False, logging_level=logging.ERROR)
     except Exception as exc:  # ConnectionError, a missing cluster, auth: all the same here
         raise CliError(
             f"no Ray cluster reachable at {args.address!r}: {exc}", EXIT_NO_CLUSTER

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -179,9 +180,10 @@ def run_demo(
     from ..outcome import TerminationOutcome
 
     clock = _Clock()
+    checkpoints = os.path.join(work, "checkpoints")
     config = GracefulConfig(
         report_dir=os.path.join(work, "reports"),
-        checkpoint_dir=os.path.join(work, "checkpoints"),
+        checkpoint_dir=checkpoints,
         health_probe="scripted",
         health_script_path=os.path.join(work, "faults.json"),
         health_interval_s=0.5,
@@ -206,14 +208,14 @@ def run_demo(
                 "resources": {"demo_H": 100},
             },
         )
-        names = "ABC"
+        added = "ABC"
     else:
         clock.say("adding nodes A, B, C and H to the running Ray cluster")
-        names = "ABCH"
-    nodes = {name: cluster.add_node(num_cpus=2, resources={f"demo_{name}": 100}) for name in names}
+        added = "ABCH"
+    nodes = {name: cluster.add_node(num_cpus=2, resources={f"demo_{name}": 100}) for name in added}
     cluster.wait_for_nodes()
     if own_cluster:
-        ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
     coordinator = None
     crashed_at = 0.0
     try:
@@ -270,8 +272,9 @@ def run_demo(
         names = {node.node_id: name for name, node in nodes.items()}
         names[ray.get_runtime_context().get_node_id()] = "head"
         clock.say(_checkpoint_line(outcome, names))
-        last_steps = [r.get("last_step") for r in outcome.reports if r.get("last_step")]
-        lost = max(last_steps) - int(outcome.committed["step"]) if last_steps else 0
+        last_steps = [int(r["last_step"]) for r in outcome.reports if r.get("last_step")]
+        step = int((outcome.committed or {})["step"])  # committed or held: a step, above
+        lost = max(last_steps) - step if last_steps else 0
 
         clock.say(
             "WARM      ranks 0, 1, 4 and 5 on nodes A and C keep their processes; spares take "
@@ -300,7 +303,7 @@ def run_demo(
 
         # The durable copy starts once every member rejoined: the keepers served them first.
         durable = coordinator.wait_durable(0, timeout=60) or {}
-        committed = latest_committed(config.checkpoint_dir, verify_checksums=True)
+        committed = latest_committed(checkpoints, verify_checksums=True)
         if committed is None or "at" not in durable:
             clock.say(f"the durable copy did not land: {durable}")
             return 1
@@ -388,6 +391,7 @@ def _fault_a_and_drain_b(
     from ..health.scripted import write_faults
     from ..ray_adapter import drain_node
 
+    assert config.health_script_path is not None  # the demo's own config sets it
     write_faults(
         config.health_script_path,
         [

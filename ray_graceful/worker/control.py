@@ -374,7 +374,7 @@ class ControlChannel:
         answers nothing for a second or so); unreachable (gone for good)."""
         if self.reconnecting:
             return Told.RESTARTING
-        if not self.connected:
+        if not self.connected or self.cycle is None:  # no cycle: never registered
             return Told.UNREACHABLE
         seen = SigtermSeen(self.process_id, self.cycle, received_at)
         answer = call(self.handle.report_sigterm, seen, timeout=SIGTERM_REPORT_TIMEOUT_S)

@@ -86,7 +86,10 @@ def rejoin(
     runtime = process_runtime()
     config = runtime.adopt_config(config)
     survivor = _survivor_registration(runtime)
-    coordinator = runtime.control.handle if survivor is not None else find_coordinator(config)
+    control = runtime.control
+    coordinator = (
+        control.handle if survivor is not None and control is not None else find_coordinator(config)
+    )
     if coordinator is None:
         raise SetupError("rejoin(): no coordinator runs for this job; start one on the driver")
     if runtime.registrations and survivor is None:

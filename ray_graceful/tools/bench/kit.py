@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import io
 import json
+import logging
 import math
 import os
 import platform
@@ -146,7 +147,7 @@ def local_cluster(
         for i in range(extra_nodes)
     ]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
     try:
         yield cluster, nodes
     finally:

@@ -58,9 +58,11 @@ def bench_save(args: argparse.Namespace) -> dict[str, Any]:
             os.remove(path)
 
             start = time.perf_counter()
-            record = write_shard(
-                directory, rep, "bench", lambda p, _step, state=state: save_state_dict(state, p)
-            )
+
+            def save(p: str, _step: int, state: Any = state) -> tuple[int, int]:
+                return save_state_dict(state, p)
+
+            record = write_shard(directory, rep, "bench", save)
             timings["ray_graceful"].append(time.perf_counter() - start)
             os.remove(os.path.join(directory, f"step-{rep:08d}", record.file))
         mbs = {k: nbytes / (1 << 20) / statistics.median(v) for k, v in timings.items()}
