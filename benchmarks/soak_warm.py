@@ -108,25 +108,12 @@ class WarmSoakRank(GracefulWorkerMixin, BenchRank):
             self.step = joined.step
         return joined
 
-    def train(self, steps: int, elements: int = 1 << 18, pause_s: float = 0.0) -> dict[str, Any]:
-        """``BenchRank.train``'s loop with one Adam step after each all-reduce."""
+    def update(self) -> None:
+        """One Adam step after each step's all-reduce, with a gradient of ones."""
         import torch
-        import torch.distributed as dist
 
-        tensor = torch.ones(elements)
-        try:
-            for _ in range(steps):
-                dist.all_reduce(tensor)
-                self.weights.grad = torch.ones_like(self.weights)
-                self.adam.step()
-                self.step += 1
-                if self.should_stop(self.step):
-                    break
-                if pause_s:
-                    time.sleep(pause_s)
-        except Exception as exc:
-            return {"released_at": time.time(), "error": str(exc)[-80:], "step": self.step}
-        return {"released_at": time.time(), "error": None, "step": self.step}
+        self.weights.grad = torch.ones_like(self.weights)
+        self.adam.step()
 
     def _state(self) -> dict[str, Any]:
         optim = self.adam.state_dict()

@@ -292,7 +292,10 @@ def _async_ahead_rank(rank: int, world: int, port: int, queue) -> None:
     teardown = ray_graceful.teardown_now("test", exit_process=False)
     finished = teardown.done.wait(30)
     seconds = time.monotonic() - started
-    ended = [w.is_completed() for w in pending]  # a released collective ends, with an error
+    until = time.monotonic() + 5.0  # a released collective ends, with an error, on gloo's thread
+    while not all(w.is_completed() for w in pending) and time.monotonic() < until:
+        time.sleep(0.01)
+    ended = [w.is_completed() for w in pending]
     queue.put((finished, seconds, ended, teardown.report.to_dict()))
     queue.close()
     queue.join_thread()  # the put is made by a feeder thread: flushed before the hard exit

@@ -78,7 +78,9 @@ def test_survivors_hold_their_shards_and_train_on_before_the_step_is_committed(n
     ):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        # 1 s between steps: the order reaches every survivor before its next step's all-reduce
+        # (at 0.2 s, once in a loaded CI run a survivor was inside it, released, and saved first)
+        training_until_evicted(coordinator, workers, pids[0], step_s=1.0)
 
         restart = group.restart(timeout=60)
         outcome = restart.outcome
@@ -125,7 +127,9 @@ def test_a_spare_receives_the_shard_a_surviving_replica_holds_over_the_new_group
     ):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        # 1 s between steps: the order reaches every survivor before its next step's all-reduce
+        # (at 0.2 s, once in a loaded CI run a survivor was inside it, released, and saved first)
+        training_until_evicted(coordinator, workers, pids[0], step_s=1.0)
 
         restart = group.restart(timeout=60)
         assert restart.outcome.result == "held", restart.outcome.reason

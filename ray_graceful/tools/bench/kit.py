@@ -175,6 +175,10 @@ class BenchRank:
     def should_stop(self, step: int | None = None) -> bool:
         return False
 
+    def update(self) -> None:
+        """What a step does after its collectives (nothing here: a harness whose state must
+        move, an optimizer's, overrides it)."""
+
     def join_group(
         self,
         rank: int,
@@ -230,6 +234,7 @@ class BenchRank:
                 dist.all_reduce(tensor)
                 for group in self.extra_groups:
                     dist.all_reduce(tensor, group=group)
+                self.update()
                 self.step += 1
                 if self.should_stop(self.step):
                     break
