@@ -123,7 +123,7 @@ class HeldJob:
 @contextlib.contextmanager
 def held_job(tmp_path, **overrides):
     """Three ranks with replicas (shards a, b, a) on node "a", a spare on node "b" (the
-    ``nodes`` fixture), the memory tier on; rank 0 SIGTERMed between steps, so the survivors
+    ``nodes`` fixture), the memory tier on; rank 0 SIGTERMed between 1 s steps, so the survivors
     hold the step - shard a by rank 2, shard b by rank 1 - and the cycle concludes ``held``."""
     placed = ("node_a", "node_b")
     with warm_job(
@@ -132,7 +132,7 @@ def held_job(tmp_path, **overrides):
         spare_pid = ray.get(spare.pid.remote(), timeout=30)  # before it waits in its rejoin
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
-        training_until_evicted(coordinator, workers, pids[0], step_s=0.2)
+        training_until_evicted(coordinator, workers, pids[0], step_s=1.0)
         outcome = coordinator.wait_outcome(cycle=0, timeout=60)
         assert outcome is not None and outcome.result == "held", outcome and outcome.reason
         yield HeldJob(config, coordinator, workers, spare, spare_pid, group, pids, outcome)
