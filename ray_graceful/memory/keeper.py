@@ -17,7 +17,7 @@ they hold. It is not detached from the job: it leaves once its coordinator is go
 A keeper refuses what does not fit its budget - the saver then saves to disk and says so -
 writes what it holds to ``checkpoint_dir`` when told (``persist``: atomic, checksummed, exactly
 as a rank's own save - and only if the bytes are still those it was handed: the CRC of the tree
-taken when it was held is checked before and after the write), hands shards to a restarted
+taken when it was held is checked once the shard is written), hands shards to a restarted
 rank (``fetch``), and forgets a step once a newer one is committed (``release``).
 """
 
@@ -186,8 +186,9 @@ class Keeper:
     def persist(self, root: str, step: int, shard_key: str) -> dict[str, Any]:
         """Write a held shard to ``root`` as a rank's own save would (atomic, checksummed).
 
-        The bytes are read in place (no copy), and proven to be the ones held before and after
-        they are written: ``HeldCopyChanged`` otherwise, and nothing is renamed into place."""
+        The bytes are read in place (no copy) and proven, once written, to be the ones held -
+        a change before or during the write shows there: ``HeldCopyChanged``, and nothing is
+        renamed into place."""
         import ray
 
         held = self.held.get((step, shard_key))
@@ -197,30 +198,23 @@ class Keeper:
         expected = held.checksum.result() if held.checksum is not None else tree_checksum(tree)
         state = from_tree(tree, copy=False)
 
-        def unchanged(when: str) -> None:
+        def write(path: str) -> tuple[int, int] | None:
+            if is_shard_files(state["state"]):  # a dcp_saver's files: the directory it writes
+                write_shard_files(state["state"], path)
+                return None
+            return save_state_dict(state, path)
+
+        def save(path: str, _step: int) -> tuple[int, int] | None:
+            written = write(path)
             now = tree_checksum(tree)
             if now != expected:
                 raise HeldCopyChanged(
                     f"keeper on node {self.node_id[:12]}: shard {shard_key} of step {step} "
-                    f"changed since it was held (CRC32 {now:#010x} {when}, {expected:#010x} "
-                    "when held); not written - a committed step never holds other bytes"
+                    f"changed since it was held (CRC32 {now:#010x} after the write, "
+                    f"{expected:#010x} when held); not written - a committed step never holds "
+                    "other bytes"
                 )
-
-        if is_shard_files(state["state"]):  # a dcp_saver's files: the directory it would write
-
-            def save(path: str, _step: int) -> tuple[int, int] | None:
-                unchanged("before the write")
-                write_shard_files(state["state"], path)
-                unchanged("after the write")
-                return None
-
-        else:
-
-            def save(path: str, _step: int) -> tuple[int, int] | None:
-                unchanged("before the write")
-                written = save_state_dict(state, path)
-                unchanged("after the write")
-                return written
+            return written
 
         record: ShardRecord = write_shard(
             root,

@@ -108,8 +108,8 @@ def from_tree(obj: Any, copy: bool = True) -> Any:
 
 def tree_checksum(obj: Any) -> int:
     """CRC32 of every leaf's bytes in ``leaves`` order, then of the pickled rest (the step,
-    numbers, strings): what a keeper takes when it holds a shard, and checks again before and
-    after it writes the shard to disk - a held step that changed is refused, never committed."""
+    numbers, strings): what a keeper takes when it holds a shard, and checks again once it has
+    written the shard to disk - a held step that changed is refused, never committed."""
     crc = 0
     rest = map_leaves(obj, lambda leaf: (leaf.dtype, leaf.shape))
     for leaf in leaves(obj):
