@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 from .config import GracefulConfig
 from .health import DEGRADED, FAULTY, HEALTHY, UNKNOWN, VERDICTS
 from .notices import EvictionNotice, short
+from .place import Place
 from .protocol import Action, RankKey, RankSpec, ShardId
 
 Key = RankKey  # one rank-key type, the protocol's
@@ -174,12 +175,12 @@ def plan_termination(
     now: float | None = None,
     expected_save_s: Mapping[ShardId, float] | None = None,
     health_notes: Mapping[Key, str] | None = None,
-    destination: str | None = "",
+    destination: Place = Place.DISK,
 ) -> TerminationPlan:
     """Plan the end of a cycle; see the module docstring for the rules.
 
-    ``destination`` names where savers write (a checkpoint directory, or Ray Train); None means
-    there is nowhere to write, and the plan abandons the checkpoint saying so.
+    ``destination`` names where savers write (``place.destination``); ``Place.NOWHERE``: there
+    is nowhere to write, and the plan abandons the checkpoint saying so.
     """
     with cyclic_gc_paused():
         return _plan(
@@ -211,7 +212,7 @@ def _plan(
     now: float | None,
     expected_save_s: Mapping[ShardId, float] | None,
     health_notes: Mapping[Key, str] | None,
-    destination: str | None,
+    destination: Place,
 ) -> TerminationPlan:
     now = time.time() if now is None else now
     expected = expected_save_s or {}
@@ -314,14 +315,14 @@ def _rank_pass(
 
 
 def _why_abandoned(
-    destination: str | None,
+    destination: Place,
     incomplete: dict[str, str],
     shards: set[ShardId],
     savers: dict[ShardId, Key],
     config: GracefulConfig,
 ) -> str | None:
     """Why no checkpoint can be made at all, or None."""
-    if destination is None:
+    if destination is Place.NOWHERE:
         return "nowhere to save: no checkpoint_dir is configured"
     if incomplete and not shards:
         return "no complete group: " + "; ".join(

@@ -20,6 +20,7 @@ from ray_graceful.coordinator.spare_pool import SpareRecord as Spare
 from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
 from ray_graceful.protocol import LateSave, RankSpec, Result
 from ray_graceful.worker.emergency_save import EmergencySave, ShardSave
+from ray_graceful.worker.save_ways import Fallback, HoldWay
 
 STEP = 41
 
@@ -253,10 +254,10 @@ def test_a_held_snapshot_is_its_own_copy_whatever_the_training_does_next():
 def test_a_snapshot_over_the_memory_budget_is_not_held_and_the_save_says_so():
     big = {"w": torch.zeros(1 << 19)}  # 2 MiB, budget 1 MiB
     save = saving(big, memory_budget_mb=1)
-    done: list[str] = []
-    # Not held: the save goes on as before (the hand-off to keepers, then disk).
-    assert save._hold(save.orders[0], STEP, done) is False
-    assert "do not fit memory_budget_mb=1 for a snapshot; saving it now" in done[-1]
+    # Not held: the save goes on to its next way (the hand-off to keepers, then disk).
+    fallback = HoldWay().try_save(save.ways, save.orders[0], STEP, [])
+    assert isinstance(fallback, Fallback)
+    assert "do not fit memory_budget_mb=1 for a snapshot; saving it now" in fallback.why
     assert save.held == [] and save.saved == []
 
 

@@ -35,9 +35,10 @@ def _run(rank: int, port: int, step: int, held_bytes: int, out: mp.Queue) -> Non
         import torch
         import torch.distributed as dist
 
-        from ray_graceful.checkpoint import ShardRecord, Tier
+        from ray_graceful.checkpoint import ShardRecord
         from ray_graceful.memory.handoff import Snapshot
         from ray_graceful.memory.tree import to_tree, tree_bytes
+        from ray_graceful.place import Place
         from ray_graceful.protocol import Rendezvous
         from ray_graceful.worker import peer_transfer
         from ray_graceful.worker.late_copy import HeldShard
@@ -48,7 +49,7 @@ def _run(rank: int, port: int, step: int, held_bytes: int, out: mp.Queue) -> Non
         tree = to_tree({"step": 9, "state": _state()}, copy=True)
         nbytes = tree_bytes(tree)
         if rank == 0:
-            record = ShardRecord("g/0", 9, "f", nbytes, 0, tier=Tier.HELD)
+            record = ShardRecord("g/0", 9, "f", nbytes, 0, tier=Place.HELD)
             held = [HeldShard(Snapshot(9, nbytes, tree=tree), record, (), "", 5.0)]
             answer = Rendezvous("join", group="g", rank=0, shard="0", step=9, send_to=(1,))
             peer_transfer.send(held, answer)

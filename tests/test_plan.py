@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from ray_graceful import GracefulConfig
 from ray_graceful.health import DEGRADED, FAULTY, HEALTHY, UNKNOWN
 from ray_graceful.notices import EvictionNotice, NoticeError
+from ray_graceful.place import Place, destination
 from ray_graceful.plan import RankInfo, TopologyError, parse_topology, plan_termination
 
 NAN = float("nan")
@@ -98,7 +99,7 @@ def test_sigterm_to_one_rank_and_no_checkpoint_dir():
     assert plan.order_for(("p", 1)).evicted and plan.order_for(("p", 1)).deadline == NOW + 25
     assert plan.savers[("p", "1")] == ("p", 3)  # the survivor replica
     nowhere = plan_termination(
-        two_replicas_per_shard(), [notice], {}, CONFIG, NOW, destination=None
+        two_replicas_per_shard(), [notice], {}, CONFIG, NOW, destination=Place.NOWHERE
     )
     assert nowhere.abandoned == "nowhere to save: no checkpoint_dir is configured"
     assert nowhere.savers == {}
@@ -337,3 +338,11 @@ def test_a_topology_may_give_world_sizes():
     assert ranks[0].world_size == 2
     with pytest.raises(TopologyError, match=r"ranks\[0\].world_size = 0"):
         parse_topology([{"rank": 0, "node": "a", "world_size": 0}])
+
+
+def test_the_destination_is_one_place_word():
+    assert destination("/ckpt", 0, train_fn_saves=True) is Place.RAY_TRAIN
+    assert destination("/ckpt", 1, train_fn_saves=False) is Place.MEMORY
+    assert destination(None, 1, train_fn_saves=False) is Place.MEMORY
+    assert destination("/ckpt", 0, train_fn_saves=False) is Place.DISK
+    assert destination(None, 0, train_fn_saves=False) is Place.NOWHERE

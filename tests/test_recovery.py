@@ -106,7 +106,7 @@ def test_a_committed_step_is_never_touched(tmp_path):
 
 def test_the_plan_own_verdict_is_kept(tmp_path):
     planned = recovery.conclude_from_disk(
-        left(tmp_path, tier="abandoned", reason="no replica of shard 1 is healthy")
+        left(tmp_path, tier=None, reason="no replica of shard 1 is healthy")
     )
     assert (planned.result, planned.reason) == (
         Result.ABANDONED,

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from ..dcp import dcp_directory, file_safe
-from ..word import Word
+from ..place import SHARD_PLACES, Place
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -21,16 +21,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint operation was refused; the message says why."""
-
-
-class Tier(Word):
-    """Where a saved shard is (``ShardRecord.tier``); compares and serialises as its string."""
-
-    DISK = "disk"  # written to checkpoint_dir
-    MEMORY = "memory"  # held by keepers (memory/), its file not yet written
-    # a warm restart's survivor holds it as a snapshot in its own memory, on its way to the
-    # keepers (``holders``: the survivor's node) - never part of a committed checkpoint
-    HELD = "held"
 
 
 @dataclass(frozen=True)
@@ -46,16 +36,18 @@ class ShardRecord:
     rank: int = -1
     seconds: float = 0.0
     reused: bool = False  # the step was already committed: the committed shard was kept
-    tier: Tier = Tier.DISK
+    tier: Place = Place.DISK
     holders: tuple[str, ...] = ()  # memory: the nodes whose keepers hold it
     # memory, a dcp_saver's shard: its chunks (dcp.chunk_summary), checked at the memory commit
     dcp_chunks: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         try:
-            tier = Tier(self.tier)  # "memory" as well as Tier.MEMORY
+            tier = Place(self.tier)  # "memory" as well as Place.MEMORY
+            if tier not in SHARD_PLACES:
+                raise ValueError(tier)
         except ValueError:
-            allowed = ", ".join(t.value for t in Tier)
+            allowed = ", ".join(t.value for t in SHARD_PLACES)
             raise ValueError(f"tier {str(self.tier)[:40]!r} is not one of {allowed}") from None
         object.__setattr__(self, "tier", tier)
 

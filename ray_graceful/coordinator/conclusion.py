@@ -20,10 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import CheckpointError, ShardRecord, Tier, commit, latest_committed
+from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
+from ..place import Place
 from ..protocol import PhaseStatus, Result, TeardownReport
 from .cycle import Cycle
 from .registry import Process
@@ -36,7 +37,7 @@ class CommitRequest:
     cycle: int
     job_id: str
     # HELD: some survivors hold their shards (``held.py``); None: ``result`` and ``reason`` say why
-    tier: Tier | None
+    tier: Place | None
     root: str | None
     expected: tuple[str, ...]
     records: tuple[ShardRecord, ...]
@@ -48,8 +49,8 @@ class CommitRequest:
     verify: frozenset[str] = frozenset()  # shards read back on disk (``trusted_records``)
 
     def __post_init__(self) -> None:
-        if self.tier is not None:  # "memory" as well as Tier.MEMORY
-            object.__setattr__(self, "tier", Tier(self.tier))
+        if self.tier is not None:  # "memory" as well as Place.MEMORY
+            object.__setattr__(self, "tier", Place(self.tier))
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ def commit_request(
     if cycle.train_fn_saves:
         why = "the savers reported their shards to Ray Train: ray.train.get_checkpoint()"
         return nothing(Result.RAY_TRAIN, why)
-    if any(r.tier in (Tier.MEMORY, Tier.HELD) for r in records):
+    if any(r.tier in (Place.MEMORY, Place.HELD) for r in records):
         return CommitRequest(
             cycle.number,
             job_id,
-            Tier.HELD if any(r.tier is Tier.HELD for r in records) else Tier.MEMORY,
+            Place.HELD if any(r.tier is Place.HELD for r in records) else Place.MEMORY,
             root,
             expected,
             records,
@@ -103,7 +104,7 @@ def commit_request(
         )
     if root is None:
         return nothing(Result.NO_CHECKPOINT, "no checkpoint_dir is configured")
-    return CommitRequest(cycle.number, job_id, Tier.DISK, root, expected, records, verify=verify)
+    return CommitRequest(cycle.number, job_id, Place.DISK, root, expected, records, verify=verify)
 
 
 def trusted_records(
@@ -127,15 +128,15 @@ def carry_out(request: CommitRequest) -> CommitResult:
     """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
     result, reason = request.result or Result.ABANDONED, request.reason
     committed, memory = None, None
-    if request.tier is Tier.HELD:
+    if request.tier is Place.HELD:
         result, reason, committed = _check_held(request)
-    elif request.tier is Tier.MEMORY:
+    elif request.tier is Place.MEMORY:
         try:
             memory = _in_memory(request)
             result, committed = Result.COMMITTED, memory.describe()
         except CheckpointError as exc:
             result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
-    elif request.tier is Tier.DISK:
+    elif request.tier is Place.DISK:
         assert request.root is not None
         step = request.records[0].step if request.records else -1
         try:
@@ -178,7 +179,7 @@ def _check_held(request: CommitRequest) -> tuple[Result, str, dict[str, Any] | N
         checked = _in_memory(request)
     except CheckpointError as exc:
         return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
-    held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier is Tier.HELD}
+    held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier is Place.HELD}
     reason = (
         f"step {checked.step} is held in memory by the group's survivors ({len(held)} shard(s))"
         " and committed once their copies reach the keepers: Coordinator.durability(cycle)"

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint import ShardRecord, Tier
+from ..checkpoint import ShardRecord
+from ..place import Place
 from ..protocol import LateSave
 from ..word import Word
 from .conclusion import CommitRequest
@@ -69,7 +70,7 @@ class HeldStep:
 
     @property
     def held(self) -> dict[str, ShardRecord]:
-        return {r.shard: r for r in self.request.records if r.tier is Tier.HELD}
+        return {r.shard: r for r in self.request.records if r.tier is Place.HELD}
 
     def missing(self) -> list[str]:
         return sorted(set(self.held) - set(self.landed))
@@ -86,7 +87,7 @@ class HeldStep:
             if mine is None:
                 return f"shard {record.shard!r} was not held in cycle {self.cycle}"
             if (
-                record.tier is not Tier.MEMORY
+                record.tier is not Place.MEMORY
                 or record.step != mine.step
                 or record.bytes != mine.bytes
             ):
@@ -112,7 +113,7 @@ class HeldStep:
         """The cycle's request with each held record replaced by its copy: a memory commit."""
         self.stage, self.at[Stage.COMMITTING.value] = Stage.COMMITTING, time.time()
         records = tuple(self.landed.get(r.shard, r) for r in self.request.records)
-        return dataclasses.replace(self.request, tier=Tier.MEMORY, records=records)
+        return dataclasses.replace(self.request, tier=Place.MEMORY, records=records)
 
     def lose(self, reason: str, now: float | None = None) -> None:
         self.stage, self.reason = Stage.LOST, reason
@@ -144,7 +145,7 @@ class HeldStep:
             "stage": self.stage.value,
             "held": {k: list(r.holders) for k, r in sorted(self.held.items())},
             "in_keepers": sorted(
-                {r.shard for r in self.request.records if r.tier is Tier.MEMORY} | set(self.landed)
+                {r.shard for r in self.request.records if r.tier is Place.MEMORY} | set(self.landed)
             ),
             "missing": self.missing(),
             "durable_path": self.durable_path,
@@ -211,7 +212,7 @@ class HeldSteps:
             record = held.landed.get(shard_key) or next(
                 (r for r in held.request.records if r.shard == shard_key), None
             )
-            if record is not None and record.tier is Tier.MEMORY:
+            if record is not None and record.tier is Place.MEMORY:
                 return record
         return None
 

@@ -32,11 +32,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..checkpoint import CheckpointError, ShardRecord, Tier, commit
+from ..checkpoint import CheckpointError, ShardRecord, commit
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint
 from ..memory.keeper import keeper_name
 from ..memory.placement import choose_holders
+from ..place import Place
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class MemoryTier:
             records: list[ShardRecord] = []
             calls = {}
             for key, record in memory.shards.items():
-                if record.tier is Tier.DISK:
+                if record.tier is Place.DISK:
                     records.append(record)
                     continue
                 calls[key] = self._persist_one(root, memory.step, key, record.holders)
@@ -342,7 +343,7 @@ class MemoryTier:
         for memory in sorted(self.checkpoints.values(), key=lambda m: -m.step):
             orphans = []
             for key, record in list(memory.shards.items()):
-                if record.tier is not Tier.MEMORY or node_id not in record.holders:
+                if record.tier is not Place.MEMORY or node_id not in record.holders:
                     continue
                 target = await self._hand_on(memory, record, node_id, deadline)
                 holders = tuple(h for h in record.holders if h != node_id)
@@ -460,7 +461,7 @@ class MemoryTier:
         memory.checked_at = time.time()
         orphans = []
         for key, record in list(memory.shards.items()):
-            if record.tier is Tier.MEMORY and gone & set(record.holders):
+            if record.tier is Place.MEMORY and gone & set(record.holders):
                 holders = tuple(h for h in record.holders if h not in gone)
                 memory.shards[key] = dataclasses.replace(record, holders=holders)
                 orphans += [] if holders else [key]
@@ -488,7 +489,7 @@ class MemoryTier:
             if memory.lost:
                 continue
             record = memory.shards.get(shard_key)
-            if record is not None and record.tier is Tier.MEMORY:
+            if record is not None and record.tier is Place.MEMORY:
                 return {
                     "step": step,
                     "holders": dict(zip(record.holders, self.names(record.holders), strict=True)),

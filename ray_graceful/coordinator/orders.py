@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ..health import FAULTY
 from ..memory.placement import KeeperPool
+from ..place import destination
 from ..plan import RankInfo, RankPlan, TerminationPlan, cyclic_gc_paused, plan_termination
 from ..protocol import (
     Action,
@@ -117,7 +118,9 @@ def _plan(state: CoordinatorState, cycle: Cycle) -> tuple[TerminationPlan, dict[
         state.config,
         expected_save_s=state.save_times,
         health_notes=notes,
-        destination=destination(state, cycle),
+        destination=destination(
+            state.config.checkpoint_dir, state.config.memory_replicas, cycle.train_fn_saves
+        ),
     )
     return plan, process_of
 
@@ -160,15 +163,6 @@ class _OrderMaker:
                 ),
             )
         return answer
-
-
-def destination(state: CoordinatorState, cycle: Cycle) -> str | None:
-    """Where savers write: Ray Train, the checkpoint directory, or only keepers' memory."""
-    if cycle.train_fn_saves:
-        return "ray-train"
-    if state.config.checkpoint_dir is None and state.config.memory_replicas > 0:
-        return "memory"
-    return state.config.checkpoint_dir
 
 
 def _surviving_keepers(plan: TerminationPlan, placement: KeeperPlacement | None) -> list[str]:

@@ -47,7 +47,6 @@ from typing import Any, TypeVar
 from ..checkpoint import (
     CheckpointError,
     ShardRecord,
-    Tier,
     commit,
     latest_committed,
     not_plain,
@@ -59,8 +58,9 @@ from ..checkpoint import (
 from ..config import GracefulConfig
 from ..memory.commit import MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome, publish_record
+from ..place import Place, destination
 from ..plan import RankInfo, incomplete_groups
-from ..protocol import Result, Word
+from ..protocol import Result
 from .cycle import Cycle
 from .memory import KEEPER_PING_S, KeeperClient
 
@@ -75,15 +75,6 @@ CLOCK_SLACK_S = 2.0  # a shard file written on another node: its clock may lag o
 UNCOMMITTED = "no manifest (not committed)"
 
 
-class Commits(Word):
-    """How a cycle in flight commits, written down with it (``InFlight.tier``)."""
-
-    DISK = "disk"  # from the shards in checkpoint_dir
-    MEMORY = "memory"  # from the keepers (the memory tier)
-    RAY_TRAIN = "ray-train"  # the savers reported to Ray Train: nothing to commit here
-    ABANDONED = "abandoned"  # the plan itself committed nothing (the reason says why)
-
-
 @dataclass(frozen=True)
 class InFlight:
     """What a restarted coordinator needs to conclude a cycle its predecessor left open."""
@@ -92,14 +83,15 @@ class InFlight:
     job_id: str
     opened_at: float
     deadline: float
-    tier: Commits | None  # None: no checkpoint_dir
+    # where its step commits (``place.destination``); None: the plan itself committed nothing
+    tier: Place | None
     root: str | None
     expected: tuple[str, ...]
-    reason: str = ""  # why the plan itself committed nothing (``Commits.ABANDONED``)
+    reason: str = ""  # why the plan itself committed nothing (``tier`` None)
 
     def __post_init__(self) -> None:
         if self.tier is not None:  # read back from JSON as its string
-            object.__setattr__(self, "tier", Commits(self.tier))
+            object.__setattr__(self, "tier", Place(self.tier))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "expected": list(self.expected)}
@@ -113,13 +105,9 @@ def in_flight(cycle: Cycle, config: GracefulConfig, job_id: str) -> InFlight:
     """What to write down for ``cycle`` once its orders are out (it has a plan)."""
     plan = cycle.plan
     assert plan is not None
-    tier = Commits.DISK if config.checkpoint_dir else None
-    if plan.abandoned:
-        tier = Commits.ABANDONED
-    elif cycle.train_fn_saves:
-        tier = Commits.RAY_TRAIN
-    elif config.memory_replicas > 0:
-        tier = Commits.MEMORY
+    tier = None
+    if not plan.abandoned:
+        tier = destination(config.checkpoint_dir, config.memory_replicas, cycle.train_fn_saves)
     opened = cycle.first_notice_at or cycle.plan_at or time.time()
     return InFlight(
         cycle=cycle.number,
@@ -290,7 +278,7 @@ async def held_in_keepers(keepers: Mapping[str, KeeperClient], cycle: int) -> li
                 0,
                 held.get("group", ""),
                 held.get("rank", -1),
-                tier=Tier.MEMORY,
+                tier=Place.MEMORY,
                 holders=(node,),
                 dcp_chunks=held.get("dcp_chunks"),
             )
@@ -308,7 +296,7 @@ async def conclude_when_over(
     from the keepers for a memory-tier cycle; a memory commit comes back with its checkpoint."""
     await asyncio.sleep(max(cycle.deadline - time.time(), 0) + grace_s)
     memory = None
-    if cycle.tier is Commits.MEMORY:
+    if cycle.tier is Place.MEMORY:
         held = await held_in_keepers(keepers or {}, cycle.cycle)
         outcome, memory = await asyncio.to_thread(conclude_from_keepers, cycle, held, replicas)
     else:
@@ -380,11 +368,11 @@ def conclude_from_disk(cycle: InFlight) -> TerminationOutcome:
     """The outcome of a cycle whose coordinator died: committed from the disk, or abandoned."""
     lead = _lead(cycle)
     committed = None
-    if cycle.tier is Commits.ABANDONED:
+    if cycle.tier is None:
         result, reason = Result.ABANDONED, cycle.reason
-    elif cycle.tier is Commits.RAY_TRAIN:
+    elif cycle.tier is Place.RAY_TRAIN:
         result, reason = Result.RAY_TRAIN, f"{lead}; the savers reported to Ray Train"
-    elif cycle.tier is None or cycle.root is None:
+    elif cycle.tier is Place.NOWHERE or cycle.root is None:
         result, reason = Result.NO_CHECKPOINT, f"{lead}; no checkpoint_dir is configured"
     else:
         step, why = _complete_step(cycle)

@@ -30,9 +30,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..checkpoint import Tier
 from ..config import GracefulConfig
 from ..health import FAULTY
+from ..place import Place
 from ..plan import TerminationPlan
 from ..protocol import (
     RankKey,
@@ -377,7 +377,7 @@ class WarmRestarts:
             record.shard: (p.process_id, record.bytes)
             for p in involved
             for record in (p.report.saved if p.report is not None else ())
-            if record.tier is Tier.HELD
+            if record.tier is Place.HELD
         }
         evicted: dict[str, dict[int, str]] = {}
         for spec, process in registry.ranks_of(cycle.number):

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint import CheckpointError, ShardRecord, Tier, check_shard_set
+from ..checkpoint import CheckpointError, ShardRecord, check_shard_set
 from ..dcp import DcpError, check_summaries
+from ..place import Place
 
 
 @dataclass
@@ -34,14 +35,14 @@ class MemoryCheckpoint:
     checked_at: float = 0.0  # when its holders were last seen alive (coordinator/memory.py)
 
     def in_memory(self) -> dict[str, tuple[str, ...]]:
-        return {k: r.holders for k, r in self.shards.items() if r.tier is Tier.MEMORY}
+        return {k: r.holders for k, r in self.shards.items() if r.tier is Place.MEMORY}
 
     def describe(self) -> dict[str, Any]:
         return {
             "tier": "memory",
             "step": self.step,
             "holders": {k: list(v) for k, v in sorted(self.in_memory().items())},
-            "on_disk": sorted(k for k, r in self.shards.items() if r.tier is Tier.DISK),
+            "on_disk": sorted(k for k, r in self.shards.items() if r.tier is Place.DISK),
             "durable_path": self.durable_path,
             "durable_at": self.durable_at,
             "durable_error": self.durable_error,
@@ -100,7 +101,7 @@ def commit_in_memory(
         if record.shard in by_shard:
             raise CheckpointError(f"shard {record.shard!r} was saved twice")
         survivors = set(record.holders) - evicted_nodes
-        if record.tier is Tier.MEMORY and len(survivors) < replicas:
+        if record.tier is Place.MEMORY and len(survivors) < replicas:
             raise CheckpointError(
                 f"shard {record.shard!r} is held by {len(survivors)} node(s) not being "
                 f"evicted, memory_replicas is {replicas}; not committed"

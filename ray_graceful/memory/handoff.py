@@ -24,13 +24,12 @@ from typing import Any
 
 from ..checkpoint import (
     ShardRecord,
-    Tier,
     latest_committed,
     load_committed_shard,
     shard_file_name,
 )
 from ..dcp import chunk_summary, is_shard_files
-from ..protocol import LoadedFrom
+from ..place import LoadedFrom, Place
 from .tree import from_tree, to_tree, tree_bytes
 
 logger = logging.getLogger(__name__)
@@ -183,7 +182,7 @@ def hand_off_snapshot(
         group=group,
         rank=rank,
         seconds=time.monotonic() - started,
-        tier=Tier.MEMORY,
+        tier=Place.MEMORY,
         holders=tuple(r.node_id for r in replies),
         dcp_chunks=chunks,
     )

@@ -18,6 +18,7 @@ A message is built once, checked where it arrives (``check()``) and read by fiel
 """
 
 from ..checkpoint.records import ShardId, ShardRecord, shard_key
+from ..place import LoadedFrom, Place
 from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, check_version
 from .messages import (
     DEFAULT_NAME,
@@ -43,7 +44,6 @@ from .warm_messages import Rejoined, Rendezvous
 from .words import (
     Action,
     JobState,
-    LoadedFrom,
     PhaseStatus,
     PollKind,
     RejoinResult,
@@ -67,6 +67,7 @@ __all__ = [
     "LoadedFrom",
     "PhaseRecord",
     "PhaseStatus",
+    "Place",
     "PollAnswer",
     "PollKind",
     "PollState",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..place import LoadedFrom
 from .checks import PROTOCOL_VERSION
-from .words import LoadedFrom, RejoinResult, RendezvousAction
+from .words import RejoinResult, RendezvousAction
 
 
 @dataclass(frozen=True)

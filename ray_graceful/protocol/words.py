@@ -92,17 +92,6 @@ class RejoinResult(Word):
     LEFT = "left"  # is leaving (the reason says why)
 
 
-class LoadedFrom(Word):
-    """Where a rank's state for a resume came from (``Rejoined.loaded_from``,
-    ``LoadedShard.tier``)."""
-
-    OWN_STATE = "own state"  # a warm restart's survivor proved it holds the step: no load
-    MEMORY_LOCAL = "memory-local"  # the memory tier, a keeper on this node
-    MEMORY_PEER = "memory-peer"  # the memory tier, a keeper on another node
-    GROUP_PEER = "group-peer"  # a warm restart: sent by the survivor that holds it, over the group
-    DISK = "disk"  # the committed checkpoint on disk
-
-
 class TeardownPhase(Word):
     """A step of one process's teardown, in the order it runs (``PhaseRecord.name``)."""
 

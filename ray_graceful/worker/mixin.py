@@ -17,9 +17,9 @@ from typing import Any
 
 from ..config import GracefulConfig
 from ..protocol import Rejoined
-from .emergency_save import Saver
 from .process_groups import SetupError
 from .rejoin import rejoin
+from .save_ways import Saver
 from .setup import SetupStatus, add_process_group, after_init_process_group, should_stop
 
 

@@ -28,7 +28,6 @@ from ..checkpoint import shard_key
 from ..config import GracefulConfig
 from ..protocol import RankSpec, Rendezvous, TeardownOrder
 from .control import ControlChannel, gpu_indices
-from .emergency_save import Saver, ShardSave
 from .exit_path import hard_exit, leave, write_stderr
 from .hard_deadline import hard_deadline
 from .late_copy import LateCopies
@@ -65,6 +64,7 @@ from .lifecycle import (
 from .peer_release import PeerWatch, announce_leaving
 from .process_groups import GroupHandle, SetupError
 from .report_file import write_report_file
+from .save_ways import Saver, ShardSave
 from .signals import SignalListener, set_claim_check
 from .teardown import Teardown
 from .timers import Timers

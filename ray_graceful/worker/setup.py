@@ -20,10 +20,10 @@ from ..checkpoint import save_state_dict
 from ..config import ConfigError, GracefulConfig
 from ..dcp import DcpSaver
 from .connect import connect
-from .emergency_save import Saver
 from .lifecycle import Registered, TeardownRequested
 from .process_groups import SetupError, resolve_group
 from .process_runtime import Registration, process_runtime, route_signals
+from .save_ways import Saver
 from .signals import current_listener, install_listener
 from .teardown import Teardown
 
