@@ -14,15 +14,17 @@ import torch
 
 from ray_graceful import GracefulConfig
 from ray_graceful.checkpoint import ShardRecord, shard_file_name
-from ray_graceful.coordinator.conclusion import CommitRequest, carry_out
+from ray_graceful.coordinator import events as ev
+from ray_graceful.coordinator.conclusion import CommitRequest, CommitResult, carry_out
 from ray_graceful.coordinator.held import HeldSteps, Stage
 from ray_graceful.coordinator.spare_pool import SpareRecord as Spare
 from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
-from ray_graceful.protocol import LateSave, RankSpec, Result
+from ray_graceful.protocol import LateSave, RankSpec, Reply, Result
 from ray_graceful.worker.emergency_save import EmergencySave, ShardSave
 from ray_graceful.worker.save_ways import Fallback, HoldWay
 
 STEP = 41
+T0 = NOW = 1_000.0  # the machine's parts run on the events' times: no clock is read
 
 
 def record(shard: str, tier: str, nbytes: int = 100, step: int = STEP) -> ShardRecord:
@@ -71,7 +73,7 @@ def test_a_spare_receives_the_shard_a_surviving_replica_holds_from_it_over_the_g
     held = {"g/s0": ("p1", 4096), "g/s2": ("p2", 10), "g/s3": ("p3", 10)}
     record = part.decide(
         0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}},
-        [Spare("a", "spare", "na", 1)], frozenset(), held,
+        [Spare("a", "spare", "na", 1)], frozenset(), held, now=NOW,
     )  # fmt: skip
     assert record is not None and record.result == "rejoining", record.reason
     spare, holder = record.members["a"], record.members["p1"]
@@ -89,7 +91,7 @@ def test_a_survivor_not_parked_at_the_step_receives_its_held_shard_from_the_hold
     held = {"g/s1": ("p1", 2048), "g/s0": ("p2", 10)}
     spares = [Spare("a", "spare", "na", 1)]
     args = (0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}})
-    record = part.decide(*args, spares, frozenset(), held, parked=frozenset({"p1", "p2"}))
+    record = part.decide(*args, spares, frozenset(), held, parked=frozenset({"p1", "p2"}), now=NOW)
     assert record is not None and record.result == "rejoining", record.reason
     assert (record.members["p3"].peer, record.members["p3"].shard_bytes) == (1, 2048)
     assert record.members["p1"].send_to == (3,)
@@ -97,7 +99,9 @@ def test_a_survivor_not_parked_at_the_step_receives_its_held_shard_from_the_hold
 
     part = warm({1: "s1", 2: "s0", 3: "s1"})
     spares = [Spare("a", "spare", "na", 1)]
-    record = part.decide(*args, spares, frozenset(), held, parked=frozenset({"p1", "p2", "p3"}))
+    record = part.decide(
+        *args, spares, frozenset(), held, parked=frozenset({"p1", "p2", "p3"}), now=NOW
+    )
     assert record.members["p3"].peer == -1 and record.members["p1"].send_to == ()
 
 
@@ -106,7 +110,7 @@ def test_a_spare_whose_shard_no_survivor_holds_loads_it_from_a_keeper():
     spares = [Spare("a", "spare", "na", 1)]
     held = {f"g/s{r}": (f"p{r}", 10) for r in (1, 2, 3)}
     record = part.decide(0, STEP, True, {p: True for p in part.survivors}, {"g": {0: "s0"}},
-                         spares, frozenset(), held)  # fmt: skip
+                         spares, frozenset(), held, now=NOW)  # fmt: skip
     assert record.members["a"].peer == -1  # the evicted rank saved s0 itself
     assert all(record.members[f"p{r}"].send_to == () for r in (1, 2, 3))
 
@@ -142,78 +146,110 @@ def test_a_held_cycle_missing_a_shard_or_at_two_steps_is_abandoned():
 # --- the held step on its way: held -> committing (-> in keepers -> on disk) | lost ----------
 
 
+def kinds(decisions) -> list[str]:
+    return [type(d).__name__ for d in decisions]
+
+
 def test_the_step_is_committed_only_once_every_held_shards_copy_landed():
     steps = HeldSteps()
-    steps.expect(
-        request(record("g/0", "memory"), record("g/1", "held"), record("g/2", "held")), 9e9
+    out = steps.expect(
+        request(record("g/0", "memory"), record("g/1", "held"), record("g/2", "held")),
+        until=T0 + 30,
+        now=T0,
     )
-    done, why = steps.take(LateSave("p1", 3, (record("g/1", "memory"),)))
-    assert (done, why) == (None, None)
+    assert out == [ev.HeldChanged(3, steps.describe(3)), ev.HeldTimer(3, T0 + 30)]
+    out = steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0 + 1)
+    assert out == [ev.Replied(Reply.ok())]
     assert steps.describe(3)["missing"] == ["g/2"]
-    done, why = steps.take(LateSave("p2", 3, (record("g/2", "memory"),)))
-    assert why is None and done is not None
-    commit = done.commit_request()
+    out = steps.late(LateSave("p2", 3, (record("g/2", "memory"),)), T0 + 2)
+    assert kinds(out) == ["Replied", "CommitHeld"]
+    commit = out[1].request
     assert commit.tier == "memory"
     assert [r.tier for r in commit.records] == ["memory"] * 3
+    held = steps.steps[3]
+    assert held.stage is Stage.COMMITTING and held.at["committing"] == T0 + 2
     landed = carry_out(commit)
     assert landed.result is Result.COMMITTED and landed.memory is not None
     assert landed.memory.step == STEP
-    assert done.stage is Stage.COMMITTING
+    out = steps.committed(3, landed, T0 + 3)
+    assert out == [ev.HeldChanged(3, steps.describe(3)), ev.MakeDurable(3, landed.memory)]
+    assert held.stage is Stage.IN_KEEPERS and held.at["in-keepers"] == T0 + 3
+    assert steps.durable(3, None, T0 + 4) == []  # the disk copy still runs
+    out = steps.durable(3, {"path": "/ckpt/step-00000009"}, T0 + 5)
+    assert kinds(out) == ["HeldChanged"] and out[0].record["stage"] == "on-disk"
+    assert held.at["on-disk"] == T0 + 5
 
 
 def test_a_copy_that_is_not_what_was_held_loses_the_step():
     steps = HeldSteps()
-    steps.expect(request(record("g/0", "memory"), record("g/1", "held", nbytes=100)), 9e9)
-    done, why = steps.take(LateSave("p1", 3, (record("g/1", "memory", nbytes=99),)))
-    assert (done, why) == (None, None)
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held", nbytes=100)), 9e9, T0)
+    out = steps.late(LateSave("p1", 3, (record("g/1", "memory", nbytes=99),)), T0 + 1)
+    assert kinds(out) == ["Replied", "HeldLost", "HeldChanged"]
     held = steps.steps[3]
-    assert held.stage is Stage.LOST
-    assert "not what was held" in held.reason
+    assert held.stage is Stage.LOST and held.at["lost"] == T0 + 1
+    assert "not what was held" in held.reason and out[1] == ev.HeldLost(3, STEP, held.reason)
     # Nothing more is taken for it, and it is never offered to a spare.
-    assert steps.take(LateSave("p1", 3, (record("g/1", "memory"),)))[1] is not None
+    again = steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0 + 2)
+    assert kinds(again) == ["Rejected", "Replied"] and not again[1].answer.accepted
     assert steps.saved_copy("g/0", STEP) is None
 
 
 def test_a_copy_that_failed_or_did_not_land_in_time_loses_the_step_with_the_reason():
     steps = HeldSteps()
-    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9)
-    steps.take(LateSave("p1", 3, (), failed=("g/1",), reason="keeper gone"))
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)
+    steps.late(LateSave("p1", 3, (), failed=("g/1",), reason="keeper gone"), T0 + 1)
     assert steps.steps[3].stage is Stage.LOST
     assert "keeper gone" in steps.describe(3)["reason"]
 
-    now = time.time()
-    steps.expect(request(record("g/0", "memory"), record("g/1", "held"), cycle=4), now + 5)
-    assert steps.overdue(4, now) is None  # not yet
-    lost = steps.overdue(4, now + 6)
-    assert lost is not None and lost.stage is Stage.LOST and "g/1" in lost.reason
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held"), cycle=4), T0 + 5, T0)
+    assert steps.due(4, T0 + 4) == []  # not yet
+    lost = steps.due(4, T0 + 6)
+    assert kinds(lost) == ["HeldLost", "HeldChanged"] and "g/1" in lost[0].reason
+    assert steps.steps[4].stage is Stage.LOST
+    assert steps.due(4, T0 + 7) == []  # once
+
+
+def test_a_failed_memory_commit_loses_the_step():
+    steps = HeldSteps()
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)
+    steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0 + 1)
+    out = steps.committed(3, CommitResult(Result.ABANDONED, "keeper gone"), T0 + 2)
+    assert kinds(out) == ["HeldLost", "HeldChanged"]
+    assert "the memory commit failed: keeper gone" in out[0].reason
 
 
 def test_a_held_steps_disk_copy_that_failed_every_try_is_said_never_left_in_the_keepers():
     """The checkpoint directory replaced by a file after a held restart: ``durability`` said
     "in-keepers" with no reason for ever after."""
     steps = HeldSteps()
-    held = steps.expect(request(record("g/0", "memory")), 9e9)
-    held.reached(Stage.IN_KEEPERS)
-    assert held.disk_copy_ended(None) is False and held.stage is Stage.IN_KEEPERS  # running
-    assert held.disk_copy_ended({"error": "NotADirectoryError: ckpt", "tries": 3}) is True
+    steps.expect(request(record("g/0", "memory")), 9e9, T0)
+    held = steps.steps[3]
+    held.reached(Stage.IN_KEEPERS, T0)
+    assert steps.durable(3, None, T0 + 1) == [] and held.stage is Stage.IN_KEEPERS  # running
+    assert kinds(steps.durable(3, {"error": "NotADirectoryError: ckpt", "tries": 3}, T0 + 2)) == [
+        "HeldChanged"
+    ]
     described = steps.describe(3)
     assert described["stage"] == "durable-failed"
     assert described["reason"] == "the disk copy failed: NotADirectoryError: ckpt"
-    other = steps.expect(request(record("g/0", "memory"), cycle=4), 9e9)
-    assert other.disk_copy_ended({"path": "/ckpt/step-9", "at": 1.0}) is True
-    assert steps.describe(4)["stage"] == "on-disk" and other.durable_path == "/ckpt/step-9"
+    steps.expect(request(record("g/0", "memory"), cycle=4), 9e9, T0)
+    assert kinds(steps.durable(4, {"path": "/ckpt/step-9", "at": 1.0}, T0 + 3)) == ["HeldChanged"]
+    assert steps.describe(4)["stage"] == "on-disk"
+    assert steps.steps[4].durable_path == "/ckpt/step-9"
 
 
 def test_late_saves_for_no_held_step_or_a_shard_not_held_are_refused():
     steps = HeldSteps()
-    assert "no held step" in steps.take(LateSave("p", 9, ()))[1]
-    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9)
-    assert "was not held" in steps.take(LateSave("p", 3, (record("g/0", "memory"),)))[1]
+    refused = steps.late(LateSave("p", 9, ()), T0)
+    assert "no held step" in refused[1].answer.reason
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)
+    refused = steps.late(LateSave("p", 3, (record("g/0", "memory"),)), T0)
+    assert "was not held" in refused[1].answer.reason
 
 
 def test_a_spare_may_load_an_evicted_shard_of_the_held_step_a_cold_restart_may_not():
     steps = HeldSteps()
-    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9)
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)
     assert steps.saved_copy("g/0", STEP).holders == ("keeper-node",)
     assert steps.saved_copy("g/0", STEP - 1) is None  # another step: not this one's copy
     assert steps.saved_copy("g/1", STEP) is None  # held by a survivor, no keeper has it yet
@@ -301,17 +337,18 @@ def test_a_spare_in_the_slot_of_a_holder_found_faulty_waits_for_its_copy_not_an_
     held = {"g/s1": ("p1", 2048), "g/s0": ("p2", 10)}
     spares = [Spare("a", "spare", "na", 1), Spare("b", "spare", "nb", 1)]
     record = part.decide(0, STEP, True, {"p2": True, "p3": True}, {"g": {0: "s0", 1: "s1"}},
-                         spares, frozenset(), held, parked=frozenset({"p2", "p3"}))  # fmt: skip
+                         spares, frozenset(), held, parked=frozenset({"p2", "p3"}),
+                         now=NOW)  # fmt: skip
     assert record is not None and record.result == "rejoining", record.reason
     assert record.members["b"].shard == "s1" and record.members["b"].peer == -1, "a keeper's"
 
     steps = HeldSteps()
-    steps.expect(request(record_of("g/s0", "held"), record_of("g/s1", "held")), 9e9)
+    steps.expect(request(record_of("g/s0", "held"), record_of("g/s1", "held")), 9e9, T0)
     assert steps.awaiting_copy("g/s1", STEP) and steps.saved_copy("g/s1", STEP) is None
     assert not steps.awaiting_copy("g/s1", STEP - 1), "another step: nothing to wait for"
-    steps.take(LateSave("p1", 3, (record_of("g/s1", "memory"),)))
+    steps.late(LateSave("p1", 3, (record_of("g/s1", "memory"),)), T0)
     assert not steps.awaiting_copy("g/s1", STEP) and steps.saved_copy("g/s1", STEP) is not None
-    steps.steps[3].lose("a copy failed")
+    steps.steps[3].lose("a copy failed", T0)
     assert not steps.awaiting_copy("g/s0", STEP), "a lost step: nothing will come"
 
 

@@ -54,7 +54,7 @@ def registered(config, ranks=2) -> CycleMachine:
     m = machine(config)
     for rank in range(ranks):
         spec = RankSpec("g", rank, ranks, "0", True)
-        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)), time.time())
     return m
 
 
@@ -65,18 +65,18 @@ def of(decisions, kind):
 def report(m: CycleMachine, pid: str, saved: list | None = None) -> list:
     rep = TeardownReport(1, "h", "n", "job-a", [], "t", m.cycle.number, time.time(), time.time())
     rep.saved.extend(saved or [])
-    return m.step(ev.ReportIn(pid, rep))
+    return m.step(ev.ReportIn(pid, rep), time.time())
 
 
 def test_a_notice_opens_the_cycle_and_closing_the_gathering_orders_every_process(config):
     m = registered(config)
-    opened = m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
+    opened = m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(0)]
     assert ev.reply_of(opened).accepted
-    held = m.step(ev.Polled("p0", 0, PollState()))
+    held = m.step(ev.Polled("p0", 0, PollState()), time.time())
     assert of(held, ev.HoldPoll) == [ev.HoldPoll("p0")], "no order before the plan"
 
-    ordered = m.step(ev.GatheringClosed(0))
+    ordered = m.step(ev.GatheringClosed(0), time.time())
     out = {d.process_id: d.answer.order for d in of(ordered, ev.OrderOut)}
     assert set(out) == {"p0", "p1"}
     # The survivor saves (rank 0 on n0); the evicted replica on n1 is its backup.
@@ -84,10 +84,10 @@ def test_a_notice_opens_the_cycle_and_closing_the_gathering_orders_every_process
     assert out["p1"].saves[0].backup_for == 0
     assert ev.NodeLeaving("n1", pytest.approx(out["p1"].deadline, abs=0.5)) in ordered
     # Unacknowledged, the order is the answer to every poll; acknowledged, polls are held.
-    again = m.step(ev.Polled("p0", 0, PollState()))
+    again = m.step(ev.Polled("p0", 0, PollState()), time.time())
     assert ev.reply_of(again).order == out["p0"]
-    m.step(Ack("p0", 0, out["p0"].order_id))
-    assert of(m.step(ev.Polled("p0", 0, PollState())), ev.HoldPoll)
+    m.step(Ack("p0", 0, out["p0"].order_id), time.time())
+    assert of(m.step(ev.Polled("p0", 0, PollState()), time.time()), ev.HoldPoll)
 
 
 def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its_own(config):
@@ -96,8 +96,10 @@ def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its
     for each process told something else - and an acknowledgement still counts for its
     sender only."""
     m = registered(config, ranks=6)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    out = {d.process_id: d.answer for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
+    out = {
+        d.process_id: d.answer for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
     savers = [pid for pid, answer in out.items() if answer.order.saves]
     stay = [pid for pid, answer in out.items() if not answer.order.saves and pid != "p1"]
     assert len(savers) >= 2 and len(stay) >= 2, f"a saver and a backup, then leavers: {out}"
@@ -106,18 +108,18 @@ def test_processes_told_the_same_share_one_order_and_each_still_acknowledges_its
     assert len({ids[pid] for pid in savers}) == len(savers), "each saver's is its own"
     assert ids[stay[0]] not in {ids[pid] for pid in savers}
     one, other = stay[:2]
-    assert ev.reply_of(m.step(Ack(one, 0, ids[one]))).accepted
-    assert ev.reply_of(m.step(ev.Polled(other, 0, PollState()))).order == out[other].order, (
-        "one's acknowledgement is not the other's: it is told again until it acknowledges"
-    )
-    assert of(m.step(ev.Polled(one, 0, PollState())), ev.HoldPoll)
+    assert ev.reply_of(m.step(Ack(one, 0, ids[one]), time.time())).accepted
+    assert (
+        ev.reply_of(m.step(ev.Polled(other, 0, PollState()), time.time())).order == out[other].order
+    ), "one's acknowledgement is not the other's: it is told again until it acknowledges"
+    assert of(m.step(ev.Polled(one, 0, PollState()), time.time()), ev.HoldPoll)
 
 
 def test_a_report_whose_saved_shards_are_not_records_is_refused_and_saves_nothing(config):
     """A report carries ``ShardRecord``s; anything else is refused with the reason, not read."""
     m = registered(config)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    m.step(ev.GatheringClosed(0))
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
+    m.step(ev.GatheringClosed(0), time.time())
     entry = {"shard": "g/0", "step": 5, "file": "shard-g_0-1.pt", "bytes": 1, "crc32": 0}
     refused = report(m, "p0", [entry])
     assert not ev.reply_of(refused).accepted and "ShardRecord" in ev.reply_of(refused).reason
@@ -151,8 +153,8 @@ def test_read_reports_reads_them_back_typed_and_skips_a_torn_one_with_a_warning(
 
 def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(config, tmp_path):
     m = registered(config)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    m.step(ev.GatheringClosed(0))
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
+    m.step(ev.GatheringClosed(0), time.time())
     record = write_shard(
         config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
     )
@@ -161,10 +163,10 @@ def test_the_cycle_concludes_once_every_ordered_process_reported_and_commits(con
     assert not of(first, ev.AllReported), "p1 has not reported yet"
     assert of(report(m, "p1"), ev.AllReported) == [ev.AllReported(0)]
 
-    (commit,) = of(m.step(ev.ReportsClosed(0)), ev.Commit)
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
     assert (commit.request.tier, commit.request.expected) == ("disk", ("g/0",))
     landed = carry_out(commit.request)  # the actor runs this on a thread: the disk only
-    concluded = m.step(ev.CommitDone(0, landed))
+    concluded = m.step(ev.CommitDone(0, landed), time.time())
     (done,) = of(concluded, ev.Concluded)
     assert done.outcome.result == "committed" and done.outcome.committed["step"] == 5
     assert m.cycle.number == 1 and m.registry.processes == {}, "the next cycle is open, empty"
@@ -176,9 +178,9 @@ def test_all_reported_comes_with_the_last_awaited_report_in_any_order(config):
     """The wait for reports ends with the last process that got an order, whatever the order
     they report in; one that reported before the plan, or died, is not waited for."""
     m = registered(config, ranks=40)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n39"),)))
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n39"),)), time.time())
     report(m, "p39")  # its process tore down on its own before the plan
-    m.step(ev.GatheringClosed(0))
+    m.step(ev.GatheringClosed(0), time.time())
     m.registry.mark_lost(m.registry.processes["p38"])  # died without a notice (the watcher)
     order = [f"p{i}" for i in (7, 0, 21, 3, 37, 12, 30, 1)] + [
         f"p{i}" for i in range(38) if i not in (7, 0, 21, 3, 37, 12, 30, 1)
@@ -195,16 +197,18 @@ def test_a_drain_of_the_drivers_node_saves_the_whole_job_by_its_deadline(config)
     m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     for rank in range(4):
         spec = RankSpec("g", rank, 4, str(rank % 2), True)
-        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)), time.time())
     deadline = time.time() + 30
-    opened = m.step(ev.DrainsSeen({"home": int(deadline * 1000)}))
+    opened = m.step(ev.DrainsSeen({"home": int(deadline * 1000)}), time.time())
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(0)]
     assert {n.node_id for n in m.cycle.notices} == {"n0", "n1", "n2", "n3"}
     assert all("driver's node" in n.reason for n in m.cycle.notices)
     sooner = deadline - 10  # node n1 is drained on its own too, with an earlier deadline
-    again = m.step(ev.DrainsSeen({"home": int(deadline * 1000), "n1": int(sooner * 1000)}))
+    again = m.step(
+        ev.DrainsSeen({"home": int(deadline * 1000), "n1": int(sooner * 1000)}), time.time()
+    )
     assert not of(again, ev.Rejected) and len(m.cycle.notices) == 5, "home's drain taken once"
-    ordered = m.step(ev.GatheringClosed(0))
+    ordered = m.step(ev.GatheringClosed(0), time.time())
     orders = {d.process_id: d.answer.order for d in of(ordered, ev.OrderOut)}
     assert len(orders) == 4 and all(o.deadline <= deadline + 0.001 for o in orders.values())
     assert orders["p1"].deadline <= sooner + 0.001, "n1's own, earlier deadline holds"
@@ -217,10 +221,14 @@ def test_a_group_registered_after_the_drivers_node_drain_began_is_still_saved(co
     warm = WarmRestarts(config, ("h", 1))
     m = CycleMachine(config, "job-a", warm, SparePool(), None, 0, "home")
     deadline_ms = int((time.time() + 30) * 1000)
-    assert not of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened), "no rank yet"
+    assert not of(m.step(ev.DrainsSeen({"home": deadline_ms}), time.time()), ev.CycleOpened), (
+        "no rank yet"
+    )
     spec = RankSpec("g", 0, 1, "0", True)
-    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)))
-    assert of(m.step(ev.DrainsSeen({"home": deadline_ms})), ev.CycleOpened) == [ev.CycleOpened(0)]
+    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)), time.time())
+    assert of(m.step(ev.DrainsSeen({"home": deadline_ms}), time.time()), ev.CycleOpened) == [
+        ev.CycleOpened(0)
+    ]
     assert [n.node_id for n in m.cycle.notices] == ["n0"]
 
 
@@ -228,14 +236,19 @@ def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(co
     """The host watch's verdict: the ranks on the host are lost (no order, no report awaited)
     and a replica elsewhere saves their shard; a host with no rank of the job opens nothing."""
     m = registered(config, ranks=3)
-    assert not m.step(ev.HostLost("elsewhere", "no heartbeat")), "no rank there: nothing"
-    took = m.step(ev.HostLost("n1", "no heartbeat for 0.50s; no answer in 0.5s"))
+    assert not m.step(ev.HostLost("elsewhere", "no heartbeat"), time.time()), (
+        "no rank there: nothing"
+    )
+    took = m.step(ev.HostLost("n1", "no heartbeat for 0.50s; no answer in 0.5s"), time.time())
     assert of(took, ev.CycleOpened) == [ev.CycleOpened(0)]
     (notice,) = m.cycle.notices
     assert notice.source == "host_lost" and notice.rank == ("g", 1)
     assert "no answer in 0.5s" in notice.reason
-    assert not m.step(ev.HostLost("n1", "again")), "declared once"
-    orders = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    assert not m.step(ev.HostLost("n1", "again"), time.time()), "declared once"
+    orders = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
     assert not orders["p1"].saves, "the lost host's rank saves nothing"
     savers = [pid for pid, o in orders.items() for save in o.saves if not save.is_backup]
     assert len(savers) == 1 and savers[0] in ("p0", "p2"), orders
@@ -244,14 +257,16 @@ def test_a_lost_host_is_a_notice_for_each_of_its_ranks_and_none_of_them_saves(co
 def test_a_drain_of_a_node_without_ranks_that_is_not_the_drivers_opens_nothing(config):
     m = CycleMachine(config, "job-a", WarmRestarts(config, ("h", 1)), SparePool(), None, 0, "home")
     spec = RankSpec("g", 0, 1, "0", True)
-    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)))
-    assert not of(m.step(ev.DrainsSeen({"elsewhere": int(time.time() * 1000)})), ev.CycleOpened)
+    m.step(Register("p0", "n0", 0, "h", "job-a", (spec,)), time.time())
+    assert not of(
+        m.step(ev.DrainsSeen({"elsewhere": int(time.time() * 1000)}), time.time()), ev.CycleOpened
+    )
 
 
 def test_a_large_plan_is_logged_as_one_line_of_counts_a_small_one_as_its_table(config):
     m = registered(config, ranks=2)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    m.step(ev.GatheringClosed(0))
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
+    m.step(ev.GatheringClosed(0), time.time())
     plan = m.cycle.plan
     assert plan.for_log() == plan.table(), "two ranks: the table"
     line = plan.for_log(max_rows=1)
@@ -266,20 +281,22 @@ def test_a_spare_that_cannot_load_ends_the_warm_restart_before_the_survivor_is_b
     m = machine(fast_config(tmp_path, warm_restart=True))
     m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
     spare = SpareRecord("spare-x", "spare", "n2", 9)
-    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    record = m.warm.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}), now=time.time()
+    )
     assert record is not None and set(record.members) == {"p1", "spare-x"}
     m.state.cycle = Cycle(record.cycle)  # cycle 0 concluded into this record
     slot = RankSpec("g", 0, 2, "0", True)
-    m.step(Register("x", "n2", 9, "h", "job-a", (slot,)))
+    m.step(Register("x", "n2", 9, "h", "job-a", (slot,)), time.time())
 
     bad = Rejoined("left", "spare-x", "g", 0, 2, 7, record.cycle, reason="no load_state_dict")
-    opened = m.step(bad)
+    opened = m.step(bad, time.time())
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(record.cycle)]
     assert [(n.source, n.rank) for n in m.cycle.notices] == [("rejoin", ("g", 0))]
     survivor = RankSpec("g", 1, 2, "1", True)
-    back = m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)))
+    back = m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)), time.time())
     assert ev.reply_of(back).accepted, "the survivor belongs to the group being ended"
-    ordered = m.step(ev.GatheringClosed(record.cycle))
+    ordered = m.step(ev.GatheringClosed(record.cycle), time.time())
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"x", "p1"}
 
 
@@ -289,20 +306,24 @@ def test_the_actor_hears_when_a_warm_restart_is_over_and_only_then(tmp_path):
     m = machine(fast_config(tmp_path, warm_restart=True))
     m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
     spare = SpareRecord("spare-x", "spare", "n2", 9)
-    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    record = m.warm.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}), now=time.time()
+    )
     assert record is not None
     m.state.cycle = Cycle(record.cycle)
     first = Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state")
-    assert not of(m.step(first), ev.WarmFinished), "the spare has not spoken"
+    assert not of(m.step(first, time.time()), ev.WarmFinished), "the spare has not spoken"
     last = Rejoined("joined", "spare-x", "g", 0, 2, 7, record.cycle, loaded_from="disk")
-    assert of(m.step(last), ev.WarmFinished) == [ev.WarmFinished(record.cycle)]
+    assert of(m.step(last, time.time()), ev.WarmFinished) == [ev.WarmFinished(record.cycle)]
 
     m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
-    silent = m.warm.decide(1, 9, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset())
+    silent = m.warm.decide(
+        1, 9, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset(), now=time.time()
+    )
     assert silent is not None and not silent.finished
-    early = m.step(ev.JoinDeadline(silent.cycle, silent.join_by - 1))
+    early = m.step(ev.JoinDeadline(silent.cycle), silent.join_by - 1)
     assert not of(early, ev.WarmFinished)
-    late = m.step(ev.JoinDeadline(silent.cycle, silent.join_by))
+    late = m.step(ev.JoinDeadline(silent.cycle), silent.join_by)
     assert of(late, ev.WarmFinished) == [ev.WarmFinished(silent.cycle)]
 
 
@@ -316,7 +337,7 @@ def test_a_message_is_checked_once_at_the_door_and_a_bad_one_is_refused_with_its
     old = ev.admitted(Ack("p0", 0, "o", version=0), Ack, "ack")
     assert isinstance(old, ev.Malformed) and "version" in old.reason
     m = registered(config)
-    refused = m.step(wrong)
+    refused = m.step(wrong, time.time())
     assert not ev.reply_of(refused).accepted and of(refused, ev.Rejected)
     assert set(m.registry.processes) == {"p0", "p1"}, "nothing registered from it"
 
@@ -341,8 +362,8 @@ def test_a_cycle_moves_only_where_its_table_goes():
 
 def test_a_stale_or_unknown_poll_is_answered_never_held(config):
     m = registered(config)
-    assert ev.reply_of(m.step(ev.Polled("nobody", 0, PollState()))).kind == "unknown"
-    stale = m.step(ev.Polled("p0", 7, PollState()))
+    assert ev.reply_of(m.step(ev.Polled("nobody", 0, PollState()), time.time())).kind == "unknown"
+    stale = m.step(ev.Polled("p0", 7, PollState()), time.time())
     assert ev.reply_of(stale).kind == "stale" and of(stale, ev.Rejected)
 
 
@@ -351,12 +372,12 @@ def test_a_lost_rank_opens_a_cycle_and_in_teardown_ends_the_wait_for_it(config):
     for rank in range(2):
         spec = RankSpec("g", rank, 2, "0", True)
         register = Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,), f"a{rank}" * 16)
-        m.step(register)
+        m.step(register, time.time())
     assert m.watched_actors() == {"a0" * 16, "a1" * 16}
-    lost = m.step(ev.RanksLost(frozenset({"a1" * 16, "not-ours"})))
+    lost = m.step(ev.RanksLost(frozenset({"a1" * 16, "not-ours"})), time.time())
     assert of(lost, ev.CycleOpened) and ev.reply_of(lost) is None, "its own event: no caller"
     assert m.watched_actors() == {"a0" * 16}, "a lost process is watched no more"
-    m.step(ev.GatheringClosed(0))
+    m.step(ev.GatheringClosed(0), time.time())
     assert of(report(m, "p0"), ev.AllReported), "the lost process has no report coming"
 
 
@@ -368,21 +389,24 @@ def test_after_a_restart_a_rank_not_registered_again_is_lost_and_its_group_order
     m = machine(config)
     for rank in (0, 2, 3):  # rank 1 of 4 never came back
         spec = RankSpec("g", rank, 4, str(rank % 2), True)
-        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)))
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)), time.time())
     whole = RankSpec("h", 0, 1, "0", True)
-    m.step(Register("q0", "n0", 9, "h", "job-a", (whole,)))
+    m.step(Register("q0", "n0", 9, "h", "job-a", (whole,)), time.time())
 
-    settled = m.step(ev.RestartSettled(5.0))
+    settled = m.step(ev.RestartSettled(5.0), time.time())
     assert of(settled, ev.CycleOpened) == [ev.CycleOpened(0)]
     assert ev.reply_of(settled) is None, "its own event: no caller"
     assert [(n.source, n.rank) for n in m.cycle.notices] == [("lost", ("g", 1))]
     assert "did not register again within 5s" in m.cycle.notices[0].reason
 
-    ordered = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    ordered = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
     assert set(ordered) == {"p0", "p2", "p3", "q0"}, "every process still here is ordered out"
     assert not any(ordered[p].saves for p in ("p0", "p2", "p3")), "an incomplete group saves none"
     assert "missing: 1" in m.cycle.plan.incomplete["g"]
-    assert m.step(ev.RestartSettled(5.0)) == [], "orders out: nothing more to say"
+    assert m.step(ev.RestartSettled(5.0), time.time()) == [], "orders out: nothing more to say"
 
 
 def test_while_gathering_a_rank_missing_from_a_planned_group_is_let_in_and_ordered(config):
@@ -393,10 +417,10 @@ def test_while_gathering_a_rank_missing_from_a_planned_group_is_let_in_and_order
 
     def register(pid: str, group: str, rank: int, world: int = 4):
         spec = RankSpec(group, rank, world, str(rank % 2), True)
-        return ev.reply_of(m.step(Register(pid, "n0", 1, "h", "job-a", (spec,))))
+        return ev.reply_of(m.step(Register(pid, "n0", 1, "h", "job-a", (spec,)), time.time()))
 
     assert register("p1", "g", 1).accepted
-    m.step(ev.NoticesIn((EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", 1)),)))
+    m.step(ev.NoticesIn((EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", 1)),)), time.time())
     assert m.cycle.phase.value == "gathering"
     assert register("p0", "g", 0).accepted, "missing from the group being planned"
     refused = register("x0", "g", 1)
@@ -407,14 +431,17 @@ def test_while_gathering_a_rank_missing_from_a_planned_group_is_let_in_and_order
     assert not refused.accepted and refused.retry, "not the group's world size"
     assert register("p2", "g", 2).accepted and register("p3", "g", 3).accepted
 
-    ordered = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    ordered = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
     assert set(ordered) == {"p0", "p1", "p2", "p3"}
     assert not m.cycle.plan.incomplete and not m.cycle.plan.abandoned, m.cycle.plan.abandoned
 
 
 def test_after_a_restart_every_group_back_whole_opens_nothing(config):
     m = registered(config, ranks=2)
-    assert m.step(ev.RestartSettled(5.0)) == []
+    assert m.step(ev.RestartSettled(5.0), time.time()) == []
     assert m.cycle.phase.value == "idle"
 
 
@@ -426,23 +453,23 @@ def test_a_node_notice_is_taken_for_the_nodes_the_jobs_processes_registered_from
     def taken(node: str) -> bool:
         cycle = m.cycle.number
         notice = EvictionNotice("api", "x", cycle, time.time() + 60, node_id=node)
-        return ev.reply_of(m.step(ev.NoticesIn((notice,)))).accepted
+        return ev.reply_of(m.step(ev.NoticesIn((notice,)), time.time())).accepted
 
     assert not taken("n9")
     moved = Register("p1", "n5", 1, "h", "job-a", (RankSpec("g", 1, 2, "0", True),))
-    m.step(moved)
+    m.step(moved, time.time())
     assert not taken("n1"), "p1 left n1: nobody of the job runs there"
     assert taken("n5")
 
 
 def test_an_event_for_a_cycle_that_ended_changes_nothing(config):
     m = registered(config)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)))
-    assert m.step(ev.ReportsClosed(0)) == [], "no plan yet: nothing to commit"
-    assert m.step(ev.GatheringClosed(3)) == []
-    m.step(ev.GatheringClosed(0))
-    (commit,) = of(m.step(ev.ReportsClosed(0)), ev.Commit)
-    assert m.step(ev.CommitDone(5, carry_out(commit.request))) == []
+    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, node_id="n1"),)), time.time())
+    assert m.step(ev.ReportsClosed(0), time.time()) == [], "no plan yet: nothing to commit"
+    assert m.step(ev.GatheringClosed(3), time.time()) == []
+    m.step(ev.GatheringClosed(0), time.time())
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
+    assert m.step(ev.CommitDone(5, carry_out(commit.request)), time.time()) == []
     assert m.cycle.number == 0, "only its own cycle's commit concludes it"
 
 
@@ -464,18 +491,20 @@ def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp
     m = machine(fast_config(tmp_path, warm_restart=True, rejoin_timeout_s=5.0))
     m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
     spare = SpareRecord("spare-x", "spare", "n2", 9)
-    record = m.warm.decide(0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}))
+    record = m.warm.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}), now=time.time()
+    )
     m.state.cycle = Cycle(record.cycle)
     survivor = RankSpec("g", 1, 2, "1", True)
-    m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)))
-    m.step(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle))
+    m.step(Register("p1", "n1", 101, "h", "job-a", (survivor,)), time.time())
+    m.step(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle), time.time())
 
-    assert of(m.step(ev.JoinDeadline(record.cycle, record.join_by - 1)), ev.CycleOpened) == []
-    opened = m.step(ev.JoinDeadline(record.cycle, record.join_by))
+    assert of(m.step(ev.JoinDeadline(record.cycle), record.join_by - 1), ev.CycleOpened) == []
+    opened = m.step(ev.JoinDeadline(record.cycle), record.join_by)
     assert of(opened, ev.CycleOpened) == [ev.CycleOpened(record.cycle)]
     assert [(n.source, n.rank) for n in m.cycle.notices] == [("rejoin", ("g", 1))]
     assert "did not join" in m.cycle.notices[0].reason
-    ordered = m.step(ev.GatheringClosed(record.cycle))
+    ordered = m.step(ev.GatheringClosed(record.cycle), time.time())
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"p1"}
 
 
@@ -489,7 +518,7 @@ def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(confi
     spec = RankSpec("team/actor", 0, 1, "0", True)
     at_the_door = ev.admitted(Register("p0", "n0", 1, "h", "job-a", (spec,)), Register, "register")
     assert isinstance(at_the_door, ev.Malformed), "checked once, where the actor takes it"
-    reply = ev.reply_of(m.step(at_the_door))
+    reply = ev.reply_of(m.step(at_the_door, time.time()))
     assert not reply.accepted and "without '/'" in reply.reason, reply
     assert m.registry.processes == {}
     with pytest.raises(SetupError, match=r"'/' separates a group from its shard.*'team-actor'"):
@@ -510,13 +539,20 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     m.spares.add("spare-x", "spare", "n3", 9)
     m.spares.add("spare-y", "spare", "n3", 10)
     drain = EvictionNotice("drain", "Ray is draining the node", 0, time.time() + 30, node_id="n2")
-    assert of(m.step(ev.NoticesIn((drain,))), ev.Gathered) == [ev.Gathered(0)], "at once"
-    out = {d.process_id: d.answer.order for d in of(m.step(ev.GatheringClosed(0)), ev.OrderOut)}
+    assert of(m.step(ev.NoticesIn((drain,)), time.time()), ev.Gathered) == [ev.Gathered(0)], (
+        "at once"
+    )
+    out = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
     saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
     faulty = "p1" if saver != "p1" else "p0"
 
     xid = Reason(FAULTY, "xid_79", "XID 79: GPU has fallen off the bus")
-    polled = m.step(ev.Polled(faulty, 0, PollState(5, HealthReport(FAULTY, (xid,), "scripted"))))
+    polled = m.step(
+        ev.Polled(faulty, 0, PollState(5, HealthReport(FAULTY, (xid,), "scripted"))), time.time()
+    )
     assert m.cycle.late_faulty.keys() == {faulty}
     assert [n.source for n in m.cycle.late_notices] == ["health"]
     if faulty == saver:
@@ -526,8 +562,8 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     )
     for pid in ("p0", "p1", "p2"):
         report(m, pid, [record] if pid == saver else [])
-    (commit,) = of(m.step(ev.ReportsClosed(0)), ev.Commit)
-    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request))), ev.Concluded)
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
+    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
 
     assert done.outcome.result == "committed" and done.outcome.committed["step"] == 5
     warm = done.outcome.warm

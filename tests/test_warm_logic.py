@@ -18,6 +18,8 @@ from ray_graceful.protocol import (
     SpareAnswer,
 )
 
+NOW = 1_000.0  # the events' time: the warm-restart part reads no clock
+
 
 def warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
     """A warm part whose survivors hold ``{rank: shard}`` of group "g" (world ``world``)."""
@@ -38,6 +40,7 @@ def decide(part: WarmRestarts, evicted: dict[int, str], spares=(), step=7, commi
         {"g": evicted},
         list(spares),
         frozenset({"gone"}),
+        now=NOW,
     )
 
 
@@ -103,7 +106,14 @@ def test_without_a_committed_step_or_with_a_silent_survivor_every_survivor_leave
     assert record.result == "cold" and "no checkpoint was committed" in record.reason
     part = warm({1: "model", 2: "model"}, world=3)
     record = part.decide(
-        0, 7, True, {"p1": True}, {"g": {0: "model"}}, [Spare("s", "spare", "n", 1)], frozenset()
+        0,
+        7,
+        True,
+        {"p1": True},
+        {"g": {0: "model"}},
+        [Spare("s", "spare", "n", 1)],
+        frozenset(),
+        now=NOW,
     )
     assert record.result == "cold" and "sent no teardown report (pid 102)" in record.reason
 
@@ -125,9 +135,9 @@ def test_one_member_that_cannot_join_fails_the_warm_restart_with_its_reason():
     part = warm({1: "model", 2: "model"}, world=3)
     record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
     ok = Rejoined("joined", "p1", "g", 1, 3, 7, record.cycle, loaded_from="own state")
-    assert part.joined(ok) is None and record.result == "rejoining"
+    assert part.joined(ok, NOW) is None and record.result == "rejoining"
     bad = Rejoined("left", "s1", "g", 0, 3, 7, record.cycle, reason="load failed: disk gone")
-    assert part.joined(bad) is record
+    assert part.joined(bad, NOW) is record
     assert record.result == "failed" and "spare for rank 0: load failed" in record.reason
     assert record.finished
     described = {m["member"]: m["action"] for m in record.to_dict()["members"]}
@@ -138,7 +148,7 @@ def test_every_member_joined_completes_the_record():
     part = warm({1: "model"}, world=2)
     record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
     for member, answer in record.members.items():
-        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
+        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle), NOW)
     assert record.result == "rejoined" and record.finished
 
 
@@ -194,7 +204,7 @@ def test_a_member_silent_past_the_join_deadline_fails_the_record_and_names_it():
     part = warm({1: "model"}, world=2, rejoin_timeout_s=5.0)
     record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
     assert record.join_by == pytest.approx(record.started_at + 10.0)
-    part.joined(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state"))
+    part.joined(Rejoined("joined", "p1", "g", 1, 2, 7, record.cycle, loaded_from="own state"), NOW)
     assert part.overdue(record.cycle, record.join_by - 0.1) is None, "not yet"
     assert part.overdue(record.cycle, record.join_by) is record
     assert record.result == "failed" and record.finished
@@ -206,7 +216,7 @@ def test_a_record_every_member_spoke_for_is_never_overdue():
     part = warm({1: "model"}, world=2)
     record = decide(part, {0: "model"}, [Spare("s1", "spare", "n2", 9)])
     for member, answer in record.members.items():
-        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle))
+        part.joined(Rejoined("joined", member, "g", answer.rank, 2, 7, record.cycle), NOW)
     assert part.overdue(record.cycle, record.join_by + 1) is None
     assert record.result == "rejoined"
 

@@ -40,7 +40,6 @@ from ..protocol import (
     LateSave,
     PollAnswer,
     PollState,
-    ProtocolError,
     Register,
     Rejoined,
     Rendezvous,
@@ -49,13 +48,11 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
-    SpareAction,
     SpareAnswer,
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
     WarmResult,
-    check_version,
 )
 from ..rendezvous import host_store
 from . import events as ev
@@ -64,7 +61,7 @@ from .backups import BackupTurns
 from .conclusion import CommitRequest, carry_out
 from .fanout import Fanout, held, resolve
 from .groups import GroupAgents
-from .held import HeldStep, HeldSteps, Stage, memory_durability
+from .held import memory_durability
 from .host_watch import HostWatch
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
@@ -80,7 +77,7 @@ REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waite
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 
 
-class CoordinatorActor(NodeFacingCalls):
+class CoordinatorActor:
     """The actor's implementation (started through ``Coordinator.start``).
 
     Ray's drain state and actor table come in through ``drain_source`` and ``lost_source``, and
@@ -153,7 +150,9 @@ class CoordinatorActor(NodeFacingCalls):
         self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
         self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
-        self.held = HeldSteps()  # steps the survivors hold, until their copies land
+        self.nodes = NodeFacingCalls(
+            self.fanout, self.groups, self.outcomes, self._take, self._wake
+        )
 
     def _wake(self) -> None:
         """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
@@ -189,7 +188,7 @@ class CoordinatorActor(NodeFacingCalls):
         """Step the machine and carry out every decision: one that fails (a keeper that cannot
         start, a metrics agent away) is logged and recorded, and never keeps the others - the
         orders above all - from going out."""
-        decisions = self.machine.step(event)
+        decisions = self.machine.step(event, time.time())
         for decision in decisions:
             try:
                 self._carry_out(decision)
@@ -230,11 +229,25 @@ class CoordinatorActor(NodeFacingCalls):
                 if record is not None:
                     self._answer_rendezvous_polls()
                 if record is not None and record.result is WarmResult.REJOINING:
-                    self._spawn(self._join_deadline(record.cycle, record.join_by))
+                    # its members have until join_by to say what they did
+                    self._spawn(self._at(record.join_by, ev.JoinDeadline(record.cycle)))
             case ev.WarmFinished(cycle):
                 self._warm_finished(cycle).set()
+            case ev.HeldChanged(cycle, record):
+                publish_record(self.config.report_dir, self.job_id, f"held-cycle-{cycle}", record)
+            case ev.HeldTimer(cycle, until):
+                self._spawn(self._at(until, ev.HeldDue(cycle)))
+            case ev.CommitHeld(request):
+                self._spawn(self._commit_held(request))
+            case ev.MakeDurable(cycle, memory):
+                self.memory.after_commit(cycle, memory)  # the disk copy, in the background
+                self._spawn(self._when_durable(cycle))
+            case ev.HeldLost(cycle, step, reason):
+                logger.error("ray_graceful: held step %s of cycle %s lost: %s", step, cycle, reason)
+                self.memory.after_commit(cycle, None)  # what the cycle handed to keepers goes
+                self.memory.durable_failed(cycle, f"held step {step} lost: {reason}")
             case _:
-                pass  # Replied, HoldPoll, AwaitSaver, Commit: the caller's to act on
+                pass  # Replied, HoldPoll, HoldSparePoll, AwaitSaver, Commit: the caller's
 
     def _event(self, cycle: int, what: str) -> asyncio.Event:
         return self.cycle_events.setdefault((cycle, what), asyncio.Event())
@@ -279,6 +292,23 @@ class CoordinatorActor(NodeFacingCalls):
             return self._take(ev.Malformed(values, str(exc)))
         return self._take(ev.NoticesIn((notice,)))
 
+    # --- node and group agents: a node's processes at once (``node_calls.py``) ----------------
+
+    async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
+        return await self.nodes.join_group(node_id, gone)
+
+    async def register_node(self, node_key: str, messages: list[Register]) -> bytes:
+        return await self.nodes.register_node(node_key, messages)
+
+    async def poll_node(self, node_key: str, states: dict[str, Any], wait_s: float) -> bytes:
+        return await self.nodes.poll_node(node_key, states, wait_s)
+
+    async def ack_many(self, acks: list[Ack]) -> bytes:
+        return await self.nodes.ack_many(acks)
+
+    async def report_many(self, reports: list[tuple[str, TeardownReport]]) -> bytes:
+        return await self.nodes.report_many(reports)
+
     # --- a cycle, from its first notice to its outcome ----------------------------------------
 
     async def _run_cycle(self, cycle: int) -> None:
@@ -306,11 +336,8 @@ class CoordinatorActor(NodeFacingCalls):
                     )
                 except asyncio.TimeoutError:
                     pass  # the missing ones are named in the outcome
-            decisions = self._step(ev.ReportsClosed(cycle))
-            commit = next(d for d in decisions if isinstance(d, ev.Commit))
+            [commit] = ev.of_kind(self._step(ev.ReportsClosed(cycle)), ev.Commit)
             landed = await asyncio.to_thread(carry_out, commit.request)  # the disk, nothing else
-            if landed.result is Result.HELD:
-                self._expect_copies(commit.request)
             self._take(ev.CommitDone(cycle, landed))
         except asyncio.CancelledError:
             raise
@@ -334,81 +361,35 @@ class CoordinatorActor(NodeFacingCalls):
         if concluded.outcome.result is not Result.HELD:  # a held step commits later
             self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
 
-    # --- held steps: committed once the survivors' copies land (``held.py``) -----------------
+    # --- held steps: the machine decides (``held.py``); here, the waits and the commit -----
 
-    def _expect_copies(self, request: CommitRequest) -> None:
-        """The cycle's step is held: each survivor's copy starts at its group's first step, or
-        at the latest ``rejoin_timeout_s`` after its teardown (``late_copy.py``), and takes at
-        most a save budget; past that, the step is lost."""
-        config = self.config
-        until = time.time() + config.rejoin_timeout_s + config.save_budget_s + REPORT_GRACE_S
-        held = self.held.expect(request, until)
-        self._publish_held(held)
-        self._spawn(self._held_deadline(held.cycle, until))
-
-    async def _held_deadline(self, cycle: int, until: float) -> None:
-        await asyncio.sleep(max(until - time.time(), 0.0))
-        held = self.held.overdue(cycle, time.time())
-        if held is not None:
-            self._held_lost(held)
+    async def _at(self, when: float, event: ev.Event) -> None:
+        """Step ``event`` in at ``when`` (a timer: the machine reads no clock)."""
+        await asyncio.sleep(max(when - time.time(), 0.0))
+        self._step(event)
 
     async def late_saved(self, message: LateSave) -> Reply:
         """A survivor's held shards reached the keepers (or could not): see ``held.py``."""
-        try:
-            check_version(message)
-        except (ProtocolError, AttributeError) as exc:
-            return Reply.refused(str(exc))
-        held, why = self.held.take(message)
-        if why is not None:
-            logger.warning("ray_graceful: late save of cycle %s refused: %s", message.cycle, why)
-            return Reply.refused(why)
-        lost = self.held.steps[message.cycle]
-        if lost.stage is Stage.LOST:
-            self._held_lost(lost)
-        elif held is not None:
-            self._spawn(self._commit_held(held))
-        return Reply.ok()
+        return self._take(ev.admitted(message, LateSave, "late save"))
 
-    async def _commit_held(self, held: HeldStep) -> None:
-        """Every copy landed: commit the step in memory, then on disk as any memory commit."""
-        landed = await asyncio.to_thread(carry_out, held.commit_request())
-        if landed.result is not Result.COMMITTED or landed.memory is None:
-            held.lose(f"the memory commit failed: {landed.reason}")
-            self._held_lost(held)
-            return
-        held.reached(Stage.IN_KEEPERS)
-        self._publish_held(held)
-        self.memory.after_commit(held.cycle, landed.memory)  # the disk copy, in the background
-        durable = await self.memory.wait_durable(held.cycle, REPORT_GRACE_S + 600.0)
-        if held.disk_copy_ended(durable):
-            self._publish_held(held)
+    async def _commit_held(self, request: CommitRequest) -> None:
+        """Every copy landed: commit the step in memory, then (``MakeDurable``) on disk."""
+        landed = await asyncio.to_thread(carry_out, request)
+        self._step(ev.HeldCommitted(request.cycle, landed))
 
-    def _held_lost(self, held: HeldStep) -> None:
-        """Never committed: what the cycle handed to keepers goes, and waits for it end."""
-        logger.error("ray_graceful: held step %s of cycle %s lost: %s", held.step, held.cycle,
-                     held.reason)  # fmt: skip
-        self.memory.after_commit(held.cycle, None)
-        self.memory.durable_failed(held.cycle, f"held step {held.step} lost: {held.reason}")
-        self._publish_held(held)
-
-    def _publish_held(self, held: HeldStep) -> None:
-        publish_record(self.config.report_dir, self.job_id, f"held-cycle-{held.cycle}",
-                       held.describe())  # fmt: skip
+    async def _when_durable(self, cycle: int) -> None:
+        durable = await self.memory.wait_durable(cycle, REPORT_GRACE_S + 600.0)
+        self._step(ev.HeldDurable(cycle, durable))
 
     async def durability(self, cycle: int) -> dict[str, Any] | None:
         """Where cycle ``cycle``'s step is now: held by the group, in the keepers, on disk."""
-        held = self.held.describe(cycle)
+        held = self.machine.held.describe(cycle)
         if held is not None:
             return held
         memory = self.memory.record(cycle)
         if memory is None:
             return None
         return memory_durability(memory)
-
-    async def _join_deadline(self, cycle: int, join_by: float) -> None:
-        """A warm restart's members have until ``join_by`` to say what they did."""
-        await asyncio.sleep(max(join_by - time.time(), 0.0))
-        self._step(ev.JoinDeadline(cycle, time.time()))
 
     async def _rejoin_done(self, cycle: int) -> None:
         """Until the warm restart out of ``cycle`` (if any) heard from every member."""
@@ -473,15 +454,16 @@ class CoordinatorActor(NodeFacingCalls):
         return self._take(ev.SpareArrived(spare_id, role, node_id, pid))
 
     async def poll_spare(self, spare_id: str, wait_s: float) -> SpareAnswer | None:
-        if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
-            return SpareAnswer(SpareAction.REGISTER, "this coordinator does not know the spare")
-        if not self.spares.has_word(spare_id):
+        """A spare's long poll: its word, or None after ``wait_s``."""
+        decisions = self._step(ev.SparePolled(spare_id))
+        if ev.of_kind(decisions, ev.HoldSparePoll):
             await self.fanout.hold_spare(spare_id, wait_s)
-        return self.spares.take(spare_id)
+            decisions = self._step(ev.SparePolled(spare_id))
+        return ev.reply_of(decisions)  # its word; None: none yet, it polls again
 
     async def leave_spare(self, spare_id: str, reason: str) -> Reply:
         """A spare or standby is going away (SIGTERM): never hand it a slot."""
-        return Reply(self.spares.leave(spare_id), reason)
+        return self._take(ev.SpareLeaving(spare_id, reason))
 
     async def job_finished(self, success: bool = True, permanent: bool = True) -> JobClosed:
         """The job is over (success, or closed for good): every spare and standby exits 0."""
@@ -502,9 +484,10 @@ class CoordinatorActor(NodeFacingCalls):
         committed yet - a keeper's copy of its evicted shards is loadable already."""
         if step is not None:
             until = time.monotonic() + self.config.rejoin_timeout_s
-            while self.held.awaiting_copy(shard_key, step) and time.monotonic() < until:
+            held = self.machine.held
+            while held.awaiting_copy(shard_key, step) and time.monotonic() < until:
                 await asyncio.sleep(0.05)  # its holder left the group: it copies it as it goes
-            copy = self.held.saved_copy(shard_key, step)
+            copy = held.saved_copy(shard_key, step)
             if copy is not None:
                 names = self.memory.names(copy.holders)
                 return {"step": step, "holders": dict(zip(copy.holders, names, strict=True))}
@@ -528,7 +511,7 @@ class CoordinatorActor(NodeFacingCalls):
         self._wake()
         last = self.outcomes.outcomes.get(self.machine.cycle.number - 1)
         return {
-            **self.machine.describe(),
+            **self.machine.describe(time.time()),
             "restarted": self.restarted,
             "node_agents": self.fanout.describe(),
             "group_agents": self.groups.describe(),
@@ -556,8 +539,8 @@ class CoordinatorActor(NodeFacingCalls):
             "pending_polls": self.fanout.pending(),
             "polls_served": self.machine.polls_served,
             "poll_calls": self.fanout.calls,
-            "reports_relayed": self.reports_relayed,
-            "report_calls": self.report_calls,
+            "reports_relayed": self.nodes.reports_relayed,
+            "report_calls": self.nodes.report_calls,
         }
 
     async def checkpoint_dir(self) -> str | None:

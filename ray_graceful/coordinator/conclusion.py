@@ -16,7 +16,6 @@ state from a thread:
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,11 +192,13 @@ def outcome_of(
     landed: CommitResult,
     job_id: str,
     warm: dict[str, Any] | None,
+    now: float,
 ) -> TerminationOutcome:
-    """The cycle's outcome record: notices, plan, every report, what was committed, timings."""
+    """The cycle's outcome record: notices, plan, every report, what was committed, timings
+    (``now``: when it concluded)."""
     plan = cycle.plan
     assert plan is not None
-    t0 = cycle.first_notice_at or cycle.plan_at or time.time()
+    t0 = cycle.first_notice_at or cycle.plan_at or now
     reports = [p.report for p in involved if p.report is not None]
     missing = [
         p.name + (" (died without a notice)" if p.lost else "")
@@ -214,7 +215,7 @@ def outcome_of(
     if report_times:
         timings["first_report"] = min(report_times) - t0
         timings["last_report"] = max(report_times) - t0
-    timings["outcome"] = time.time() - t0
+    timings["outcome"] = now - t0
     return TerminationOutcome(
         cycle=cycle.number,
         job_id=job_id,

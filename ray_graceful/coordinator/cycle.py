@@ -43,6 +43,8 @@ MOVES: dict[Phase, frozenset[Phase]] = {
 }
 
 
+REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
+
 # Notices whose node, once every process on it is counted, is planned for at once (``cover``).
 PLANNED_AT_ONCE = frozenset({"sigterm", "drain"})
 

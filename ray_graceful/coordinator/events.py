@@ -20,13 +20,19 @@ reason, so the machine reads only checked messages, by field.
     ack    ─┼─> CycleMachine ──┼─> CycleOpened / Gathered / OrderOut / AllReported
     lost   ─┤    .step(e)      ├─> KeeperNeeded / NodeLeaving / SaveResolved / SpareTold
     commit ─┘                  └─> Commit -> (the actor commits on a thread) -> Concluded
+
+A held step (``held.py``) lives on after its cycle, through events of its own: the survivors'
+``LateSave``s, ``HeldDue`` at its deadline, ``HeldCommitted`` and ``HeldDurable`` as its memory
+commit and disk copy land; it comes out as ``CommitHeld``, ``MakeDurable``, ``HeldChanged``
+and ``HeldLost``. Every event is stepped in with the time it happened (``step(event, now)``):
+the machine reads no clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..memory.commit import MemoryCheckpoint
 from ..notices import EvictionNotice, short
@@ -34,6 +40,7 @@ from ..outcome import TerminationOutcome
 from ..protocol import (
     Ack,
     JobClosed,
+    LateSave,
     PollAnswer,
     PollState,
     ProtocolError,
@@ -43,12 +50,15 @@ from ..protocol import (
     SaveResult,
     SaveTurn,
     SigtermSeen,
+    SpareAnswer,
     SpareAssigned,
     TeardownReport,
     check_version,
 )
 from .conclusion import CommitRequest, CommitResult
 from .warm_restarts import WarmRecord
+
+D = TypeVar("D")
 
 # --- events: what happened ------------------------------------------------------------------
 
@@ -162,11 +172,10 @@ class CycleFailed:
 
 @dataclass(frozen=True)
 class JoinDeadline:
-    """The warm restart into ``cycle`` reached its join deadline (``WarmRecord.join_by``) at
-    ``now``: a member that has not said what it did by then failed it."""
+    """The warm restart into ``cycle`` reached its join deadline (``WarmRecord.join_by``): a
+    member that has not said what it did by then failed it."""
 
     cycle: int
-    now: float
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,44 @@ class SpareWanted:
     rank: int
 
 
+@dataclass(frozen=True)
+class HeldDue:
+    """The held step of ``cycle`` reached its ``until``: copies not in by then lose it."""
+
+    cycle: int
+
+
+@dataclass(frozen=True)
+class HeldCommitted:
+    """The actor carried out a ``CommitHeld``: what the memory commit landed."""
+
+    cycle: int
+    result: CommitResult
+
+
+@dataclass(frozen=True)
+class HeldDurable:
+    """The memory tier's disk copy of a held step ended (its record; None: still running)."""
+
+    cycle: int
+    durable: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class SparePolled:
+    """A spare's long poll: its word, if it has one (the poll is held until it does)."""
+
+    spare_id: str
+
+
+@dataclass(frozen=True)
+class SpareLeaving:
+    """A spare or standby is going away (SIGTERM): never hand it a slot."""
+
+    spare_id: str
+    reason: str
+
+
 Event = (
     Register
     | Polled
@@ -220,6 +267,12 @@ Event = (
     | JobFinished
     | SpareArrived
     | SpareWanted
+    | LateSave
+    | HeldDue
+    | HeldCommitted
+    | HeldDurable
+    | SparePolled
+    | SpareLeaving
 )
 
 
@@ -244,7 +297,7 @@ def admitted(message: Any, kind: type, what: str, prefix: str = "") -> Any:
 class Replied:
     """Answer the caller of the event with this."""
 
-    answer: Reply | PollAnswer | SpareAssigned | JobClosed
+    answer: Reply | PollAnswer | SpareAssigned | JobClosed | SpareAnswer
 
 
 @dataclass(frozen=True)
@@ -361,6 +414,55 @@ class WarmFinished:
     cycle: int
 
 
+@dataclass(frozen=True)
+class HoldSparePoll:
+    """A spare has no word yet: hold its poll until ``SpareTold`` or its timeout."""
+
+    spare_id: str
+
+
+@dataclass(frozen=True)
+class HeldChanged:
+    """A held step moved on (``held.py``): publish where it is now."""
+
+    cycle: int
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HeldTimer:
+    """Step ``HeldDue(cycle)`` in at ``until``."""
+
+    cycle: int
+    until: float
+
+
+@dataclass(frozen=True)
+class CommitHeld:
+    """Every copy of a held step landed: commit it in memory (on a thread), then step
+    ``HeldCommitted``."""
+
+    request: CommitRequest
+
+
+@dataclass(frozen=True)
+class MakeDurable:
+    """A held step is committed in memory: copy it to disk behind the training, then step
+    ``HeldDurable``."""
+
+    cycle: int
+    memory: MemoryCheckpoint
+
+
+@dataclass(frozen=True)
+class HeldLost:
+    """A held step is never committed: drop what its cycle handed to keepers; say so."""
+
+    cycle: int
+    step: int
+    reason: str
+
+
 Decision = (
     Replied
     | Rejected
@@ -378,10 +480,21 @@ Decision = (
     | Commit
     | Concluded
     | WarmFinished
+    | HoldSparePoll
+    | HeldChanged
+    | HeldTimer
+    | CommitHeld
+    | MakeDurable
+    | HeldLost
 )
 
 
-def reply_of(decisions: list[Any]) -> Reply | PollAnswer | SpareAssigned | JobClosed | None:
+def of_kind(decisions: list[Any], kind: type[D]) -> list[D]:
+    """The decisions of one kind among ``decisions`` (the actor acts on a few itself)."""
+    return [d for d in decisions if isinstance(d, kind)]
+
+
+def reply_of(decisions: list[Any]) -> Any:
     """The answer among ``decisions`` for the caller of the event, if there is one."""
     for decision in decisions:
         if isinstance(decision, Replied):

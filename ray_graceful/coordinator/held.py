@@ -16,22 +16,23 @@ restart see the step before it, and ``Coordinator.durability(cycle)`` says which
       |               \\-> durable-failed (every try of the disk copy failed: ``reason``)
       \\-> lost (a copy failed, or did not land by ``until``: the step is never committed)
 
-Ray-free and clock-free: the actor feeds it the cycle's commit request, the late reports and
-the time; it answers what to commit and what to say.
+Ray-free and clock-free, and written by the cycle machine alone (``machine.py``): each event of
+a held step's life comes in with its time, and what to commit, publish or drop comes out as
+decisions (``events.py``) that the actor carries out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint import ShardRecord
 from ..place import Place
-from ..protocol import LateSave
+from ..protocol import LateSave, Reply, Result
 from ..word import Word
-from .conclusion import CommitRequest
+from . import events as ev
+from .conclusion import CommitRequest, CommitResult
 
 KEEP_HELD = 16  # held steps remembered, at most (their records: one per shard)
 
@@ -53,7 +54,7 @@ class HeldStep:
 
     request: CommitRequest  # the cycle's, the survivors' "held" records among its records
     until: float  # copies not in by then: the step is lost
-    held_at: float = field(default_factory=time.time)
+    held_at: float
     landed: dict[str, ShardRecord] = field(default_factory=dict)  # shard key -> its copy
     stage: Stage = Stage.HELD
     reason: str = ""
@@ -75,7 +76,7 @@ class HeldStep:
     def missing(self) -> list[str]:
         return sorted(set(self.held) - set(self.landed))
 
-    def take(self, late: LateSave) -> str | None:
+    def take(self, late: LateSave, now: float) -> str | None:
         """Take one survivor's late report; the reason if it is refused."""
         if self.stage is not Stage.HELD:
             return f"cycle {self.cycle}'s held step is {self.stage.value} already"
@@ -95,12 +96,13 @@ class HeldStep:
                 self.lose(
                     f"the copy of shard {record.shard!r} is not what was held (step "
                     f"{record.step}, {record.bytes} bytes, {record.tier}; held: step "
-                    f"{mine.step}, {mine.bytes} bytes)"
+                    f"{mine.step}, {mine.bytes} bytes)",
+                    now,
                 )
                 return None
         if late.failed:
             names = ", ".join(sorted(late.failed)[:3])
-            self.lose(f"the copy of shard(s) {names} did not land: {late.reason}"[:500])
+            self.lose(f"the copy of shard(s) {names} did not land: {late.reason}"[:500], now)
             return None
         for record in late.saved:
             self.landed[record.shard] = record
@@ -109,31 +111,31 @@ class HeldStep:
     def complete(self) -> bool:
         return self.stage is Stage.HELD and not self.missing()
 
-    def commit_request(self) -> CommitRequest:
+    def commit_request(self, now: float) -> CommitRequest:
         """The cycle's request with each held record replaced by its copy: a memory commit."""
-        self.stage, self.at[Stage.COMMITTING.value] = Stage.COMMITTING, time.time()
+        self.reached(Stage.COMMITTING, now)
         records = tuple(self.landed.get(r.shard, r) for r in self.request.records)
         return dataclasses.replace(self.request, tier=Place.MEMORY, records=records)
 
-    def lose(self, reason: str, now: float | None = None) -> None:
-        self.stage, self.reason = Stage.LOST, reason
-        self.at[Stage.LOST.value] = now if now is not None else time.time()
+    def lose(self, reason: str, now: float) -> None:
+        self.reached(Stage.LOST, now, reason=reason)
 
-    def reached(self, stage: Stage, now: float | None = None, **fields: Any) -> None:
+    def reached(self, stage: Stage, now: float, **fields: Any) -> None:
         self.stage = stage
-        self.at[stage.value] = now if now is not None else time.time()
+        self.at[stage.value] = now
         for name, value in fields.items():
             setattr(self, name, value)
 
-    def disk_copy_ended(self, durable: dict[str, Any] | None) -> bool:
+    def disk_copy_ended(self, durable: dict[str, Any] | None, now: float) -> bool:
         """The memory tier's disk copy ended (``wait_durable``'s record; None: still running):
         on disk, or ``durable-failed`` with the error - never left "in the keepers" as if it
         were on its way. Whether the stage changed."""
         if durable and durable.get("path"):
-            self.reached(Stage.ON_DISK, durable_path=durable["path"])
+            self.reached(Stage.ON_DISK, now, durable_path=durable["path"])
             return True
         if durable and durable.get("error"):
-            self.reached(Stage.DURABLE_FAILED, reason=f"the disk copy failed: {durable['error']}")
+            why = f"the disk copy failed: {durable['error']}"
+            self.reached(Stage.DURABLE_FAILED, now, reason=why)
             return True
         return False
 
@@ -171,37 +173,59 @@ def memory_durability(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class HeldSteps:
-    """The held steps of a coordinator, by cycle (see the module docstring)."""
+    """The held steps of a coordinator, by cycle, and the rules of their life: each method takes
+    one event (with its time) and returns the decisions (see the module docstring)."""
 
     def __init__(self) -> None:
         self.steps: dict[int, HeldStep] = {}
 
-    def expect(self, request: CommitRequest, until: float) -> HeldStep:
-        held = self.steps[request.cycle] = HeldStep(request, until)
+    def expect(self, request: CommitRequest, until: float, now: float) -> list[ev.Decision]:
+        """The cycle concluded held: its copies are due by ``until``."""
+        held = self.steps[request.cycle] = HeldStep(request, until, held_at=now)
         for old in sorted(self.steps)[:-KEEP_HELD]:
             del self.steps[old]
-        return held
+        return [_changed(held), ev.HeldTimer(held.cycle, until)]
 
-    def take(self, late: LateSave) -> tuple[HeldStep | None, str | None]:
-        """The held step ``late`` completes (None if it does not yet), or why it is refused."""
+    def late(self, late: LateSave, now: float) -> list[ev.Decision]:
+        """A survivor's copies landed (or could not): the step commits once all are in."""
         held = self.steps.get(late.cycle)
-        if held is None:
-            return None, f"no held step for cycle {late.cycle}"
-        why = held.take(late)
-        if why is not None:
-            return None, why
-        return (held if held.complete() else None), None
+        why = f"no held step for cycle {late.cycle}" if held is None else held.take(late, now)
+        if held is None or why is not None:
+            summary = f"late save of cycle {late.cycle} from {late.process_id}"
+            return [ev.Rejected(summary, why or ""), ev.Replied(Reply.refused(why or ""))]
+        out: list[ev.Decision] = [ev.Replied(Reply.ok())]
+        if held.stage is Stage.LOST:
+            out += _lost(held)
+        elif held.complete():
+            out.append(ev.CommitHeld(held.commit_request(now)))
+        return out
 
-    def overdue(self, cycle: int, now: float) -> HeldStep | None:
+    def due(self, cycle: int, now: float) -> list[ev.Decision]:
         """Lose the held step of ``cycle`` if its copies are not all in by its ``until``."""
         held = self.steps.get(cycle)
         if held is None or held.stage is not Stage.HELD or now < held.until:
-            return None
-        held.lose(
-            f"the copies of {', '.join(held.missing()[:3])} did not land by the deadline",
-            now,
-        )
-        return held
+            return []
+        missing = ", ".join(held.missing()[:3])
+        held.lose(f"the copies of {missing} did not land by the deadline", now)
+        return _lost(held)
+
+    def committed(self, cycle: int, landed: CommitResult, now: float) -> list[ev.Decision]:
+        """The memory commit of a held step landed: in the keepers, its disk copy next."""
+        held = self.steps.get(cycle)
+        if held is None:
+            return []
+        if landed.result is not Result.COMMITTED or landed.memory is None:
+            held.lose(f"the memory commit failed: {landed.reason}", now)
+            return _lost(held)
+        held.reached(Stage.IN_KEEPERS, now)
+        return [_changed(held), ev.MakeDurable(cycle, landed.memory)]
+
+    def durable(self, cycle: int, durable: dict[str, Any] | None, now: float) -> list[ev.Decision]:
+        """The disk copy of a held step ended: on disk, or durable-failed."""
+        held = self.steps.get(cycle)
+        if held is not None and held.disk_copy_ended(durable, now):
+            return [_changed(held)]
+        return []
 
     def saved_copy(self, shard_key: str, step: int) -> ShardRecord | None:
         """A keeper-held copy of ``shard_key`` at ``step`` from a held step not committed yet:
@@ -228,3 +252,11 @@ class HeldSteps:
     def describe(self, cycle: int) -> dict[str, Any] | None:
         held = self.steps.get(cycle)
         return held.describe() if held is not None else None
+
+
+def _changed(held: HeldStep) -> ev.HeldChanged:
+    return ev.HeldChanged(held.cycle, held.describe())
+
+
+def _lost(held: HeldStep) -> list[ev.Decision]:
+    return [ev.HeldLost(held.cycle, held.step, held.reason), _changed(held)]

@@ -17,7 +17,6 @@ Functions of the machine's ``CoordinatorState``, each appending its decisions to
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,7 +61,7 @@ def register(state: CoordinatorState, message: Register, out: list[ev.Decision])
     if state.job_state is not JobState.RUNNING:
         out.append(ev.Replied(Reply.refused(f"the job is {state.job_state}", number)))
         return
-    state.registry.register(message, number)
+    state.registry.register(message, number).last_seen = state.now
     if state.config.memory_replicas > 0:
         out.append(ev.KeeperNeeded(message.node_id))
     out.append(ev.Replied(Reply.ok(number)))
@@ -124,7 +123,7 @@ def poll(
         state.reject(out, {"process": process_id, "cycle": cycle}, reason)
         out.append(ev.Replied(PollAnswer(PollKind.STALE, reason=reason)))
         return
-    process.last_seen = time.time()
+    process.last_seen = state.now
     if isinstance(told, PollState):
         if told.last_step is not None:
             process.last_step = told.last_step
@@ -154,7 +153,10 @@ def _update_health(
     if report.verdict == FAULTY and was != FAULTY:
         summary = f"GPU FAULTY: {report.summary()}"
         number = state.cycle.number
-        notices = [EvictionNotice("health", summary, number, rank=k) for k in process.keys]
+        notices = [
+            EvictionNotice("health", summary, number, rank=k, received_at=state.now)
+            for k in process.keys
+        ]
         take_notices(state, notices, out, answer=False)
         if state.cycle.phase is Phase.TEARING_DOWN:
             fault_after_plan(state, process, summary, out)
@@ -235,7 +237,7 @@ def take_notices(
         accepted += 1
         out.append(ev.NoticeAccepted(notice.source))
         if cycle.phase is Phase.IDLE:
-            cycle.move(Phase.GATHERING, time.time())
+            cycle.move(Phase.GATHERING, state.now)
             out.append(ev.CycleOpened(cycle.number))
         if cycle.phase is Phase.GATHERING:
             cycle.notices.append(notice)  # still gathering: it goes into the plan
@@ -271,7 +273,10 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
         state.drains_seen[node_id] = number
         try:
             reason = "Ray is draining the node"
-            notice = EvictionNotice("drain", reason, number, deadline_ms / 1000.0, node_id=node_id)
+            deadline = deadline_ms / 1000.0
+            notice = EvictionNotice(
+                "drain", reason, number, deadline, node_id=node_id, received_at=state.now
+            )
         except NoticeError as exc:
             state.reject(out, {"source": "drain", "node_id": node_id}, str(exc))
             continue
@@ -295,7 +300,10 @@ def _the_job_ends_with(
     state.drains_seen[node_id] = number
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
     # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
-    notices = [EvictionNotice("drain", reason, number, deadline, node_id=n) for n in nodes]
+    notices = [
+        EvictionNotice("drain", reason, number, deadline, node_id=n, received_at=state.now)
+        for n in nodes
+    ]
     take_notices(state, notices, out, answer=False)
 
 
@@ -330,7 +338,7 @@ def _gone(
     if state.cycle.phase is Phase.TEARING_DOWN:
         return
     notices = [
-        EvictionNotice(source, why, state.cycle.number, time.time(), rank=k)
+        EvictionNotice(source, why, state.cycle.number, state.now, rank=k, received_at=state.now)
         for process in dead
         for k in process.keys
     ]
@@ -372,8 +380,9 @@ def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -
             f"rank {rank} of group {group!r} did not register again within {settle_s:.0f}s of "
             "the coordinator's restart: it died or left while no coordinator answered",
             cycle.number,
-            time.time(),
+            state.now,
             rank=(group, rank),
+            received_at=state.now,
         )
         for group, ranks in sorted(missing_ranks(topology).items())
         for rank in ranks

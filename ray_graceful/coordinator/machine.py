@@ -17,7 +17,6 @@ memory, a ``KeeperPlacement`` (the memory tier: the nodes with a keeper that is 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..config import GracefulConfig
@@ -27,6 +26,7 @@ from ..protocol import (
     Ack,
     JobClosed,
     JobState,
+    LateSave,
     RankKey,
     Register,
     Rejoined,
@@ -45,7 +45,8 @@ from ..protocol import (
 from . import events as ev
 from . import intake
 from .conclusion import CommitRequest, commit_request, failed, outcome_of
-from .cycle import Cycle, Phase
+from .cycle import REPORT_GRACE_S, Cycle, Phase
+from .held import HeldSteps
 from .orders import KeeperPlacement, plan_and_order
 from .registry import Process, Registry
 from .spare_pool import ROLES, SparePool
@@ -70,6 +71,8 @@ class CycleMachine:
         self.warm = warm
         self.spares = spares
         self.placement = placement
+        self.held = HeldSteps()  # steps the survivors hold, until their copies land (held.py)
+        self._commit: CommitRequest | None = None  # the cycle's, while it is carried out
         self._watched: tuple[tuple[int, int] | None, frozenset[str]] = (None, frozenset())
 
     @property
@@ -88,10 +91,12 @@ class CycleMachine:
     def polls_served(self) -> int:
         return self.state.polls_served
 
-    def step(self, event: ev.Event) -> list[ev.Decision]:
-        """Take one event; the decisions to carry out, in order."""
+    def step(self, event: ev.Event, now: float) -> list[ev.Decision]:
+        """Take one event that happened at ``now`` (``time.time()``); the decisions to carry out,
+        in order. The only writer of the coordinator's state; it reads no clock."""
         out: list[ev.Decision] = []
         state = self.state
+        state.now = now
         match event:
             case Register() as message:
                 intake.register(state, message, out)
@@ -127,19 +132,29 @@ class CycleMachine:
                 self._turn(message, out)
             case ev.BackupSaves(cycle, key, why):
                 if cycle == self.cycle.number:
-                    self.cycle.fallbacks.append({"shard": key, "at": time.time(), "why": why})
+                    self.cycle.fallbacks.append({"shard": key, "at": now, "why": why})
             case ev.ReportsClosed(cycle):
                 if cycle == self.cycle.number and self.cycle.phase is Phase.TEARING_DOWN:
-                    out.append(ev.Commit(self._commit_request()))
+                    self._commit = self._commit_request()
+                    out.append(ev.Commit(self._commit))
             case ev.CommitDone(cycle, landed):
                 if cycle == self.cycle.number:
                     self._conclude(landed, out)
             case ev.CycleFailed(cycle, error):
                 if cycle == self.cycle.number:
                     self._conclude(None, out, error=error)
+            case _:
+                self._after_the_cycle(event, out)
+        return out
+
+    def _after_the_cycle(self, event: ev.Event, out: list[ev.Decision]) -> None:
+        """The events of what outlives a cycle: its warm restart, its held step, the spares, the
+        job's end."""
+        now = self.state.now
+        match event:
             case Rejoined() as result:
                 self._rejoined(result, out)
-            case ev.JoinDeadline(cycle, now):
+            case ev.JoinDeadline(cycle):
                 self._join_deadline(cycle, now, out)
             case ev.JobFinished(success, permanent):
                 self._job_finished(success, permanent, out)
@@ -147,9 +162,20 @@ class CycleMachine:
                 self._spare_arrived(spare_id, role, node_id, pid, out)
             case ev.SpareWanted(group, rank):
                 self._assign_spare(group, rank, out)
+            case ev.SparePolled(spare_id):
+                self._spare_polled(spare_id, out)
+            case ev.SpareLeaving(spare_id, reason):
+                out.append(ev.Replied(Reply(self.spares.leave(spare_id), reason)))
+            case LateSave() as message:
+                out += self.held.late(message, now)
+            case ev.HeldDue(cycle):
+                out += self.held.due(cycle, now)
+            case ev.HeldCommitted(cycle, landed):
+                out += self.held.committed(cycle, landed, now)
+            case ev.HeldDurable(cycle, durable):
+                out += self.held.durable(cycle, durable, now)
             case _:
                 raise TypeError(f"not an event: {type(event).__name__}")
-        return out
 
     # --- queries (the actor's status and the watcher read them) -------------------------------
 
@@ -235,17 +261,25 @@ class CycleMachine:
         # A held step is one: every shard at it, the survivors holding theirs (``held.py``).
         committed = landed is not None and landed.result in (Result.COMMITTED, Result.HELD)
         step = (landed.committed or {}).get("step") if committed else None
-        record, told = self.warm.after_cycle(
-            cycle, step, committed, self.registry, list(self.spares.spares.values())
-        )
+        now = self.state.now
+        spares = list(self.spares.spares.values())
+        record, told = self.warm.after_cycle(cycle, step, committed, self.registry, spares, now)
         warm = record.to_dict() if record is not None else None
         if landed is None or cycle.plan is None:
             outcome = failed(cycle, self.state.job_id, error or "the cycle had no plan", warm)
             memory = None
         else:
-            outcome = outcome_of(cycle, self._involved(), landed, self.state.job_id, warm)
+            outcome = outcome_of(cycle, self._involved(), landed, self.state.job_id, warm, now)
             memory = landed.memory
-        cycle.move(Phase.CONCLUDED, time.time())
+        if landed is not None and landed.result is Result.HELD and self._commit is not None:
+            # Each survivor's copy starts at its group's first step, or at the latest
+            # rejoin_timeout_s after its teardown (``late_copy.py``), and takes at most a save
+            # budget; past that, the step is lost.
+            config = self.state.config
+            until = now + config.rejoin_timeout_s + config.save_budget_s + REPORT_GRACE_S
+            out += self.held.expect(self._commit, until, now)
+        self._commit = None
+        cycle.move(Phase.CONCLUDED, self.state.now)
         out.append(ev.Concluded(outcome, memory, record))
         self._if_warm_finished(record, out)
         for spare, word in told:
@@ -255,7 +289,7 @@ class CycleMachine:
         self.registry.forget_before(self.cycle.number)
 
     def _rejoined(self, result: Rejoined, out: list[ev.Decision]) -> None:
-        self._end_the_members(self.warm.joined(result), out)
+        self._end_the_members(self.warm.joined(result, self.state.now), out)
         self._if_warm_finished(self.warm.records.get(result.cycle), out)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
 
@@ -278,7 +312,8 @@ class CycleMachine:
             return
         keys = self._registered_slots(failed_record)
         reason = f"warm restart failed: {failed_record.reason}"[:500]
-        notices = [EvictionNotice("rejoin", reason, self.cycle.number, rank=k) for k in keys]
+        number, now = self.cycle.number, self.state.now
+        notices = [EvictionNotice("rejoin", reason, number, rank=k, received_at=now) for k in keys]
         intake.take_notices(self.state, notices, out, answer=False)
 
     def _registered_slots(self, record: WarmRecord) -> list[RankKey]:
@@ -322,6 +357,17 @@ class CycleMachine:
         number = self.cycle.number
         out.append(ev.Replied(SpareAssigned(spare.spare_id, group, rank, number)))
 
+    def _spare_polled(self, spare_id: str, out: list[ev.Decision]) -> None:
+        if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
+            why = "this coordinator does not know the spare"
+            out.append(ev.Replied(SpareAnswer(SpareAction.REGISTER, why)))
+        elif self.spares.has_word(spare_id):
+            word = self.spares.take(spare_id)
+            assert word is not None
+            out.append(ev.Replied(word))
+        else:
+            out.append(ev.HoldSparePoll(spare_id))
+
     def _job_finished(self, success: bool, permanent: bool, out: list[ev.Decision]) -> None:
         if success:
             self.state.job_state = JobState.SUCCEEDED
@@ -333,8 +379,8 @@ class CycleMachine:
 
     # --- status ---------------------------------------------------------------------------------
 
-    def describe(self) -> dict[str, Any]:
-        """The current cycle as ``ray-graceful status`` shows it."""
+    def describe(self, now: float) -> dict[str, Any]:
+        """The current cycle as ``ray-graceful status`` shows it at ``now``."""
         cycle = self.cycle
         return {
             "incomplete_groups": incomplete_groups(self.topology()),
@@ -343,7 +389,7 @@ class CycleMachine:
             "job_id": self.state.job_id,
             "job_state": self.job_state,
             "tearing_down": cycle.tearing_down,
-            "ranks": self.registry.describe_ranks(cycle.number),
+            "ranks": self.registry.describe_ranks(cycle.number, now),
             "spares": self.spares.describe(),
             "notices": [n.to_dict() for n in cycle.notices],
             "rejected": cycle.rejected[-20:],

@@ -7,7 +7,8 @@ reply is packed (``protocol/wire.py``): one pickle, which Ray passes through unt
 message inside is stepped through the cycle machine exactly as the same message sent alone,
 so a process cannot tell which way it came; a malformed one is refused one by one.
 
-A mixin of ``CoordinatorActor`` (``actor.py``), which owns what these calls use.
+A part of ``CoordinatorActor`` (``actor.py``), composed in: the actor's methods of the same
+names hand the calls on, with what they use given here at construction.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ MAX_REPORTS = 65_536  # reports one call may carry: a group agent's, every rank 
 class NodeFacingCalls:
     """``join_group``, ``register_node``, ``poll_node``, ``ack_many``, ``report_many``."""
 
-    fanout: Fanout
-    groups: GroupAgents
-    outcomes: OutcomeBoard
-    _take: Callable[[ev.Event], Any]
-    _wake: Callable[[], None]
-    reports_relayed = 0  # reports that came gathered (the fan-out harness reads it)
-    report_calls = 0  # the calls they came in
+    def __init__(
+        self,
+        fanout: Fanout,
+        groups: GroupAgents,
+        outcomes: OutcomeBoard,
+        take: Callable[[ev.Event], Any],
+        wake: Callable[[], None],
+    ) -> None:
+        self.fanout, self.groups, self.outcomes = fanout, groups, outcomes
+        self._take, self._wake = take, wake  # step the machine; start the actor's watchers
+        self.reports_relayed = 0  # reports that came gathered (the fan-out harness reads it)
+        self.report_calls = 0  # the calls they came in
 
     async def join_group(self, node_id: str, gone: str = "") -> tuple[str, Any] | None:
         """A node agent asks which way to poll: a group agent (key, handle) once it answers,

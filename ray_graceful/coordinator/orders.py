@@ -10,7 +10,6 @@ the fan-out.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -68,7 +67,7 @@ def _plan_and_order(
 ) -> None:
     cycle, config = state.cycle, state.config
     plan, process_of = _plan(state, cycle)
-    cycle.move(Phase.TEARING_DOWN, time.time())
+    cycle.move(Phase.TEARING_DOWN, state.now)
     by_process: dict[str, list[RankPlan]] = {}
     for rank_order in plan.orders:
         by_process.setdefault(process_of[rank_order.group, rank_order.rank], []).append(rank_order)
@@ -96,7 +95,7 @@ def _plan_and_order(
         state.registry.processes[process_id].order = answer.order
         out.append(ev.OrderOut(process_id, answer))
     cycle.awaiting_reports = deque(by_process)
-    cycle.orders_at = time.time()
+    cycle.orders_at = state.now
     state.check_all_reported(out)
 
 
@@ -116,6 +115,7 @@ def _plan(state: CoordinatorState, cycle: Cycle) -> tuple[TerminationPlan, dict[
         cycle.notices,
         health,
         state.config,
+        state.now,
         expected_save_s=state.save_times,
         health_notes=notes,
         destination=destination(

@@ -7,8 +7,7 @@ newest registration wins. Plain state: the polls a process holds open are the ac
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..health import UNKNOWN, HealthReport
 from ..protocol import RankKey, RankSpec, Register, TeardownOrder, TeardownReport
@@ -28,7 +27,7 @@ class Process:
     registration: Register
     cycle: int
     keys: list[RankKey]
-    last_seen: float = field(default_factory=time.time)
+    last_seen: float = 0.0  # when it last registered or polled (the event's time)
     last_step: int | None = None
     health: HealthReport | None = None
     order: TeardownOrder | None = None  # this cycle's order, re-sent until acknowledged
@@ -127,9 +126,8 @@ class Registry:
             self.on_node.setdefault(process.node_id, set()).add(process_id)
         self.version += 1
 
-    def describe_ranks(self, cycle: int) -> list[dict[str, object]]:
-        """Every rank of ``cycle`` as ``ray-graceful status`` shows it."""
-        now = time.time()
+    def describe_ranks(self, cycle: int, now: float) -> list[dict[str, object]]:
+        """Every rank of ``cycle`` as ``ray-graceful status`` shows it at ``now``."""
         return [
             {
                 "group": spec.group,

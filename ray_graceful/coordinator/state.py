@@ -8,7 +8,6 @@ saver's fate is known, when every ordered process has reported.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ class CoordinatorState:
     drains_seen: dict[str, int] = field(default_factory=dict)  # node -> the cycle it was seen in
     home_node: str = ""  # the coordinator's node, pinned next to the driver: the job ends with it
     polls_served: int = 0
+    now: float = 0.0  # when the event being stepped happened: the machine reads no clock
 
     def active(self) -> list[Process]:
         """The processes of the cycle in flight."""
@@ -48,7 +48,7 @@ class CoordinatorState:
         840 MB). Returns the (bounded) reason."""
         reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
         summary = short(what, 300)
-        self.cycle.rejected.append({"at": time.time(), "reason": reason, "what": summary})
+        self.cycle.rejected.append({"at": self.now, "reason": reason, "what": summary})
         del self.cycle.rejected[:-KEEP_REJECTED]
         out.append(ev.Rejected(summary, reason))
         return reason

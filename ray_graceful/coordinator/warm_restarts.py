@@ -25,7 +25,6 @@ Its life in one cycle:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -72,7 +71,7 @@ class WarmRecord:
     members: dict[str, Rendezvous] = field(default_factory=dict)  # member id -> its answer
     told_to_leave: dict[str, str] = field(default_factory=dict)  # member id -> why
     results: dict[str, Rejoined] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.time)
+    started_at: float = 0.0  # when it was decided (the event's time)
     finished_at: float | None = None
     join_by: float = float("inf")  # every member has said what it did by then, or it failed
 
@@ -220,6 +219,8 @@ class WarmRestarts:
         evicted_nodes: frozenset[str],
         held: dict[str, tuple[str, int]] | None = None,
         parked: frozenset[str] = frozenset(),
+        *,
+        now: float,
     ) -> WarmRecord | None:
         """The next cycle's membership, or every survivor told to leave (with the reason).
 
@@ -236,8 +237,9 @@ class WarmRestarts:
         if not self.survivors:
             return None
         record = WarmRecord(
-            from_cycle, from_cycle + 1, step if step is not None else -1, WarmResult.COLD
-        )
+            from_cycle, from_cycle + 1, step if step is not None else -1, WarmResult.COLD,
+            started_at=now,
+        )  # fmt: skip
         why = self._why_not(step, committed, reported)
         if why is None:
             why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
@@ -247,7 +249,7 @@ class WarmRestarts:
             record.result, record.reason = WarmResult.COLD, why
             record.members = {}
             record.told_to_leave = {pid: why for pid in self.survivors}
-            record.finished_at = time.time()
+            record.finished_at = now
         else:
             record.result = WarmResult.REJOINING
             # A survivor begins its rejoin within rejoin_timeout_s of this decision or leaves by
@@ -366,6 +368,7 @@ class WarmRestarts:
         committed: bool,
         registry: Registry,
         spares: list[SpareRecord],
+        now: float,
     ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareAnswer]]]:
         """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
         slot with its word (marked ``assigned``; the caller tells it)."""
@@ -400,6 +403,7 @@ class WarmRestarts:
                 for p in involved
                 if p.report is not None and step is not None and p.report.parked_at == step
             ),
+            now=now,
         )
         if record is not None:  # found FAULTY after the plan: a spare takes its slot
             for pid in faulty:
@@ -456,7 +460,7 @@ class WarmRestarts:
         record.finished_at = now
         return record
 
-    def joined(self, result: Rejoined) -> WarmRecord | None:
+    def joined(self, result: Rejoined, now: float) -> WarmRecord | None:
         """Record one member's result; returns the record if the warm restart just failed."""
         record = self.records.get(result.cycle)
         if record is None or result.member not in record.members:
@@ -469,5 +473,5 @@ class WarmRestarts:
         if set(record.results) >= set(record.members) or failed_now:
             if record.result is WarmResult.REJOINING:
                 record.result = WarmResult.REJOINED
-            record.finished_at = time.time()
+            record.finished_at = now
         return record if failed_now else None
