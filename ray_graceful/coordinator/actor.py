@@ -19,7 +19,6 @@ A cycle always concludes: an error on the way is a "failed" outcome; the next cy
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -59,9 +58,10 @@ from . import events as ev
 from . import gc_freeze, recovery
 from .backups import BackupTurns
 from .conclusion import CommitRequest, carry_out
-from .fanout import Fanout, held, resolve
+from .cycle import REPORT_GRACE_S
+from .durability import durability, loadable
+from .fanout import Fanout
 from .groups import GroupAgents
-from .held import memory_durability
 from .host_watch import HostWatch
 from .machine import CycleMachine
 from .memory import KeeperFactory, MemoryTier
@@ -69,11 +69,11 @@ from .node_calls import NodeFacingCalls
 from .outcomes import OutcomeBoard
 from .spare_pool import SparePool
 from .warm_restarts import WarmRestarts
+from .warm_waits import WarmWaits
 from .watch import DrainSource, LostSource, Watcher
 
 logger = logging.getLogger(__name__)
 
-REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 MAX_CONCURRENCY = 20_000  # pending polls the actor holds at once
 
 
@@ -104,8 +104,7 @@ class CoordinatorActor:
         # fresh process, which must not sit between an eviction and its outcome.
         store = (store_factory or host_store)() if config.warm_restart else None
         self.warm = WarmRestarts(config, store)
-        self.rendezvous_polls: dict[str, asyncio.Future] = {}  # member -> its held ask
-        self.warm_events: dict[int, asyncio.Event] = {}  # cycle -> its warm restart is over
+        self.warm_waits = WarmWaits(self.warm)  # members' held asks; each restart's end
         self.spares = SparePool()
         me = ray_adapter.current_actor_id()  # names our keepers; a restart of this actor keeps it
         home = ray_adapter.current_node_id()  # the driver's node: we are pinned there
@@ -116,7 +115,7 @@ class CoordinatorActor:
             keeper_factory or keepers_for(config, job_id, me),
             home_node=home,
             publish=functools.partial(publish_record, config.report_dir, job_id),
-            before_persist=self._rejoin_done,
+            before_persist=self.warm_waits.rejoin_done,
             durable_changed=lambda summary, failed: self.outcomes.durable_changed(summary, failed),
         )
         if self.restarted and config.memory_replicas > 0:  # our keepers outlived our process
@@ -160,20 +159,19 @@ class CoordinatorActor:
         self.memory.resume()
         while self.left_open:
             self._spawn(self._conclude_left(self.left_open.pop()))
-        if self.settle_check_due:
+        if self.settle_check_due:  # who did not register again by then is gone (intake.not_back)
             self.settle_check_due = False
-            self._spawn(self._after_settling())
+            self._spawn(self._at(self.settle_until, ev.RestartSettled(recovery.SETTLE_S)))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self.cycle_tasks.add(task)
         task.add_done_callback(self.cycle_tasks.discard)
 
-    async def _after_settling(self) -> None:
-        """After a restart: the ranks that did not register again by ``settle_until`` are gone
-        (``intake.not_back``)."""
-        await asyncio.sleep(max(0.0, self.settle_until - time.time()))
-        self._step(ev.RestartSettled(recovery.SETTLE_S))
+    async def _at(self, when: float, event: ev.Event) -> None:
+        """Step ``event`` in at ``when`` (a timer: the machine reads no clock)."""
+        await asyncio.sleep(max(when - time.time(), 0.0))
+        self._step(event)
 
     async def _conclude_left(self, cycle: recovery.InFlight) -> None:
         """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
@@ -227,12 +225,12 @@ class CoordinatorActor:
             case ev.Concluded(warm=record):
                 self._publish(decision)
                 if record is not None:
-                    self._answer_rendezvous_polls()
+                    self.warm_waits.answer_asks()
                 if record is not None and record.result is WarmResult.REJOINING:
                     # its members have until join_by to say what they did
                     self._spawn(self._at(record.join_by, ev.JoinDeadline(record.cycle)))
             case ev.WarmFinished(cycle):
-                self._warm_finished(cycle).set()
+                self.warm_waits.finished(cycle).set()
             case ev.HeldChanged(cycle, record):
                 publish_record(self.config.report_dir, self.job_id, f"held-cycle-{cycle}", record)
             case ev.HeldTimer(cycle, until):
@@ -363,11 +361,6 @@ class CoordinatorActor:
 
     # --- held steps: the machine decides (``held.py``); here, the waits and the commit -----
 
-    async def _at(self, when: float, event: ev.Event) -> None:
-        """Step ``event`` in at ``when`` (a timer: the machine reads no clock)."""
-        await asyncio.sleep(max(when - time.time(), 0.0))
-        self._step(event)
-
     async def late_saved(self, message: LateSave) -> Reply:
         """A survivor's held shards reached the keepers (or could not): see ``held.py``."""
         return self._take(ev.admitted(message, LateSave, "late save"))
@@ -383,32 +376,7 @@ class CoordinatorActor:
 
     async def durability(self, cycle: int) -> dict[str, Any] | None:
         """Where cycle ``cycle``'s step is now: held by the group, in the keepers, on disk."""
-        held = self.machine.held.describe(cycle)
-        if held is not None:
-            return held
-        memory = self.memory.record(cycle)
-        if memory is None:
-            return None
-        return memory_durability(memory)
-
-    async def _rejoin_done(self, cycle: int) -> None:
-        """Until the warm restart out of ``cycle`` (if any) heard from every member."""
-        record = self.warm.records.get(cycle + 1)
-        if record is not None and not record.finished:
-            await self._warm_finished(cycle + 1).wait()
-
-    def _warm_finished(self, cycle: int) -> asyncio.Event:
-        """Set once the warm restart into ``cycle`` is over; kept as long as its record."""
-        for old in [c for c in self.warm_events if c not in self.warm.records and c != cycle]:
-            del self.warm_events[old]
-        return self.warm_events.setdefault(cycle, asyncio.Event())
-
-    def _answer_rendezvous_polls(self) -> None:
-        """A warm restart was decided: every member's held ask gets its answer."""
-        for member, future in list(self.rendezvous_polls.items()):
-            answer = self.warm.answer(member)
-            if answer is not None:
-                resolve(future, answer)
+        return durability(self.machine.held, self.memory, cycle)
 
     # --- reports and backups ----------------------------------------------------------------
 
@@ -429,10 +397,7 @@ class CoordinatorActor:
 
     async def rendezvous(self, member: str, wait_s: float) -> Rendezvous | None:
         """A warm restart's member asks where and as what it joins (None: ask again)."""
-        answer = self.warm.answer(member)
-        if answer is not None:
-            return answer
-        return await held(self.rendezvous_polls, member, wait_s)
+        return await self.warm_waits.rendezvous(member, wait_s)
 
     async def rejoined(self, result: Rejoined) -> Reply:
         """A member says what it did; one that could not join ends the others cleanly."""
@@ -440,13 +405,7 @@ class CoordinatorActor:
 
     async def wait_rejoined(self, cycle: int, timeout: float) -> dict[str, Any] | None:
         """The record of the warm restart into ``cycle`` once every member spoke (or now)."""
-        record = self.warm.records.get(cycle)
-        if record is None:
-            return None
-        if not record.finished:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._warm_finished(cycle).wait(), timeout)
-        return record.to_dict()
+        return await self.warm_waits.record(cycle, timeout)
 
     # --- spares and standbys (coordinator/spare_pool.py) ------------------------------------------
 
@@ -478,20 +437,9 @@ class CoordinatorActor:
     async def memory_checkpoint(
         self, shard_key: str, step: int | None = None
     ) -> dict[str, Any] | None:
-        """The newest memory checkpoint that holds ``shard_key``: its step, {node: keeper}.
-
-        ``step``: a warm restart's member loading that step, which may be held and not
-        committed yet - a keeper's copy of its evicted shards is loadable already."""
-        if step is not None:
-            until = time.monotonic() + self.config.rejoin_timeout_s
-            held = self.machine.held
-            while held.awaiting_copy(shard_key, step) and time.monotonic() < until:
-                await asyncio.sleep(0.05)  # its holder left the group: it copies it as it goes
-            copy = held.saved_copy(shard_key, step)
-            if copy is not None:
-                names = self.memory.names(copy.holders)
-                return {"step": step, "holders": dict(zip(copy.holders, names, strict=True))}
-        return await self.memory.checkpoint_for(shard_key)
+        """The newest memory checkpoint that holds ``shard_key`` (``durability.loadable``)."""
+        wait_s = self.config.rejoin_timeout_s
+        return await loadable(self.machine.held, self.memory, shard_key, step, wait_s)
 
     async def memory_record(self, cycle: int) -> dict[str, Any] | None:
         """What cycle ``cycle``'s memory checkpoint holds and went through, as of now."""
