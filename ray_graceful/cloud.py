@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .notices import EvictionNotice, short
+from .notices import EvictionNotice, Source, short
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class CloudEvent:
 
     def to_notice(self, node_id: str, cycle: int) -> EvictionNotice:
         return EvictionNotice(
-            "cloud",
+            Source.CLOUD,
             f"{self.cloud} {self.kind}: {self.detail}"[:500],
             cycle,
             self.deadline,

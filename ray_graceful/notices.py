@@ -23,7 +23,31 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SOURCES = ("drain", "sigterm", "cli", "health", "lost", "host_lost", "api", "cloud", "rejoin")
+from .word import Word
+
+
+class Source(Word):
+    """Who gave a notice; compares and serialises as its string."""
+
+    DRAIN = "drain"  # Ray drains the node (autoscaler, preemption, ``ray drain-node``)
+    SIGTERM = "sigterm"  # a rank's process got SIGTERM
+    CLI = "cli"  # ``ray-graceful notify``, a preStop hook, SLURM
+    HEALTH = "health"  # NVML found the GPU FAULTY
+    LOST = "lost"  # a rank's actor died without a word
+    HOST_LOST = "host_lost"  # the host watch: a host went silent and did not answer the probe
+    API = "api"  # ``Coordinator.notify``
+    CLOUD = "cloud"  # a cloud's metadata service
+    REJOIN = "rejoin"  # a warm restart failed: its members are ended through a cycle
+
+    @property
+    def planned_at_once(self) -> bool:
+        """Whether a node noticed this way is planned for as soon as every process on it is
+        counted (``Cycle.cover``): a drain and a SIGTERM reach every process of the node at
+        once; the others may be followed by more within the gathering window."""
+        return self in (Source.DRAIN, Source.SIGTERM)
+
+
+SOURCES = tuple(source.value for source in Source)
 MAX_DEADLINE_AHEAD_S = 7 * 24 * 3600
 MAX_NAME = 200  # a node id or group name: Ray's node ids are 56 hex digits
 MAX_RANK = 1 << 24  # 16,777,216 ranks in one group
@@ -53,7 +77,7 @@ class NoticeError(ValueError):
 
 @dataclass(frozen=True)
 class EvictionNotice:
-    source: str
+    source: Source  # given as its string too ("drain"), and checked
     reason: str
     cycle: int
     deadline: float = 0.0
@@ -66,6 +90,7 @@ class EvictionNotice:
             raise NoticeError(
                 f"source {short(self.source)} is not allowed: one of {', '.join(SOURCES)}"
             )
+        object.__setattr__(self, "source", Source(self.source))
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise NoticeError("reason must be a non-empty string (why the node or rank goes)")
         if len(self.reason) > 500:

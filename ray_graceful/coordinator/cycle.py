@@ -45,9 +45,6 @@ MOVES: dict[Phase, frozenset[Phase]] = {
 
 REPORT_GRACE_S = 2.0  # how long after the last deadline reports are still waited for
 
-# Notices whose node, once every process on it is counted, is planned for at once (``cover``).
-PLANNED_AT_ONCE = frozenset({"sigterm", "drain"})
-
 
 class PhaseError(RuntimeError):
     """A cycle was moved where its table does not go: a bug in the machine, not an input."""
@@ -133,5 +130,5 @@ class Cycle:
             if all(key in self.noticed_ranks for key in process.keys):
                 self.uncovered[node].discard(process.process_id)
         return not any(self.uncovered.values()) and all(
-            n.source in PLANNED_AT_ONCE for n in self.notices
+            n.source.planned_at_once for n in self.notices
         )

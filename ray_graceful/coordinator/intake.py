@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..health import FAULTY, UNKNOWN, HealthReport
-from ..notices import EvictionNotice, NoticeError, short
+from ..notices import EvictionNotice, NoticeError, Source, short
 from ..plan import RankInfo, missing_ranks
 from ..protocol import (
     Ack,
@@ -38,7 +38,7 @@ from ..protocol import (
 from . import events as ev
 from .cycle import Phase
 from .registry import Process
-from .state import CoordinatorState
+from .state import CoordinatorState, Refusal
 
 
 def register(state: CoordinatorState, message: Register, out: list[ev.Decision]) -> None:
@@ -113,15 +113,12 @@ def poll(
     state: CoordinatorState, process_id: str, cycle: object, told: Any, out: list[ev.Decision]
 ) -> None:
     state.polls_served += 1
-    process = state.registry.processes.get(process_id)
-    if process is None:
-        why = "this process is not registered"
-        out.append(ev.Replied(PollAnswer(PollKind.UNKNOWN, reason=why)))
-        return
-    if cycle != state.cycle.number or process.cycle != state.cycle.number:
-        reason = state.stale(cycle)
-        state.reject(out, {"process": process_id, "cycle": cycle}, reason)
-        out.append(ev.Replied(PollAnswer(PollKind.STALE, reason=reason)))
+    process = state.member(process_id, cycle)
+    if isinstance(process, Refusal):
+        if not process.unknown:  # an unknown one registers again: nothing to keep on record
+            state.reject(out, {"process": process_id, "cycle": cycle}, process.reason)
+        kind = PollKind.UNKNOWN if process.unknown else PollKind.STALE
+        out.append(ev.Replied(PollAnswer(kind, reason=process.reason)))
         return
     process.last_seen = state.now
     if isinstance(told, PollState):
@@ -137,8 +134,12 @@ def poll(
 
 
 def ack(state: CoordinatorState, message: Ack, out: list[ev.Decision]) -> None:
-    process = state.registry.processes.get(message.process_id)
-    if process is None or process.order is None or process.order.order_id != message.order_id:
+    process = state.member(message.process_id, message.cycle)
+    if (
+        isinstance(process, Refusal)
+        or process.order is None
+        or process.order.order_id != message.order_id
+    ):
         out.append(ev.Replied(Reply.refused("no such order", state.cycle.number)))
         return
     process.acked = True
@@ -154,7 +155,7 @@ def _update_health(
         summary = f"GPU FAULTY: {report.summary()}"
         number = state.cycle.number
         notices = [
-            EvictionNotice("health", summary, number, rank=k, received_at=state.now)
+            EvictionNotice(Source.HEALTH, summary, number, rank=k, received_at=state.now)
             for k in process.keys
         ]
         take_notices(state, notices, out, answer=False)
@@ -183,17 +184,14 @@ def fault_after_plan(
 
 def sigterm(state: CoordinatorState, message: SigtermSeen, out: list[ev.Decision]) -> None:
     """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
-    process = state.registry.processes.get(message.process_id)
-    if process is None:
-        state.refuse(out, {"process": message.process_id}, "SIGTERM from an unregistered process")
-        return
-    if message.cycle != state.cycle.number:
+    process = state.member(message.process_id, message.cycle)
+    if isinstance(process, Refusal):
         what = {"process": message.process_id, "cycle": message.cycle}
-        state.refuse(out, what, state.stale(message.cycle))
+        state.refuse(out, what, f"SIGTERM: {process.reason}")
         return
     notices = [
         EvictionNotice(
-            "sigterm", "SIGTERM", message.cycle, 0.0, rank=k, received_at=message.received_at
+            Source.SIGTERM, "SIGTERM", message.cycle, 0.0, rank=k, received_at=message.received_at
         )
         for k in process.keys
     ]
@@ -275,7 +273,7 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
             reason = "Ray is draining the node"
             deadline = deadline_ms / 1000.0
             notice = EvictionNotice(
-                "drain", reason, number, deadline, node_id=node_id, received_at=state.now
+                Source.DRAIN, reason, number, deadline, node_id=node_id, received_at=state.now
             )
         except NoticeError as exc:
             state.reject(out, {"source": "drain", "node_id": node_id}, str(exc))
@@ -301,7 +299,7 @@ def _the_job_ends_with(
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
     # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
     notices = [
-        EvictionNotice("drain", reason, number, deadline, node_id=n, received_at=state.now)
+        EvictionNotice(Source.DRAIN, reason, number, deadline, node_id=n, received_at=state.now)
         for n in nodes
     ]
     take_notices(state, notices, out, answer=False)
@@ -317,13 +315,13 @@ def host_lost(state: CoordinatorState, node_id: str, evidence: str, out: list[ev
     dead = [p for p in state.active() if p.node_id == node_id and not p.lost]
     if dead:  # none: a host with no live rank of this job, or one already counted
         why = f"the rank's host was lost: {evidence}"[:500]
-        _gone(state, dead, "host_lost", why, "its host was lost", out)
+        _gone(state, dead, Source.HOST_LOST, why, "its host was lost", out)
 
 
 def _gone(
     state: CoordinatorState,
     dead: list[Process],
-    source: str,
+    source: Source,
     why: str,
     saves_why: str,
     out: list[ev.Decision],
@@ -355,7 +353,7 @@ def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decisi
     dead = [watched[a] for a in sorted(actor_ids) if a in watched]
     if dead:
         why = "the rank's process died without a notice"
-        _gone(state, dead, "lost", why, "its process died", out)
+        _gone(state, dead, Source.LOST, why, "its process died", out)
 
 
 def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -> None:
@@ -376,7 +374,7 @@ def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -
     topology = [RankInfo.of(s, p.node_id) for s, p in state.registry.ranks_of(cycle.number)]
     notices = [
         EvictionNotice(
-            "lost",
+            Source.LOST,
             f"rank {rank} of group {group!r} did not register again within {settle_s:.0f}s of "
             "the coordinator's restart: it died or left while no coordinator answered",
             cycle.number,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import GracefulConfig
-from ..notices import EvictionNotice, short
+from ..notices import EvictionNotice, Source, short
 from ..plan import RankInfo, incomplete_groups
 from ..protocol import (
     Ack,
@@ -50,7 +50,7 @@ from .held import HeldSteps
 from .orders import KeeperPlacement, plan_and_order
 from .registry import Process, Registry
 from .spare_pool import ROLES, SparePool
-from .state import CoordinatorState
+from .state import CoordinatorState, Refusal
 from .warm_restarts import WarmRecord, WarmRestarts
 
 
@@ -202,13 +202,13 @@ class CycleMachine:
     # --- reports and backups --------------------------------------------------------------------
 
     def _report(self, process_id: str, report: Any, out: list[ev.Decision]) -> None:
-        process = self.registry.processes.get(process_id)
         if not isinstance(report, TeardownReport):
             self.state.refuse(out, {"process": process_id}, "a report is a TeardownReport")
             return
-        if process is None or report.cycle != self.cycle.number:
+        process = self.state.member(process_id, report.cycle)
+        if isinstance(process, Refusal):
             what = {"process": process_id, "cycle": report.cycle}
-            self.state.refuse(out, what, self.state.stale(report.cycle))
+            self.state.refuse(out, what, process.reason)
             return
         if not all(isinstance(record, ShardRecord) for record in report.saved):
             self.state.refuse(out, {"process": process_id}, "a report's saved are ShardRecords")
@@ -220,10 +220,10 @@ class CycleMachine:
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
 
     def _save_result(self, message: SaveResult, out: list[ev.Decision]) -> None:
-        process = self.registry.processes.get(message.process_id)
-        if process is None or message.cycle != self.cycle.number:
+        process = self.state.member(message.process_id, message.cycle)
+        if isinstance(process, Refusal):
             what = {"process": message.process_id, "cycle": message.cycle}
-            self.state.refuse(out, what, self.state.stale(message.cycle))
+            self.state.refuse(out, what, process.reason)
             return
         why = message.reason or "its save failed"
         self.state.resolve_saves(process, set(message.saved), why, out)
@@ -232,9 +232,9 @@ class CycleMachine:
     def _turn(self, message: SaveTurn, out: list[ev.Decision]) -> None:
         """A backup asks for its turn: answered at once if its saver's fate is known."""
         cycle = self.cycle
-        process = self.registry.processes.get(message.process_id)
-        if process is None or message.cycle != cycle.number:
-            out.append(ev.Replied(Reply.refused(self.state.stale(message.cycle), cycle.number)))
+        process = self.state.member(message.process_id, message.cycle)
+        if isinstance(process, Refusal):
+            out.append(ev.Replied(Reply.refused(process.reason, cycle.number)))
         elif process.order is None:
             why = "this process has no order in this cycle"
             out.append(ev.Replied(Reply.refused(why, cycle.number)))
@@ -313,7 +313,9 @@ class CycleMachine:
         keys = self._registered_slots(failed_record)
         reason = f"warm restart failed: {failed_record.reason}"[:500]
         number, now = self.cycle.number, self.state.now
-        notices = [EvictionNotice("rejoin", reason, number, rank=k, received_at=now) for k in keys]
+        notices = [
+            EvictionNotice(Source.REJOIN, reason, number, rank=k, received_at=now) for k in keys
+        ]
         intake.take_notices(self.state, notices, out, answer=False)
 
     def _registered_slots(self, record: WarmRecord) -> list[RankKey]:

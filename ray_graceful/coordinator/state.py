@@ -22,6 +22,14 @@ KEEP_REJECTED = 200  # rejected messages remembered per cycle (status shows the 
 MAX_REASON = 500  # characters of a rejection's reason kept and echoed back
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a process's message is not taken: the process is unknown, or of another cycle."""
+
+    reason: str
+    unknown: bool  # no such process registered (else: a stale cycle)
+
+
 @dataclass
 class CoordinatorState:
     config: GracefulConfig
@@ -41,6 +49,16 @@ class CoordinatorState:
 
     def stale(self, cycle: object) -> str:
         return f"stale: cycle {short(cycle)} is not the current cycle {self.cycle.number}"
+
+    def member(self, process_id: str, cycle: object) -> Process | Refusal:
+        """The registered process of the current cycle that sent a message naming ``cycle``;
+        else why not (every message from a process is checked here, once)."""
+        process = self.registry.processes.get(process_id)
+        if process is None:
+            return Refusal("this process is not registered", unknown=True)
+        if cycle != self.cycle.number or process.cycle != self.cycle.number:
+            return Refusal(self.stale(cycle), unknown=False)
+        return process
 
     def reject(self, out: list[ev.Decision], what: dict[str, Any], reason: str) -> str:
         """Keep a bounded summary of a refused message, never the message itself: a rejected
