@@ -22,9 +22,12 @@ LOG_PREFIX = "ray_graceful outcome "
 class TerminationOutcome:
     """Per cycle: the notices, the plan, each rank's report, and what a restart loads.
 
-    Immutable, written once when the cycle concludes: the file and the API say the same. What
-    happens to a memory-tier checkpoint afterwards - its durable copy landing, a shard handed on
-    or lost - is the memory tier's own record (``Coordinator.wait_durable``,
+    Immutable, written when the cycle concludes: the file and the API say the same. One
+    exception keeps it true: a *held* cycle's step (the survivors hold their shards) becomes a
+    checkpoint later, and as it moves - in the keepers, on disk, or lost - the outcome is
+    written again with ``held`` and ``resume_from`` as they are then (``OutcomeBoard.held``).
+    What else happens to a memory-tier checkpoint afterwards - its durable copy landing, a shard
+    handed on or lost - is the memory tier's own record (``Coordinator.wait_durable``,
     ``Coordinator.memory_record``; ``durable-cycle-N.json`` and ``memory-cycle-N.json``).
     """
 
@@ -48,6 +51,9 @@ class TerminationOutcome:
     # The memory tier's disk copies as this outcome went out: the newest durable step, and a
     # newer one whose copy failed after every try ("no durable step since k").
     durable: dict[str, Any] | None = None
+    # A held cycle's step as it stands (``Coordinator.durability``): its stage - held, in the
+    # keepers, on disk, durable-failed or lost - its step, and why. None unless the cycle held.
+    held: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain data: its fields are plain data already (made for it when the
@@ -64,11 +70,17 @@ class TerminationOutcome:
 
     def summary(self) -> str:
         where = self.resume_from or {}
-        resume = (
-            f"resume from step {where['step']} ({where.get('path') or where.get('tier')})"
-            if where
-            else "no committed checkpoint to resume from"
-        )
+        if where:
+            resume = f"resume from step {where['step']} ({where.get('path') or where.get('tier')})"
+        elif self.held and self.held.get("stage") == "held":
+            resume = (
+                f"step {self.held['step']} held by the survivors, committed once their copies "
+                "land in the keepers"
+            )
+        elif self.held:
+            resume = f"held step {self.held['step']} {self.held['stage']}: {self.held['reason']}"
+        else:
+            resume = "no committed checkpoint to resume from"
         head = f"cycle {self.cycle}: {self.result}"
         if self.reason:
             head += f" ({self.reason})"

@@ -36,6 +36,11 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     if outcome["result"] == "held":
         assert "HELD      step" in out and "IN KEEPERS" in out
         assert set(outcome["committed"]["held"]) <= {"demo/1", "demo/2"}  # C's survivors
+        # The outcome is true as of the end: the held step is on disk, and a restart resumes
+        # from it there - as the DURABLE line said.
+        assert outcome["held"]["stage"] == "on-disk", outcome["held"]
+        durable_path = re.search(r"manifest last \((.+?)\)", out).group(1)
+        assert outcome["resume_from"] == {"step": outcome["held"]["step"], "path": durable_path}
     savers = {o["rank"] for o in outcome["plan"]["orders"] if o["action"] == "save"}
     assert savers.isdisjoint({0, 1}), "ranks on the FAULTY node A never save"
     assert (tmp_path / "timeline.png").stat().st_size > 0
@@ -64,6 +69,11 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     assert min(s["start"] for s in drawn["segments"]) >= released - first_notice - 0.05
     assert drawn["lines"]["first step"] >= back
     assert drawn["lines"]["durable"] > 0
+    if outcome["result"] == "held":  # printed in the order it happened, as the times say
+        keepers = outcome["held"]["at"]["in-keepers"] - first_notice
+        printed_first = out.index("IN KEEPERS") < out.index("resumed at step")
+        assert printed_first == (keepers < drawn["lines"]["first step"]), (keepers, drawn)
+        assert drawn["lines"]["in the keepers"] == pytest.approx(keepers), "the picture too"
 
 
 @pytest.mark.timeout(300)

@@ -233,6 +233,7 @@ class CoordinatorActor:
                 self.warm_waits.finished(cycle).set()
             case ev.HeldChanged(cycle, record):
                 publish_record(self.config.report_dir, self.job_id, f"held-cycle-{cycle}", record)
+                self.outcomes.held(cycle, record)
             case ev.HeldTimer(cycle, until):
                 self._spawn(self._at(until, ev.HeldDue(cycle)))
             case ev.CommitHeld(request):

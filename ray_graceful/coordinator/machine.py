@@ -17,6 +17,7 @@ memory, a ``KeeperPlacement`` (the memory tier: the nodes with a keeper that is 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..config import GracefulConfig
@@ -278,6 +279,7 @@ class CycleMachine:
             config = self.state.config
             until = now + config.rejoin_timeout_s + config.save_budget_s + REPORT_GRACE_S
             out += self.held.expect(self._commit, until, now)
+            outcome = dataclasses.replace(outcome, held=self.held.describe(cycle.number))
         self._commit = None
         cycle.move(Phase.CONCLUDED, self.state.now)
         out.append(ev.Concluded(outcome, memory, record))

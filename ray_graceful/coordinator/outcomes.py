@@ -13,10 +13,13 @@ same answer from memory, from disk and across a restart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from typing import Any
 
 from ..metrics import DURABLE_FAILURES, DURABLE_STEP, NOTICES, REJECTED, MetricDef, Metrics
 from ..outcome import TerminationOutcome
+from ..protocol import Result
 from . import recovery
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,25 @@ class OutcomeBoard:
             self.metrics: Metrics | None = Metrics()
         except Exception:  # metrics are a courtesy (and need Ray); it works without them
             self.metrics = None
+
+    def held(self, cycle: int, held: dict[str, Any]) -> None:
+        """A held cycle's step moved on (``held.py``): its outcome is written again with where
+        the step is now, and, once committed, what a restart resumes from - so that the file,
+        the API and ``Coordinator.durability`` never disagree."""
+        outcome = self.outcomes.get(cycle)
+        if outcome is None or outcome.result is not Result.HELD:
+            return  # not published yet (it takes ``held`` with it), or long gone
+        resume = outcome.resume_from
+        if held.get("durable_path"):
+            resume = {"step": held["step"], "path": held["durable_path"]}
+        elif held.get("stage") in ("in-keepers", "durable-failed"):
+            resume = {"step": held["step"], "tier": "memory"}
+        amended = dataclasses.replace(outcome, held=held, resume_from=resume)
+        try:
+            amended.publish(self.report_dir)
+        except Exception:
+            logger.exception("ray_graceful coordinator: could not publish the outcome again")
+        self.outcomes[cycle] = amended
 
     def publish(self, outcome: TerminationOutcome) -> None:
         """Its file and log line, its metrics; the cycle's in-flight record goes; waits end."""

@@ -294,7 +294,7 @@ def run_demo(
         first_step_at = time.time()  # every rank of the new group has taken its first step
         steps = ray.get([r.train.remote(1) for r in group.workers], timeout=120)
         first = min(n["received_at"] for n in outcome.notices)
-        clock.say(
+        resumed = (
             f"resumed at step {restart.step} in the same group, re-formed in place: training "
             f"again +{first_step_at - first:.1f}s after the first notice"
             + (f" (+{first_step_at - crashed_at:.1f}s after the crash)" if host_loss else "")
@@ -304,15 +304,20 @@ def run_demo(
         # The durable copy starts once every member rejoined: the keepers served them first.
         durable = coordinator.wait_durable(0, timeout=60) or {}
         committed = latest_committed(checkpoints, verify_checksums=True)
+        in_keepers = ((coordinator.durability(0) or {}).get("at") or {}).get("in-keepers")
+        # What happened, in the order it happened: a held step may reach the keepers before or
+        # after the group's first step.
+        said = [(first_step_at, resumed)]
+        if in_keepers is not None:
+            when = "behind the training" if in_keepers > first_step_at else "before the first step"
+            said.append((in_keepers, f"IN KEEPERS the survivors' snapshots reached the keepers "
+                                     f"{when}: committed in memory +{in_keepers - first:.1f}s "
+                                     "after the first notice"))  # fmt: skip
+        for _, text in sorted(said):
+            clock.say(text)
         if committed is None or "at" not in durable:
             clock.say(f"the durable copy did not land: {durable}")
             return 1
-        in_keepers = ((coordinator.durability(0) or {}).get("at") or {}).get("in-keepers")
-        if in_keepers is not None:
-            clock.say(
-                f"IN KEEPERS the survivors' snapshots reached the keepers behind the training: "
-                f"committed in memory +{in_keepers - first:.1f}s after the first notice"
-            )
         clock.say(
             f"DURABLE   the keepers wrote it to disk in the background, "
             f"+{durable['at'] - first:.1f}s after the first notice; manifest last "
@@ -322,10 +327,18 @@ def run_demo(
         for r in group.workers:
             ray.kill(r)
 
+        # The outcome as it stands now: a held step's is written again as the step moves on
+        # (its disk copy's end reaches the coordinator just after the keepers say so).
+        until = time.monotonic() + 10
+        while outcome.result == "held" and time.monotonic() < until:
+            if (coordinator.durability(outcome.cycle) or {}).get("stage") == "on-disk":
+                break
+            time.sleep(0.05)
+        outcome = coordinator.wait_outcome(timeout=30, cycle=outcome.cycle) or outcome
         path = os.path.join(output, "outcome.json")
         with open(path, "w") as f:
             json.dump(outcome.to_dict(), f, indent=2, sort_keys=True)
-        way_back = WayBack(record, first_step_at, durable["at"])
+        way_back = WayBack(record, first_step_at, durable["at"], in_keepers)
         t0 = min(n["received_at"] for n in outcome.notices)
         with open(os.path.join(output, "timeline.json"), "w") as f:
             json.dump(way_back_json(way_back, t0), f, indent=2)
@@ -353,9 +366,11 @@ def run_demo(
             + f"{len(outcome.reports) - len(leaving)} survivors kept their processes"
         )
         spares_joined = sum(m.was.startswith("spare") for m in restart.members)
+        behind = in_keepers is not None and in_keepers > first_step_at
         how = (
-            "held by the survivors, trained on at once, committed in the keepers and durable "
-            "behind the training"
+            "held by the survivors, trained on at once, committed in the keepers "
+            + ("behind the training" if behind else "before the first step")
+            + ", durable on disk behind the training"
             if outcome.result == "held"
             else "committed in the memory of the surviving nodes, durable in the background"
         )
@@ -489,7 +504,7 @@ def _checkpoint_line(outcome: Any, names: dict[str, str]) -> str:
             if record["tier"] == "memory"
         }
         return (
-            f"HELD      step {committed['step']}, nothing saved by the survivors: "
+            f"HELD      step {committed['step']}, no survivor wrote its shard: "
             + ", ".join(
                 f"{s} held by the survivor on {where(n)}" for s, n in committed["held"].items()
             )
@@ -516,7 +531,10 @@ def _show_teardown(outcome: Any, clock: _Clock) -> None:
         saved = ""
         if report["saved"]:
             record = report["saved"][0]
-            saved = f" {'HELD' if record['tier'] == 'held' else 'SAVED'} {record['shard']}"
+            held = record["tier"] == "held"
+            saved = f" {'HELD' if held else 'SAVED'} {record['shard']}"
+            if held:  # its save step held a snapshot: one word for one thing
+                steps = steps.replace("save ok", "hold ok")
         print(
             f"    rank {rank} ({PLACEMENT[rank]}): order at +{start:.2f}s, out at "
             f"+{start + (report['finished_s'] or 0):.2f}s{saved}  [{steps}]"

@@ -39,12 +39,14 @@ class WayBack:
     ``record``: ``Coordinator.wait_rejoined()``'s record (each member's ``started_at`` and
     ``seconds``); ``first_step_at`` when the new group's first step had finished on every rank;
     ``durable_at`` when the step was durable (the memory tier's copy landed, or the commit on
-    disk). Times are ``time.time()``.
+    disk); ``in_keepers_at`` when a held step was committed in the keepers. Times are
+    ``time.time()``.
     """
 
     record: dict[str, Any]
     first_step_at: float | None = None
     durable_at: float | None = None
+    in_keepers_at: float | None = None
 
     def segments(self, t0: float) -> list[Segment]:
         """Each member's rendezvous, registration and load, in that order, from its start."""
@@ -62,8 +64,13 @@ class WayBack:
         return out
 
     def lines(self, t0: float) -> dict[str, float]:
-        """The vertical lines: the first step, and the step durable (seconds since t0)."""
-        found = {"first step": self.first_step_at, "durable": self.durable_at}
+        """The vertical lines: the first step, a held step in the keepers, the step durable
+        (seconds since t0)."""
+        found = {
+            "first step": self.first_step_at,
+            "in the keepers": self.in_keepers_at,
+            "durable": self.durable_at,
+        }
         return {label: at - t0 for label, at in found.items() if at is not None}
 
 
@@ -148,7 +155,8 @@ def timeline_png(
                 **bar_style(status),
             )
         if report["saved"]:
-            said = " saved " + report["saved"][0]["shard"]
+            record = report["saved"][0]
+            said = (" held " if record["tier"] == "held" else " saved ") + record["shard"]
         else:
             said = " left" if report.get("exit_path") else " stays"  # a survivor keeps its process
         ax.text(base + (report["finished_s"] or 0) + 0.01, row, said, va="center", fontsize=8)
@@ -163,7 +171,8 @@ def timeline_png(
             **bar_style(segment.status),
         )
     for label, at in (way_back.lines(t0) if way_back is not None else {}).items():
-        ax.axvline(at, color="#2ca02c" if label == "durable" else "#d62728", linewidth=1.2)
+        line = {"durable": "#2ca02c", "in the keepers": "#9467bd"}.get(label, "#d62728")
+        ax.axvline(at, color=line, linewidth=1.2)
         ax.text(at, len(reports) - 0.55, f" {label}", fontsize=7, va="bottom")
     for kind in dict.fromkeys((s.name, s.status) for s in segments):
         drawn.setdefault(kind[0] if kind[1] == "ran" else f"{kind[0]} {kind[1]}", kind)
