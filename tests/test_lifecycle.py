@@ -11,7 +11,8 @@ import pytest
 
 from ray_graceful import GracefulConfig
 from ray_graceful.protocol import Rendezvous, RendezvousAction, TeardownOrder
-from ray_graceful.worker.lifecycle import (
+from ray_graceful.worker.lifecycle import RankMachine
+from ray_graceful.worker.rank_events import (
     ArmKernelDeadline,
     AskFailed,
     AwaitRejoin,
@@ -25,7 +26,6 @@ from ray_graceful.worker.lifecycle import (
     NoticeAgain,
     OrderIn,
     PeerLeft,
-    RankMachine,
     RankPhase,
     Registered,
     RejoinBegun,

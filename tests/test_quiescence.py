@@ -12,8 +12,8 @@ import types
 import pytest
 
 import ray_graceful
-from ray_graceful.worker.lifecycle import Told
 from ray_graceful.worker.process_runtime import process_runtime
+from ray_graceful.worker.rank_events import Told
 from tests.helpers import wait_for
 
 LOOP_SOURCE = """
@@ -55,8 +55,8 @@ def signalled_runtime(monkeypatch, config, control, signalled_at):
     import time
 
     from ray_graceful.worker import process_runtime as runtime_module
-    from ray_graceful.worker.lifecycle import Registered, Signal
     from ray_graceful.worker.process_runtime import ProcessRuntime
+    from ray_graceful.worker.rank_events import Registered, Signal
 
     monkeypatch.setattr(runtime_module, "hard_deadline", KernelTimer)
     runtime = ProcessRuntime(config=config)
@@ -368,7 +368,7 @@ def test_a_sigterm_while_the_coordinator_restarts_waits_for_the_new_ones_order(
 
     from ray_graceful import GracefulConfig
     from ray_graceful.protocol import TeardownOrder
-    from ray_graceful.worker.lifecycle import Link
+    from ray_graceful.worker.rank_events import Link
 
     config = GracefulConfig(teardown_timeout_s=8.0, save_budget_s=4.0, order_wait_s=0.1)
     signalled = time.time()

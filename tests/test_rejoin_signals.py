@@ -17,7 +17,8 @@ import pytest
 
 from ray_graceful import GracefulConfig
 from ray_graceful.worker import process_runtime as runtime_module
-from ray_graceful.worker.lifecycle import (
+from ray_graceful.worker.process_runtime import ProcessRuntime
+from ray_graceful.worker.rank_events import (
     RankPhase,
     Registered,
     RejoinBegun,
@@ -26,7 +27,6 @@ from ray_graceful.worker.lifecycle import (
     SpareWaiting,
     Told,
 )
-from ray_graceful.worker.process_runtime import ProcessRuntime
 
 pytestmark = pytest.mark.unit
 

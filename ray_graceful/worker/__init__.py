@@ -3,7 +3,8 @@
 - ``mixin.py``         the adoption point: ``GracefulWorkerMixin``
 - ``setup.py``         ``after_init_process_group``, ``should_stop``: the public setup API,
                        and what it installed (``SetupStatus``)
-- ``lifecycle.py``     the rank's machine: one pure ``step`` decides how a rank's life goes on
+- ``lifecycle.py``     the rank's machine: one pure ``step`` decides how a rank's life goes on;
+                       ``rank_events.py`` its words (phases, events, actions)
 - ``process_runtime.py`` the per-process state it acts on; every event source steps it there
 - ``timers.py``        the one thread for every wait the machine asks for
 - ``rejoin.py``        warm restart: keep the process, re-form the group, hold the committed step
@@ -14,6 +15,8 @@
                        through the group's store, and they leave too
 - ``training_loop.py`` where the training thread is, and the step a save holds (parking)
 - ``teardown.py``      the ordered, guarded, timed steps that end a rank
+- ``emergency_save.py``, ``save_ways.py``  a teardown's saves: each shard by the first of its
+                       save ways that takes it (hold, hand off to keepers, write to disk)
 - ``process_groups.py``, ``gloo.py``  releasing peers without a collective (abort / shutdown)
 - ``report_file.py``   the ``TeardownReport``'s file and log line; ``exit_path.py`` how a
                        process leaves

@@ -51,7 +51,7 @@ from ..protocol import (
     coordinator_name,
 )
 from ..word import Word
-from .lifecycle import Link, Told
+from .rank_events import Link, Told
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,10 @@ from .control import ControlChannel, gpu_indices
 from .exit_path import hard_exit, leave, write_stderr
 from .hard_deadline import hard_deadline
 from .late_copy import LateCopies
-from .lifecycle import (
+from .lifecycle import RankMachine
+from .peer_release import PeerWatch, announce_leaving
+from .process_groups import GroupHandle, SetupError
+from .rank_events import (
     Action,
     ArmKernelDeadline,
     AskFailed,
@@ -47,7 +50,6 @@ from .lifecycle import (
     NoticeAgain,
     OrderIn,
     PeerLeft,
-    RankMachine,
     RankPhase,
     RendezvousIn,
     ReportSigterm,
@@ -61,8 +63,6 @@ from .lifecycle import (
     Told,
     WatchLoop,
 )
-from .peer_release import PeerWatch, announce_leaving
-from .process_groups import GroupHandle, SetupError
 from .report_file import write_report_file
 from .save_ways import Saver, ShardSave
 from .signals import SignalListener, set_claim_check
@@ -158,6 +158,12 @@ class ProcessRuntime:
                 self._carry_out(action)
             except Exception as exc:  # one failed action never stops the others
                 write_stderr(f"ray_graceful: {type(action).__name__} failed: {exc!r}\n")
+
+    def phase(self) -> RankPhase:
+        """Where the machine is, read under the lock: other threads ask (the ask loop, the
+        stuck-loop check, ``rejoin()``) while any thread may be stepping it."""
+        with self.lock:
+            return self.machine.phase
 
     def claims_signals(self) -> bool:
         """Whether a SIGTERM is ours: a rank registered, a spare waiting, or a rejoin under way."""
@@ -325,7 +331,7 @@ class ProcessRuntime:
             )
             self.step(TeardownEnded(time.time()))
             answered_at = None
-            while self.machine.phase is RankPhase.AWAITING_REJOIN:
+            while self.phase() is RankPhase.AWAITING_REJOIN:
                 if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
                     time.sleep(0.05)
                     continue
@@ -346,7 +352,7 @@ class ProcessRuntime:
         ordered_at = _on_monotonic_clock(since)
 
         def check() -> None:
-            if self.machine.phase is not RankPhase.STOPPING:
+            if self.phase() is not RankPhase.STOPPING:
                 return
             if self.loop.stuck_since(ordered_at, config.quiesce_timeout_s):
                 self.step(LoopStuck(time.time()))

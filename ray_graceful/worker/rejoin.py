@@ -52,9 +52,9 @@ from . import peer_transfer
 from .control import REPORT_TIMEOUT_S, find_coordinator
 from .exit_path import write_stderr
 from .late_copy import HeldShard
-from .lifecycle import RankPhase, RejoinBegun, RejoinEnded
 from .process_groups import SetupError, resolve_group
 from .process_runtime import ProcessRuntime, Registration, process_runtime
+from .rank_events import RankPhase, RejoinBegun, RejoinEnded
 from .restore import coordinator_checkpoint_dir
 from .setup import after_init_process_group
 from .spare_wait import wait_as_spare
@@ -98,9 +98,11 @@ def rejoin(
             "is off, or its rank is being evicted): nothing to rejoin"
         )
     runtime.step(RejoinBegun(time.time()))
-    if runtime.machine.phase is not RankPhase.REJOINING:
+    with runtime.lock:  # the phase and its data together, as another thread may step it
+        phase, data = runtime.machine.phase, runtime.machine.data
+    if phase is not RankPhase.REJOINING:
         # A SIGTERM came first, and the process is already leaving.
-        reason = getattr(runtime.machine.data, "reason", "this process is leaving")
+        reason = getattr(data, "reason", "this process is leaving")
         return Rejoined(RejoinResult.LEFT, "", reason=reason, pid=os.getpid())
     result = Rejoined(RejoinResult.LEFT, "", reason="rejoin() raised", pid=os.getpid())
     try:

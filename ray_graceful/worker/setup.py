@@ -20,9 +20,9 @@ from ..checkpoint import save_state_dict
 from ..config import ConfigError, GracefulConfig
 from ..dcp import DcpSaver
 from .connect import connect
-from .lifecycle import Registered, TeardownRequested
 from .process_groups import SetupError, resolve_group
 from .process_runtime import Registration, process_runtime, route_signals
+from .rank_events import Registered, TeardownRequested
 from .save_ways import Saver
 from .signals import current_listener, install_listener
 from .teardown import Teardown
@@ -268,7 +268,7 @@ def teardown_now(trigger: str = "requested", exit_process: bool = True) -> Teard
     runtime.step(TeardownRequested(trigger, time.time(), exit_process))
     if runtime.teardown is None:
         raise SetupError(
-            f"teardown_now(): this process is {runtime.machine.phase}, not training: its "
+            f"teardown_now(): this process is {runtime.phase()}, not training: its "
             "ending is already decided (a Ray Train stop, or a rejoin under way)"
         )
     return runtime.teardown

@@ -22,9 +22,9 @@ from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
 from .exit_path import exit_when_idle, write_stderr
-from .lifecycle import SpareAssigned, SpareWaiting
 from .process_groups import SetupError
 from .process_runtime import ProcessRuntime, process_runtime
+from .rank_events import SpareAssigned, SpareWaiting
 from .setup import listener_status
 
 MAX_POLL_FAILURES = 5
