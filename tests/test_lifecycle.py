@@ -35,6 +35,7 @@ from ray_graceful.worker.rank_events import (
     Signal,
     SigtermAnswer,
     SpareAssigned,
+    SpareDismissed,
     SpareWaiting,
     StartTeardown,
     StartTimer,
@@ -383,6 +384,16 @@ def test_a_spare_signalled_while_it_waits_just_stops_waiting(config):
     assert machine.claims_signals()
     assert machine.step(Signal(15, 1, T0)) == [StopLoop()]
     assert machine.phase is RankPhase.LEAVING
+
+
+def test_a_spare_told_the_job_is_over_leaves_through_the_machine(config):
+    machine = RankMachine(config)
+    machine.step(SpareWaiting())
+    assert machine.step(SpareDismissed("job succeeded")) == [
+        Leave("spare/standby exiting: job succeeded")
+    ]
+    assert machine.phase is RankPhase.LEAVING
+    assert machine.step(SpareDismissed("again")) == [], "once"
 
 
 def test_a_spare_waiting_inside_its_rejoin_stops_waiting_and_one_with_a_slot_holds_it(config):

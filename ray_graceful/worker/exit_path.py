@@ -93,5 +93,5 @@ def exit_when_idle(detail: str, grace_s: float) -> None:
 def leave(config: GracefulConfig, reason: str) -> None:
     """Leave as a torn-down rank does, without a teardown (a survivor not rejoining after all):
     Ray's intended exit, a hard exit if that never ends it."""
-    write_stderr(f"ray_graceful: leaving instead of rejoining: {reason}\n")
+    write_stderr(f"ray_graceful: leaving: {reason}\n")
     exit_when_idle(f"ray_graceful: {reason}", config.exit_grace_s + 5.0)

@@ -65,6 +65,7 @@ from .rank_events import (
     Signalled,
     SigtermAnswer,
     SpareAssigned,
+    SpareDismissed,
     SpareWaiting,
     StartTeardown,
     StartTimer,
@@ -168,6 +169,8 @@ class RankMachine:
             self._move(RankPhase.RUNNING, Running(event.train_fn_saves))
         elif isinstance(event, SpareAssigned):  # no rank yet: a signal is not ours
             self._move(RankPhase.IDLE)
+        elif isinstance(event, SpareDismissed):
+            return self._leave(f"spare/standby exiting: {event.reason}")
         return []
 
     def _in_running(self, event: Event) -> list[Action]:

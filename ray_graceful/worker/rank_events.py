@@ -126,6 +126,13 @@ class SpareWaiting:
 
 
 @dataclass(frozen=True)
+class SpareDismissed:
+    """A waiting spare or standby is told to go (the job is over): it leaves, status 0."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class SpareAssigned:
     """The spare was handed a slot: it waits no more, and has no rank until it registers."""
 
@@ -223,6 +230,7 @@ class RejoinEnded:
 Event = (
     Registered
     | SpareWaiting
+    | SpareDismissed
     | SpareAssigned
     | Signal
     | SigtermAnswer

@@ -21,10 +21,9 @@ from ..bounded import NoAnswer, Why, call
 from ..config import GracefulConfig
 from ..protocol import SpareAction, SpareAnswer
 from .control import find_coordinator
-from .exit_path import exit_when_idle, write_stderr
 from .process_groups import SetupError
 from .process_runtime import ProcessRuntime, process_runtime
-from .rank_events import SpareAssigned, SpareWaiting
+from .rank_events import SpareAssigned, SpareDismissed, SpareWaiting
 from .setup import listener_status
 
 MAX_POLL_FAILURES = 5
@@ -81,7 +80,7 @@ def wait_as_spare(
         runtime.spare_id = None
         runtime.step(SpareAssigned())
     if result.action == SpareAction.EXIT and exit_on_finish:
-        _exit_when_idle(config, result.reason)
+        runtime.step(SpareDismissed(result.reason))  # the machine: it leaves, status 0
     return result
 
 
@@ -178,9 +177,3 @@ class _SparePoll:
             return None
         why = f"the coordinator could not be polled {self.failures} times ({answer})"
         return SpareAnswer(SpareAction.EXIT, why)
-
-
-def _exit_when_idle(config: GracefulConfig, reason: str) -> None:
-    """End this process with status 0 once the current actor method returned."""
-    write_stderr(f"ray_graceful: spare/standby exiting: {reason}\n")
-    exit_when_idle(f"ray_graceful spare exit ({reason})", config.exit_grace_s + 5.0)
