@@ -384,6 +384,10 @@ def test_a_spare_signalled_while_it_waits_just_stops_waiting(config):
     assert machine.claims_signals()
     assert machine.step(Signal(15, 1, T0)) == [StopLoop()]
     assert machine.phase is RankPhase.LEAVING
+    # its wait returns (it told the coordinator it goes): then it leaves, once
+    said = "SIGTERM: this spare is being evicted"
+    assert machine.step(SpareDismissed(said)) == [Leave(f"spare/standby exiting: {said}")]
+    assert machine.step(SpareDismissed(said)) == []
 
 
 def test_a_spare_told_the_job_is_over_leaves_through_the_machine(config):

@@ -571,3 +571,15 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     was = {(m["rank"], m["was"].split(" ")[0]) for m in warm["members"]}
     faulty_rank, drained_rank = int(faulty[1:]), 2
     assert {(faulty_rank, "spare"), (drained_rank, "spare")} <= was, was
+
+
+def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_register(config):
+    m = machine(config)
+    m.step(ev.SpareArrived("s1", "spare", "n3", 9), time.time())
+    assert m.step(ev.SparePolled("s1"), time.time()) == [ev.HoldSparePoll("s1")]
+    assert m.step(ev.SparePolled("s1", held=True), time.time()) == [], "no word: it polls again"
+    left = m.step(ev.SpareLeaving("s1", "SIGTERM"), time.time())
+    assert ev.reply_of(left).accepted and m.spares.spares == {}
+    assert m.step(ev.SparePolled("s1", held=True), time.time()) == [], "gone: not re-registered"
+    (word,) = of(m.step(ev.SparePolled("s1"), time.time()), ev.Replied)
+    assert word.answer.action == "register", "a fresh poll from a spare we do not know"

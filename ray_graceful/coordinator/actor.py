@@ -418,7 +418,7 @@ class CoordinatorActor:
         decisions = self._step(ev.SparePolled(spare_id))
         if ev.of_kind(decisions, ev.HoldSparePoll):
             await self.fanout.hold_spare(spare_id, wait_s)
-            decisions = self._step(ev.SparePolled(spare_id))
+            decisions = self._step(ev.SparePolled(spare_id, held=True))
         return ev.reply_of(decisions)  # its word; None: none yet, it polls again
 
     async def leave_spare(self, spare_id: str, reason: str) -> Reply:

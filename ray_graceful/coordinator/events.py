@@ -229,9 +229,13 @@ class HeldDurable:
 
 @dataclass(frozen=True)
 class SparePolled:
-    """A spare's long poll: its word, if it has one (the poll is held until it does)."""
+    """A spare's long poll: its word, if it has one (the poll is held until it does).
+
+    ``held``: asked again once its hold ended - the word if one came, else nothing; a spare
+    that left meanwhile (``SpareLeaving``) is not told to register again."""
 
     spare_id: str
+    held: bool = False
 
 
 @dataclass(frozen=True)

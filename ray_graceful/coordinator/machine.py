@@ -163,8 +163,8 @@ class CycleMachine:
                 self._spare_arrived(spare_id, role, node_id, pid, out)
             case ev.SpareWanted(group, rank):
                 self._assign_spare(group, rank, out)
-            case ev.SparePolled(spare_id):
-                self._spare_polled(spare_id, out)
+            case ev.SparePolled(spare_id, held):
+                self._spare_polled(spare_id, held, out)
             case ev.SpareLeaving(spare_id, reason):
                 out.append(ev.Replied(Reply(self.spares.leave(spare_id), reason)))
             case LateSave() as message:
@@ -361,7 +361,9 @@ class CycleMachine:
         number = self.cycle.number
         out.append(ev.Replied(SpareAssigned(spare.spare_id, group, rank, number)))
 
-    def _spare_polled(self, spare_id: str, out: list[ev.Decision]) -> None:
+    def _spare_polled(self, spare_id: str, held: bool, out: list[ev.Decision]) -> None:
+        if held and not self.spares.has_word(spare_id):
+            return  # its hold ended with no word: it polls again (or it left meanwhile)
         if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
             why = "this coordinator does not know the spare"
             out.append(ev.Replied(SpareAnswer(SpareAction.REGISTER, why)))

@@ -112,8 +112,9 @@ class RankMachine:
             RankPhase.TEARING_DOWN: self._in_tearing_down,
             RankPhase.AWAITING_REJOIN: self._in_awaiting_rejoin,
             RankPhase.REJOINING: self._in_rejoining,
+            RankPhase.LEAVING: self._in_leaving,
         }.get(self.phase)
-        return handler(event) if handler is not None else []  # LEAVING: nothing changes it
+        return handler(event) if handler is not None else []
 
     def _move(self, phase: RankPhase, data: PhaseData = None) -> None:
         if phase is not self.phase:
@@ -131,7 +132,8 @@ class RankMachine:
         ):
             # nothing to save and no slot yet: it stops waiting and leaves
             if self.phase is RankPhase.SPARE:
-                self._move(RankPhase.LEAVING, Leaving("SIGTERM while waiting as a spare"))
+                reason = "SIGTERM while waiting as a spare"
+                self._move(RankPhase.LEAVING, Leaving(reason, spare=True))
             return [StopLoop()]
         if event.count >= 2:
             return [HardExit(config.exit_code, "second SIGTERM")]
@@ -170,6 +172,13 @@ class RankMachine:
         elif isinstance(event, SpareAssigned):  # no rank yet: a signal is not ours
             self._move(RankPhase.IDLE)
         elif isinstance(event, SpareDismissed):
+            return self._leave(f"spare/standby exiting: {event.reason}")
+        return []
+
+    def _in_leaving(self, event: Event) -> list[Action]:
+        """Nothing changes a leaving process, but a signalled spare's wait returning: it goes."""
+        data = self.data
+        if isinstance(event, SpareDismissed) and isinstance(data, Leaving) and data.spare:
             return self._leave(f"spare/standby exiting: {event.reason}")
         return []
 

@@ -103,6 +103,7 @@ class Rejoining:
 @dataclass(frozen=True)
 class Leaving:
     reason: str
+    spare: bool = False  # a signalled spare: it leaves once its wait returned (SpareDismissed)
 
 
 PhaseData = (

@@ -179,7 +179,9 @@ class HandOffWay:
         from ..memory.handoff import hand_off
 
         if order.state is None:
-            return Fallback("memory tier: this rank registered a saver=, not state=")
+            return Fallback(
+                "memory tier: this rank registered a saver=, not state=; saving to disk"
+            )
         budget = run.budget(order, done)
         state = order.state
         captured = threading.Event()
@@ -209,7 +211,7 @@ class HandOffWay:
                     f"the state of shard {order.shard!r} was not captured within its budget "
                     f"of {budget:.1f}s (state_dict() did not return); not tried again on disk"
                 ) from None
-            return Fallback(f"memory tier: not held ({exc})")
+            return Fallback(f"memory tier: not held ({exc}); saving to disk")
 
     def said(self, record: ShardRecord) -> str:
         return (
