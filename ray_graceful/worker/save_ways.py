@@ -231,7 +231,8 @@ class DiskWay:
         if not order.root:
             # Memory-only mode (no checkpoint_dir): "saving to disk" would mean the process's
             # working directory. Nothing is written; the shard is missing and the cycle says so.
-            return Fallback("no checkpoint_dir is configured: nowhere to save it, nothing written")
+            why = "not held in memory and no checkpoint_dir is configured: nowhere to save it"
+            return Fallback(why + ", nothing written")
         budget = run.budget(order, done)
 
         def save() -> ShardRecord:
@@ -271,12 +272,18 @@ def save_shard(
     ways: Mapping[Place, SaveWay] = WAYS,
 ) -> ShardRecord:
     """Try the order's ways in turn; the first record. Each fallback's reason goes in ``done``;
-    RuntimeError once every way fell back. ``ways``: a test's own, in place of the real ones."""
+    RuntimeError, led by the last way's reason, once every way fell back. ``ways``: a test's
+    own, in place of the real ones."""
+    last: Fallback | None = None
     for place in order.ways:
+        if last is not None:  # said before the next way tries: its account, in order
+            done.append(f"shard {order.shard!r}: {last.why}")
         way = ways[place]
         result = way.try_save(run, order, step, done)
         if isinstance(result, ShardRecord):
             done.append(f"shard {order.shard!r}: {way.said(result)}")
             return result
-        done.append(f"shard {order.shard!r}: {result.why}")
-    raise RuntimeError(f"shard {order.shard!r} was not saved ({'; '.join(done)})")
+        last = result
+    # The last way's reason leads: it is why the shard is nowhere.
+    why = last.why if last is not None else "it has no way to save"
+    raise RuntimeError(f"shard {order.shard!r} was not saved: {why} ({'; '.join(done)})")
