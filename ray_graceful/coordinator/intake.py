@@ -41,30 +41,31 @@ from .registry import Process
 from .state import CoordinatorState, Refusal
 
 
-def register(state: CoordinatorState, message: Register, out: list[ev.Decision]) -> None:
+def register(state: CoordinatorState, message: Register) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     if state.job_id and message.job_id != state.job_id and not state.config.coordinator_name:
-        state.refuse(
-            out,
+        out += state.refuse(
             {"process": message.process_id, "job_id": message.job_id},
             f"this coordinator belongs to job {state.job_id}, not to job "
             f"{message.job_id or '?'}; each job starts its own (or set the same "
             "coordinator_name in every job that should share one)",
         )
-        return
+        return out
     number = state.cycle.number
     if state.cycle.tearing_down and not _completes_a_group(state, message):
         # The previous group is still leaving: its ranks are what this cycle plans for. The
         # worker's control thread registers again until the next cycle accepts it.
         why = f"cycle {number} is being torn down; registering again once it ended"
         out.append(ev.Replied(Reply.refused(why, number, retry=True)))
-        return
+        return out
     if state.job_state is not JobState.RUNNING:
         out.append(ev.Replied(Reply.refused(f"the job is {state.job_state}", number)))
-        return
+        return out
     state.registry.register(message, number).last_seen = state.now
     if state.config.memory_replicas > 0:
         out.append(ev.KeeperNeeded(message.node_id))
     out.append(ev.Replied(Reply.ok(number)))
+    return out
 
 
 def _completes_a_group(state: CoordinatorState, message: Any) -> bool:
@@ -109,31 +110,32 @@ def _a_member_of(
     return None
 
 
-def poll(
-    state: CoordinatorState, process_id: str, cycle: object, told: Any, out: list[ev.Decision]
-) -> None:
+def poll(state: CoordinatorState, process_id: str, cycle: object, told: Any) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     state.polls_served += 1
     process = state.member(process_id, cycle)
     if isinstance(process, Refusal):
         if not process.unknown:  # an unknown one registers again: nothing to keep on record
-            state.reject(out, {"process": process_id, "cycle": cycle}, process.reason)
+            out.append(state.reject({"process": process_id, "cycle": cycle}, process.reason))
         kind = PollKind.UNKNOWN if process.unknown else PollKind.STALE
         out.append(ev.Replied(PollAnswer(kind, reason=process.reason)))
-        return
+        return out
     process.last_seen = state.now
     if isinstance(told, PollState):
         if told.last_step is not None:
             process.last_step = told.last_step
         if isinstance(told.health, HealthReport):
-            _update_health(state, process, told.health, out)
+            out += _update_health(state, process, told.health)
     holding = told.holding if isinstance(told, PollState) else ""
     if process.order is not None and not process.acked and holding != process.order.order_id:
         out.append(ev.Replied(PollAnswer(PollKind.ORDER, process.order)))  # again, until acked
     else:
         out.append(ev.HoldPoll(process_id))
+    return out
 
 
-def ack(state: CoordinatorState, message: Ack, out: list[ev.Decision]) -> None:
+def ack(state: CoordinatorState, message: Ack) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     process = state.member(message.process_id, message.cycle)
     if (
         isinstance(process, Refusal)
@@ -141,14 +143,16 @@ def ack(state: CoordinatorState, message: Ack, out: list[ev.Decision]) -> None:
         or process.order.order_id != message.order_id
     ):
         out.append(ev.Replied(Reply.refused("no such order", state.cycle.number)))
-        return
+        return out
     process.acked = True
     out.append(ev.Replied(Reply.ok(state.cycle.number)))
+    return out
 
 
 def _update_health(
-    state: CoordinatorState, process: Process, report: HealthReport, out: list[ev.Decision]
-) -> None:
+    state: CoordinatorState, process: Process, report: HealthReport
+) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     was = process.health.verdict if process.health else UNKNOWN
     process.health = report
     if report.verdict == FAULTY and was != FAULTY:
@@ -158,14 +162,13 @@ def _update_health(
             EvictionNotice(Source.HEALTH, summary, number, rank=k, received_at=state.now)
             for k in process.keys
         ]
-        take_notices(state, notices, out, answer=False)
+        out += take_notices(state, notices, answer=False)
         if state.cycle.phase is Phase.TEARING_DOWN:
-            fault_after_plan(state, process, summary, out)
+            out += fault_after_plan(state, process, summary)
+    return out
 
 
-def fault_after_plan(
-    state: CoordinatorState, process: Process, summary: str, out: list[ev.Decision]
-) -> None:
+def fault_after_plan(state: CoordinatorState, process: Process, summary: str) -> list[ev.Decision]:
     """A process found FAULTY once the plan is out: a rank on faulty hardware never saves.
 
     Each shard it was to save and has not yet reported saved is resolved as not saved, so its
@@ -174,28 +177,32 @@ def fault_after_plan(
     verdict stands: it was made before anyone knew. A drain is planned without waiting for
     such a fault (``Cycle.cover``); this is what makes that safe.
     """
+    out: list[ev.Decision] = []
     cycle = state.cycle
     if process.order is None or process.order.cycle != cycle.number:
-        return  # no order this cycle: it saves nothing
+        return out  # no order this cycle: it saves nothing
     cycle.late_faulty[process.process_id] = summary
     why = f"{process.name} was found FAULTY after the plan ({summary})"[:300]
-    state.resolve_saves(process, set(), why, out)
+    out += state.resolve_saves(process, set(), why)
+    return out
 
 
-def sigterm(state: CoordinatorState, message: SigtermSeen, out: list[ev.Decision]) -> None:
+def sigterm(state: CoordinatorState, message: SigtermSeen) -> list[ev.Decision]:
     """A worker's listener saw SIGTERM: every rank of that process is being evicted."""
+    out: list[ev.Decision] = []
     process = state.member(message.process_id, message.cycle)
     if isinstance(process, Refusal):
         what = {"process": message.process_id, "cycle": message.cycle}
-        state.refuse(out, what, f"SIGTERM: {process.reason}")
-        return
+        out += state.refuse(what, f"SIGTERM: {process.reason}")
+        return out
     notices = [
         EvictionNotice(
             Source.SIGTERM, "SIGTERM", message.cycle, 0.0, rank=k, received_at=message.received_at
         )
         for k in process.keys
     ]
-    take_notices(state, notices, out)
+    out += take_notices(state, notices)
+    return out
 
 
 def _check_target(
@@ -215,22 +222,24 @@ def _check_target(
 def take_notices(
     state: CoordinatorState,
     notices: Iterable[EvictionNotice],
-    out: list[ev.Decision],
     answer: bool = True,
     unregistered: bool = False,
-) -> None:
+) -> list[ev.Decision]:
     """Take notices: the first opens the cycle's teardown (IDLE -> GATHERING).
 
     ``answer``: reply to the caller; False for notices the machine made itself within another
     event (a health verdict in a poll, a drain, a lost rank) that has its own answer.
     ``unregistered``: the notices may name ranks that are not registered (``not_back``'s).
     """
+    out: list[ev.Decision] = []
     accepted, reasons = 0, []
     cycle = state.cycle
     for notice in notices:
         reason = _check_target(state, notice, unregistered)
         if reason is not None:
-            reasons.append(state.reject(out, notice.to_dict(), reason))
+            rejected = state.reject(notice.to_dict(), reason)
+            out.append(rejected)
+            reasons.append(rejected.reason)
             continue
         accepted += 1
         out.append(ev.NoticeAccepted(notice.source))
@@ -248,10 +257,12 @@ def take_notices(
             Reply.ok(cycle.number) if accepted else Reply.refused("; ".join(reasons), cycle.number)
         )
         out.append(ev.Replied(reply))
+    return out
 
 
-def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
+def drains(state: CoordinatorState, seen: Any) -> list[ev.Decision]:
     """Ray's drain state, with each node's deadline: the dependable notice on Ray."""
+    out: list[ev.Decision] = []
     number = state.cycle.number
     for node_id, deadline_ms in dict(seen).items():
         if state.drains_seen.get(node_id) == number:
@@ -261,12 +272,12 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
         if valid:
             out.append(ev.NodeLeaving(node_id, deadline_ms / 1000.0))  # ranks there or not
         if valid and state.home_node and node_id == state.home_node:
-            _the_job_ends_with(state, node_id, deadline_ms / 1000.0, out)
+            out += _the_job_ends_with(state, node_id, deadline_ms / 1000.0)
         if not state.registry.has_node(node_id, number):
             continue  # a node this job has no rank on
         if not valid:
             why = f"Ray's drain state gave deadline {short(deadline_ms)}: not milliseconds"
-            state.reject(out, {"source": "drain", "node_id": node_id}, why)
+            out.append(state.reject({"source": "drain", "node_id": node_id}, why))
             continue
         state.drains_seen[node_id] = number
         try:
@@ -276,14 +287,13 @@ def drains(state: CoordinatorState, seen: Any, out: list[ev.Decision]) -> None:
                 Source.DRAIN, reason, number, deadline, node_id=node_id, received_at=state.now
             )
         except NoticeError as exc:
-            state.reject(out, {"source": "drain", "node_id": node_id}, str(exc))
+            out.append(state.reject({"source": "drain", "node_id": node_id}, str(exc)))
             continue
-        take_notices(state, [notice], out, answer=False)
+        out += take_notices(state, [notice], answer=False)
+    return out
 
 
-def _the_job_ends_with(
-    state: CoordinatorState, node_id: str, deadline: float, out: list[ev.Decision]
-) -> None:
+def _the_job_ends_with(state: CoordinatorState, node_id: str, deadline: float) -> list[ev.Decision]:
     """The driver's node is drained: every node of the job is noticed, with that deadline.
 
     The coordinator is pinned next to the driver, so this is both their node. Once the driver
@@ -291,10 +301,11 @@ def _the_job_ends_with(
     nowhere to restart: each rank node would never get a notice of its own in time. So the
     whole job saves and leaves by the drain's deadline, as if each node had been drained.
     """
+    out: list[ev.Decision] = []
     number = state.cycle.number
     nodes = sorted({p.node_id for p in state.active()} - {node_id})
-    if not nodes:
-        return  # no rank yet: looked at again at the next poll, once a group may have registered
+    if not nodes:  # no rank yet: looked at again at the next poll, once a group registered
+        return out
     state.drains_seen[node_id] = number
     reason = f"the driver's node {node_id[:12]} is being drained: the job ends with it"
     # A node drained on its own keeps its own notice too: the plan takes the earlier deadline.
@@ -302,20 +313,23 @@ def _the_job_ends_with(
         EvictionNotice(Source.DRAIN, reason, number, deadline, node_id=n, received_at=state.now)
         for n in nodes
     ]
-    take_notices(state, notices, out, answer=False)
+    out += take_notices(state, notices, answer=False)
+    return out
 
 
-def host_lost(state: CoordinatorState, node_id: str, evidence: str, out: list[ev.Decision]) -> None:
+def host_lost(state: CoordinatorState, node_id: str, evidence: str) -> list[ev.Decision]:
     """A host silent past the host watch's bounds (``host_watch.py``): every rank on it is lost.
 
     As for a rank that died (``lost``): none of them saves or reports, their peers are released
     and a replica elsewhere saves each of their shards. Ray's own verdict comes later (13-65 s)
     and finds them already marked.
     """
+    out: list[ev.Decision] = []
     dead = [p for p in state.active() if p.node_id == node_id and not p.lost]
     if dead:  # none: a host with no live rank of this job, or one already counted
         why = f"the rank's host was lost: {evidence}"[:500]
-        _gone(state, dead, Source.HOST_LOST, why, "its host was lost", out)
+        out += _gone(state, dead, Source.HOST_LOST, why, "its host was lost")
+    return out
 
 
 def _gone(
@@ -324,39 +338,42 @@ def _gone(
     source: Source,
     why: str,
     saves_why: str,
-    out: list[ev.Decision],
-) -> None:
+) -> list[ev.Decision]:
     """``dead`` processes neither save nor report: marked lost, their saves handed on, and -
     unless the orders are out already (their peers released with them) - a ``source`` notice
     for each of their ranks."""
+    out: list[ev.Decision] = []
     for process in dead:
         state.registry.mark_lost(process)
-        state.resolve_saves(process, set(), saves_why, out)
-    state.check_all_reported(out)
+        out += state.resolve_saves(process, set(), saves_why)
+    out += state.check_all_reported()
     if state.cycle.phase is Phase.TEARING_DOWN:
-        return
+        return out
     notices = [
         EvictionNotice(source, why, state.cycle.number, state.now, rank=k, received_at=state.now)
         for process in dead
         for k in process.keys
     ]
-    take_notices(state, notices, out, answer=False)
+    out += take_notices(state, notices, answer=False)
+    return out
 
 
-def lost(state: CoordinatorState, actor_ids: frozenset[str], out: list[ev.Decision]) -> None:
+def lost(state: CoordinatorState, actor_ids: frozenset[str]) -> list[ev.Decision]:
     """Registered ranks' actors died with no notice: their peers must not wait for them.
 
     Taken in every phase: a rank killed mid-teardown has no report coming, and the cycle
     concludes as soon as every other process reported instead of at the last deadline.
     """
+    out: list[ev.Decision] = []
     watched = {p.actor_id: p for p in state.active() if p.actor_id and not p.lost}
     dead = [watched[a] for a in sorted(actor_ids) if a in watched]
     if dead:
         why = "the rank's process died without a notice"
-        _gone(state, dead, Source.LOST, why, "its process died", out)
+        out += _gone(state, dead, Source.LOST, why, "its process died")
+    return out
 
 
-def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -> None:
+def not_back(state: CoordinatorState, settle_s: float) -> list[ev.Decision]:
     """A restarted coordinator, ``settle_s`` after it started: a rank not registered again is gone.
 
     Every rank registers again within a second or two of a restart (``worker/control.py``);
@@ -368,9 +385,10 @@ def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -
     rank is a "lost" notice, and the cycle orders its group out (the plan finds the group
     incomplete: its ranks leave, none saves for it).
     """
+    out: list[ev.Decision] = []
     cycle = state.cycle
     if state.job_state is not JobState.RUNNING or cycle.tearing_down:
-        return  # the job ended, or the orders are out: the group is ordered out with them
+        return out  # the job ended, or the orders are out: the group is ordered out with them
     topology = [RankInfo.of(s, p.node_id) for s, p in state.registry.ranks_of(cycle.number)]
     notices = [
         EvictionNotice(
@@ -385,4 +403,5 @@ def not_back(state: CoordinatorState, settle_s: float, out: list[ev.Decision]) -
         for group, ranks in sorted(missing_ranks(topology).items())
         for rank in ranks
     ]
-    take_notices(state, notices, out, answer=False, unregistered=True)
+    out += take_notices(state, notices, answer=False, unregistered=True)
+    return out

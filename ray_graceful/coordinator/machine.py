@@ -100,37 +100,39 @@ class CycleMachine:
         state.now = now
         match event:
             case Register() as message:
-                intake.register(state, message, out)
+                out += intake.register(state, message)
             case ev.Polled(process_id, cycle, told):
-                intake.poll(state, process_id, cycle, told, out)
+                out += intake.poll(state, process_id, cycle, told)
             case Ack() as message:
-                intake.ack(state, message, out)
+                out += intake.ack(state, message)
             case ev.NoticesIn(notices):
-                intake.take_notices(state, notices, out)
+                out += intake.take_notices(state, notices)
             case ev.Malformed(what, reason):
-                state.refuse(out, what, reason)
+                out += state.refuse(what, reason)
             case SigtermSeen() as message:
-                intake.sigterm(state, message, out)
+                out += intake.sigterm(state, message)
             case ev.DrainsSeen(drains):
-                intake.drains(state, drains, out)
+                out += intake.drains(state, drains)
             case ev.DrainUnreadable(error):
-                state.reject(out, {"source": "drain"}, f"could not read Ray's drain state: {error}")
+                out.append(
+                    state.reject({"source": "drain"}, f"could not read Ray's drain state: {error}")
+                )
             case ev.RanksLost(actor_ids):
-                intake.lost(state, actor_ids, out)
+                out += intake.lost(state, actor_ids)
             case ev.HostLost(node_id, evidence):
-                intake.host_lost(state, node_id, evidence, out)
+                out += intake.host_lost(state, node_id, evidence)
             case ev.RestartSettled(settle_s):
-                intake.not_back(state, settle_s, out)
+                out += intake.not_back(state, settle_s)
             case ev.GatheringClosed(cycle):
                 if cycle == self.cycle.number and self.cycle.phase is Phase.GATHERING:
                     spares = self.spares.spares.values()
-                    plan_and_order(state, self.warm, spares, self.placement, out)
+                    out += plan_and_order(state, self.warm, spares, self.placement)
             case ev.ReportIn(process_id, report):
-                self._report(process_id, report, out)
+                out += self._report(process_id, report)
             case SaveResult() as message:
-                self._save_result(message, out)
+                out += self._save_result(message)
             case SaveTurn() as message:
-                self._turn(message, out)
+                out += self._turn(message)
             case ev.BackupSaves(cycle, key, why):
                 if cycle == self.cycle.number:
                     self.cycle.fallbacks.append({"shard": key, "at": now, "why": why})
@@ -140,31 +142,32 @@ class CycleMachine:
                     out.append(ev.Commit(self._commit))
             case ev.CommitDone(cycle, landed):
                 if cycle == self.cycle.number:
-                    self._conclude(landed, out)
+                    out += self._conclude(landed)
             case ev.CycleFailed(cycle, error):
                 if cycle == self.cycle.number:
-                    self._conclude(None, out, error=error)
+                    out += self._conclude(None, error=error)
             case _:
-                self._after_the_cycle(event, out)
+                out += self._after_the_cycle(event)
         return out
 
-    def _after_the_cycle(self, event: ev.Event, out: list[ev.Decision]) -> None:
+    def _after_the_cycle(self, event: ev.Event) -> list[ev.Decision]:
         """The events of what outlives a cycle: its warm restart, its held step, the spares, the
         job's end."""
+        out: list[ev.Decision] = []
         now = self.state.now
         match event:
             case Rejoined() as result:
-                self._rejoined(result, out)
+                out += self._rejoined(result)
             case ev.JoinDeadline(cycle):
-                self._join_deadline(cycle, now, out)
+                out += self._join_deadline(cycle, now)
             case ev.JobFinished(success, permanent):
-                self._job_finished(success, permanent, out)
+                out += self._job_finished(success, permanent)
             case ev.SpareArrived(spare_id, role, node_id, pid):
-                self._spare_arrived(spare_id, role, node_id, pid, out)
+                out += self._spare_arrived(spare_id, role, node_id, pid)
             case ev.SpareWanted(group, rank):
-                self._assign_spare(group, rank, out)
+                out += self._assign_spare(group, rank)
             case ev.SparePolled(spare_id, held):
-                self._spare_polled(spare_id, held, out)
+                out += self._spare_polled(spare_id, held)
             case ev.SpareLeaving(spare_id, reason):
                 out.append(ev.Replied(Reply(self.spares.leave(spare_id), reason)))
             case LateSave() as message:
@@ -177,6 +180,7 @@ class CycleMachine:
                 out += self.held.durable(cycle, durable, now)
             case _:
                 raise TypeError(f"not an event: {type(event).__name__}")
+        return out
 
     # --- queries (the actor's status and the watcher read them) -------------------------------
 
@@ -202,36 +206,41 @@ class CycleMachine:
 
     # --- reports and backups --------------------------------------------------------------------
 
-    def _report(self, process_id: str, report: Any, out: list[ev.Decision]) -> None:
+    def _report(self, process_id: str, report: Any) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         if not isinstance(report, TeardownReport):
-            self.state.refuse(out, {"process": process_id}, "a report is a TeardownReport")
-            return
+            out += self.state.refuse({"process": process_id}, "a report is a TeardownReport")
+            return out
         process = self.state.member(process_id, report.cycle)
         if isinstance(process, Refusal):
             what = {"process": process_id, "cycle": report.cycle}
-            self.state.refuse(out, what, process.reason)
-            return
+            out += self.state.refuse(what, process.reason)
+            return out
         if not all(isinstance(record, ShardRecord) for record in report.saved):
-            self.state.refuse(out, {"process": process_id}, "a report's saved are ShardRecords")
-            return
+            out += self.state.refuse({"process": process_id}, "a report's saved are ShardRecords")
+            return out
         process.report = report
         saved = {record.shard for record in report.saved}
-        self.state.resolve_saves(process, saved, report.save_failure(), out)
-        self.state.check_all_reported(out)
+        out += self.state.resolve_saves(process, saved, report.save_failure())
+        out += self.state.check_all_reported()
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+        return out
 
-    def _save_result(self, message: SaveResult, out: list[ev.Decision]) -> None:
+    def _save_result(self, message: SaveResult) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         process = self.state.member(message.process_id, message.cycle)
         if isinstance(process, Refusal):
             what = {"process": message.process_id, "cycle": message.cycle}
-            self.state.refuse(out, what, process.reason)
-            return
+            out += self.state.refuse(what, process.reason)
+            return out
         why = message.reason or "its save failed"
-        self.state.resolve_saves(process, set(message.saved), why, out)
+        out += self.state.resolve_saves(process, set(message.saved), why)
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+        return out
 
-    def _turn(self, message: SaveTurn, out: list[ev.Decision]) -> None:
+    def _turn(self, message: SaveTurn) -> list[ev.Decision]:
         """A backup asks for its turn: answered at once if its saver's fate is known."""
+        out: list[ev.Decision] = []
         cycle = self.cycle
         process = self.state.member(message.process_id, message.cycle)
         if isinstance(process, Refusal):
@@ -244,6 +253,7 @@ class CycleMachine:
             out.append(ev.Replied(Reply.refused(why, cycle.number)))
         else:
             out.append(ev.AwaitSaver(cycle.number, message.shard_key))
+        return out
 
     # --- the conclusion (TEARING_DOWN -> CONCLUDED -> the next cycle) ---------------------------
 
@@ -257,7 +267,8 @@ class CycleMachine:
             self.state.save_times[ShardId(group, label)] = record.seconds
         return request
 
-    def _conclude(self, landed: Any, out: list[ev.Decision], error: str = "") -> None:
+    def _conclude(self, landed: Any, error: str = "") -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         cycle = self.cycle
         # A held step is one: every shard at it, the survivors holding theirs (``held.py``).
         committed = landed is not None and landed.result in (Result.COMMITTED, Result.HELD)
@@ -283,42 +294,51 @@ class CycleMachine:
         self._commit = None
         cycle.move(Phase.CONCLUDED, self.state.now)
         out.append(ev.Concluded(outcome, memory, record))
-        self._if_warm_finished(record, out)
+        out += self._if_warm_finished(record)
         for spare, word in told:
             self.spares.tell(spare, word)
             out.append(ev.SpareTold(spare.spare_id))
         self.state.cycle = Cycle(cycle.number + 1)
         self.registry.forget_before(self.cycle.number)
+        return out
 
-    def _rejoined(self, result: Rejoined, out: list[ev.Decision]) -> None:
-        self._end_the_members(self.warm.joined(result, self.state.now), out)
-        self._if_warm_finished(self.warm.records.get(result.cycle), out)
+    def _rejoined(self, result: Rejoined) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
+        out += self._end_the_members(self.warm.joined(result, self.state.now))
+        out += self._if_warm_finished(self.warm.records.get(result.cycle))
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+        return out
 
-    def _join_deadline(self, cycle: int, now: float, out: list[ev.Decision]) -> None:
+    def _join_deadline(self, cycle: int, now: float) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         overdue = self.warm.overdue(cycle, now)
-        self._end_the_members(overdue, out)
-        self._if_warm_finished(overdue, out)
+        out += self._end_the_members(overdue)
+        out += self._if_warm_finished(overdue)
+        return out
 
     @staticmethod
-    def _if_warm_finished(record: WarmRecord | None, out: list[ev.Decision]) -> None:
+    def _if_warm_finished(record: WarmRecord | None) -> list[ev.Decision]:
         """Tell the actor a warm restart is over (its waiters: ``wait_rejoined``, the memory
         tier's persist); said again for a late word, which changes nothing."""
+        out: list[ev.Decision] = []
         if record is not None and record.finished:
             out.append(ev.WarmFinished(record.cycle))
+        return out
 
-    def _end_the_members(self, failed_record: WarmRecord | None, out: list[ev.Decision]) -> None:
+    def _end_the_members(self, failed_record: WarmRecord | None) -> list[ev.Decision]:
         """A warm restart that just failed: the members that joined are ended through a cycle
         of their new group (source "rejoin"); the others leave by themselves."""
+        out: list[ev.Decision] = []
         if failed_record is None:
-            return
+            return out
         keys = self._registered_slots(failed_record)
         reason = f"warm restart failed: {failed_record.reason}"[:500]
         number, now = self.cycle.number, self.state.now
         notices = [
             EvictionNotice(Source.REJOIN, reason, number, rank=k, received_at=now) for k in keys
         ]
-        intake.take_notices(self.state, notices, out, answer=False)
+        out += intake.take_notices(self.state, notices, answer=False)
+        return out
 
     def _registered_slots(self, record: WarmRecord) -> list[RankKey]:
         """The ranks the record's members registered in this cycle, found by the slot each was
@@ -333,25 +353,26 @@ class CycleMachine:
 
     # --- spares and the job's end ---------------------------------------------------------------
 
-    def _spare_arrived(
-        self, spare_id: str, role: str, node_id: str, pid: int, out: list[ev.Decision]
-    ) -> None:
+    def _spare_arrived(self, spare_id: str, role: str, node_id: str, pid: int) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         if role not in ROLES:
             out.append(ev.Replied(Reply.refused(f"role {short(role)}: one of 'spare', 'standby'")))
-            return
+            return out
         spare = self.spares.add(spare_id, role, node_id, pid)
         if self.job_state is not JobState.RUNNING:
             self.spares.tell(spare, SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         elif role == "spare" and self.state.config.memory_replicas > 0:
             out.append(ev.KeeperNeeded(node_id))  # the shard it will load can wait on its node
         out.append(ev.Replied(Reply.ok(self.cycle.number)))
+        return out
 
-    def _assign_spare(self, group: str, rank: int, out: list[ev.Decision]) -> None:
+    def _assign_spare(self, group: str, rank: int) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         spare = self.spares.waiting_spare()
         if spare is None:
             reason = "no spare is waiting"
             out.append(ev.Replied(SpareAssigned(None, group, rank, self.cycle.number, reason)))
-            return
+            return out
         spare.assigned = True
         word = SpareAnswer(
             SpareAction.ASSIGNED, "given an evicted rank's slot", group, rank, self.cycle.number
@@ -360,10 +381,12 @@ class CycleMachine:
         out.append(ev.SpareTold(spare.spare_id))
         number = self.cycle.number
         out.append(ev.Replied(SpareAssigned(spare.spare_id, group, rank, number)))
+        return out
 
-    def _spare_polled(self, spare_id: str, held: bool, out: list[ev.Decision]) -> None:
+    def _spare_polled(self, spare_id: str, held: bool) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         if held and not self.spares.has_word(spare_id):
-            return  # its hold ended with no word: it polls again (or it left meanwhile)
+            return out  # its hold ended with no word: it polls again (or it left meanwhile)
         if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
             why = "this coordinator does not know the spare"
             out.append(ev.Replied(SpareAnswer(SpareAction.REGISTER, why)))
@@ -373,8 +396,10 @@ class CycleMachine:
             out.append(ev.Replied(word))
         else:
             out.append(ev.HoldSparePoll(spare_id))
+        return out
 
-    def _job_finished(self, success: bool, permanent: bool, out: list[ev.Decision]) -> None:
+    def _job_finished(self, success: bool, permanent: bool) -> list[ev.Decision]:
+        out: list[ev.Decision] = []
         if success:
             self.state.job_state = JobState.SUCCEEDED
         elif permanent:
@@ -382,6 +407,7 @@ class CycleMachine:
         told = self.spares.tell_all(SpareAnswer(SpareAction.EXIT, f"job {self.job_state}"))
         out.extend(ev.SpareTold(spare_id) for spare_id in told)
         out.append(ev.Replied(JobClosed(self.job_state, len(told), self.cycle.number)))
+        return out
 
     # --- status ---------------------------------------------------------------------------------
 

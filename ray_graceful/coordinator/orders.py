@@ -52,10 +52,11 @@ def plan_and_order(
     warm: WarmRestarts,
     spares: Iterable[SpareRecord],
     placement: KeeperPlacement | None,
-    out: list[ev.Decision],
-) -> None:
+) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     with cyclic_gc_paused():  # one order per process, all kept: see cyclic_gc_paused
-        _plan_and_order(state, warm, spares, placement, out)
+        out += _plan_and_order(state, warm, spares, placement)
+    return out
 
 
 def _plan_and_order(
@@ -63,8 +64,8 @@ def _plan_and_order(
     warm: WarmRestarts,
     spares: Iterable[SpareRecord],
     placement: KeeperPlacement | None,
-    out: list[ev.Decision],
-) -> None:
+) -> list[ev.Decision]:
+    out: list[ev.Decision] = []
     cycle, config = state.cycle, state.config
     plan, process_of = _plan(state, cycle)
     cycle.move(Phase.TEARING_DOWN, state.now)
@@ -96,7 +97,8 @@ def _plan_and_order(
         out.append(ev.OrderOut(process_id, answer))
     cycle.awaiting_reports = deque(by_process)
     cycle.orders_at = state.now
-    state.check_all_reported(out)
+    out += state.check_all_reported()
+    return out
 
 
 def _plan(state: CoordinatorState, cycle: Cycle) -> tuple[TerminationPlan, dict[RankKey, str]]:

@@ -60,28 +60,29 @@ class CoordinatorState:
             return Refusal(self.stale(cycle), unknown=False)
         return process
 
-    def reject(self, out: list[ev.Decision], what: dict[str, Any], reason: str) -> str:
+    def reject(self, what: dict[str, Any], reason: str) -> ev.Rejected:
         """Keep a bounded summary of a refused message, never the message itself: a rejected
         message may be anything a caller sent (ten 20 MB notices once grew the coordinator by
-        840 MB). Returns the (bounded) reason."""
+        840 MB). The decision that logs and counts it, with the (bounded) reason."""
         reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
         summary = short(what, 300)
         self.cycle.rejected.append({"at": self.now, "reason": reason, "what": summary})
         del self.cycle.rejected[:-KEEP_REJECTED]
-        out.append(ev.Rejected(summary, reason))
-        return reason
+        return ev.Rejected(summary, reason)
 
-    def refuse(self, out: list[ev.Decision], what: dict[str, Any], reason: str) -> None:
+    def refuse(self, what: dict[str, Any], reason: str) -> list[ev.Decision]:
         """``reject``, and answer the caller with the reason."""
-        out.append(ev.Replied(Reply.refused(self.reject(out, what, reason), self.cycle.number)))
+        rejected = self.reject(what, reason)
+        out: list[ev.Decision] = [rejected]
+        out.append(ev.Replied(Reply.refused(rejected.reason, self.cycle.number)))
+        return out
 
-    def resolve_saves(
-        self, process: Process, saved: set[Any], why: str, out: list[ev.Decision]
-    ) -> None:
+    def resolve_saves(self, process: Process, saved: set[Any], why: str) -> list[ev.Decision]:
         """Record the saver's fate for each shard it was to save (first word wins)."""
+        out: list[ev.Decision] = []
         cycle = self.cycle
         if process.order is None or process.order.cycle != cycle.number:
-            return
+            return out
         for assignment in process.order.saves:
             key = assignment.shard_key
             if assignment.is_backup or key in cycle.save_results:
@@ -89,8 +90,9 @@ class CoordinatorState:
             ok = key in saved
             cycle.save_results[key] = (ok, f"{process.name} saved it" if ok else why)
             out.append(ev.SaveResolved(cycle.number, key, *cycle.save_results[key]))
+        return out
 
-    def check_all_reported(self, out: list[ev.Decision]) -> None:
+    def check_all_reported(self) -> list[ev.Decision]:
         """Every process of this cycle that got an order has reported, or died without a notice.
 
         Called on every report: it looks at the first of the processes still awaited
@@ -100,16 +102,18 @@ class CoordinatorState:
         "reports"). A queue, not a set: the first element of a set that many were discarded
         from is found by stepping over their empty slots - quadratic again, 1.4 s of 2.1 s at
         16,384 reports and most of 28 s at 65,536."""
+        out: list[ev.Decision] = []
         cycle = self.cycle
         if cycle.phase is not Phase.TEARING_DOWN or cycle.all_reported:
-            return
+            return out
         awaiting, processes = cycle.awaiting_reports, self.registry.processes
         while awaiting:
             if _may_report(processes.get(awaiting[0]), cycle.number):
-                return
+                return out
             awaiting.popleft()  # reported, lost, or no longer this cycle's
         cycle.all_reported = True
         out.append(ev.AllReported(cycle.number))
+        return out
 
 
 def _may_report(process: Process | None, cycle: int) -> bool:
