@@ -1,7 +1,9 @@
 """The outcomes a coordinator published: written once, waited on, read back after a restart.
 
 Each concluded cycle's ``TerminationOutcome`` goes out once - its file in
-``report_dir/<job>``, its log line, its metrics - and ends every wait for it. The newest stay
+``report_dir/<job>``, its log line, its metrics - and ends every wait for it. A held cycle's is
+written again as its step moves on (``held``): the file and ``wait_outcome`` then say where the
+step is and what a restart resumes from. The newest stay
 in memory, at most ``KEEP_OUTCOMES`` of them and, beyond the newest, only while they hold fewer
 than ``KEEP_RECORDS`` reports and orders together: an outcome holds every rank's report and
 order, about 1 KiB each, and keeping 16 of 4,096 ranks grew the coordinator by 5 MB a cycle
