@@ -27,6 +27,8 @@ HARNESSES = (
     "soak",
     "watcher",
     "host-loss",
+    "keeper-memory",
+    "host-watch-scale",
 )
 
 
@@ -73,6 +75,19 @@ def test_a_plan_run_writes_its_table_and_results(tmp_path):
     done = harness("plan", "--sizes", "100", "--reps", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("| ranks |") and out.exists()
+
+
+def test_the_host_watch_under_many_agents_is_measured_and_hears_every_one(tmp_path):
+    """A small run of ``host-watch-scale``: every agent is watched, none declared lost while
+    all beat, and the watch's CPU and memory are read."""
+    out = tmp_path / "scale.json"
+    done = harness("host-watch-scale", "--agents", "50", "--seconds", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    import json
+
+    [run] = json.loads(out.read_text())["results"]
+    assert (run["agents"], run["hosts"], run["lost"], run["refused"]) == (50, 50, 0, 0), run
+    assert 0 < run["watch_cpu_percent_of_one_core"] < 100 and run["watch_rss_mb"] > 0
 
 
 @pytest.mark.parametrize("name", ["fanout", "restart", "soak", "plan"])
