@@ -87,7 +87,7 @@ def test_the_host_watch_under_many_agents_is_measured_and_hears_every_one(tmp_pa
 
     [run] = json.loads(out.read_text())["results"]
     assert (run["agents"], run["hosts"], run["lost"], run["refused"]) == (50, 50, 0, 0), run
-    assert 0 < run["watch_cpu_percent_of_one_core"] < 100 and run["watch_rss_mb"] > 0
+    assert 0 <= run["watch_cpu_percent_of_one_core"] < 100 and run["watch_rss_mb"] > 0
 
 
 @pytest.mark.parametrize("name", ["fanout", "restart", "soak", "plan"])
