@@ -1,11 +1,13 @@
 """The coordinator actor: a thin Ray shell around the cycle machine.
 
 One async Ray actor per job. Its methods are what workers, the driver and the CLI call; each
-turns the call into an event for the cycle machine (``machine.py``, no Ray, no I/O) and carries
-out the decisions that come back (``events.py``). The shell owns what the machine must not:
-the held polls (``fanout.py``), each cycle's task and timers, the commit on a thread, outcomes
-(``outcomes.py``), and the parts that talk to the world - the watcher (``watch.py``), the memory
-tier (``memory.py``) and the backups' waits (``backups.py``), each with injected sources.
+turns the call into an event for the cycle machine (``machine.py``, no Ray, no I/O, no clock,
+the one writer of the coordinator's state) and carries out the decisions that come back
+(``events.py``). The shell owns what the machine must not: the held polls (``fanout.py``,
+``warm_waits.py``), each cycle's task, timers and commits on a thread (``cycle_tasks.py``),
+outcomes (``outcomes.py``), and the parts that talk to the world - the watcher (``watch.py``),
+the host watch, the memory tier (``memory.py``) and the backups' waits (``backups.py``), each
+with injected sources.
 
 ::
 
@@ -18,8 +20,6 @@ A cycle always concludes: an error on the way is a "failed" outcome; the next cy
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -43,7 +43,6 @@ from ..protocol import (
     Rejoined,
     Rendezvous,
     Reply,
-    Result,
     SaveResult,
     SaveTurn,
     SigtermSeen,
@@ -55,10 +54,9 @@ from ..protocol import (
 )
 from ..rendezvous import host_store
 from . import events as ev
-from . import gc_freeze, recovery
+from . import recovery
 from .backups import BackupTurns
-from .conclusion import CommitRequest, carry_out
-from .cycle import REPORT_GRACE_S
+from .cycle_tasks import CycleTasks
 from .durability import durability, loadable
 from .fanout import Fanout
 from .groups import GroupAgents
@@ -146,9 +144,11 @@ class CoordinatorActor:
             functools.partial(start_group_agent, config.health_interval_s, home),
             lambda: {p.node_id for p in self.machine.active()},
         )
-        self.cycle_events: dict[tuple[int, str], asyncio.Event] = {}  # (cycle, "gathered"...)
-        self.cycle_tasks: set[asyncio.Task] = set()
         self.outcomes = OutcomeBoard(config.report_dir, job_id, first_cycle)
+        self.tasks = CycleTasks(  # each cycle's task, its timers, its commits on a thread
+            config, job_id, self.machine, self._step, self.memory, self.outcomes,
+            self.backups, self.fanout, self.settle_until,
+        )  # fmt: skip
         self.nodes = NodeFacingCalls(
             self.fanout, self.groups, self.outcomes, self._take, self._wake
         )
@@ -158,27 +158,11 @@ class CoordinatorActor:
         self.watcher.ensure_running()
         self.memory.resume()
         while self.left_open:
-            self._spawn(self._conclude_left(self.left_open.pop()))
+            self.tasks.spawn(self.tasks.conclude_left(self.left_open.pop()))
         if self.settle_check_due:  # who did not register again by then is gone (intake.not_back)
             self.settle_check_due = False
-            self._spawn(self._at(self.settle_until, ev.RestartSettled(recovery.SETTLE_S)))
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self.cycle_tasks.add(task)
-        task.add_done_callback(self.cycle_tasks.discard)
-
-    async def _at(self, when: float, event: ev.Event) -> None:
-        """Step ``event`` in at ``when`` (a timer: the machine reads no clock)."""
-        await asyncio.sleep(max(when - time.time(), 0.0))
-        self._step(event)
-
-    async def _conclude_left(self, cycle: recovery.InFlight) -> None:
-        """A cycle our predecessor opened: concluded from the disk once its ranks are gone."""
-        outcome, memory = await recovery.conclude_when_over(
-            cycle, REPORT_GRACE_S, self.memory.keepers, self.config.memory_replicas
-        )
-        self._publish(ev.Concluded(outcome, memory, None))
+            settled = ev.RestartSettled(recovery.SETTLE_S)
+            self.tasks.spawn(self.tasks.at(self.settle_until, settled))
 
     # --- the one way in: an event to the machine, its decisions carried out ---------------------
 
@@ -204,11 +188,11 @@ class CoordinatorActor:
             case ev.OrderOut(process_id, answer):
                 self.fanout.answer(process_id, answer)
             case ev.CycleOpened(cycle):
-                self._spawn(self._run_cycle(cycle))
+                self.tasks.spawn(self.tasks.run_cycle(cycle))
             case ev.Gathered(cycle):
-                self._event(cycle, "gathered").set()
+                self.tasks.event(cycle, "gathered").set()
             case ev.AllReported(cycle):
-                self._event(cycle, "reported").set()
+                self.tasks.event(cycle, "reported").set()
             case ev.SaveResolved():
                 self.backups.resolved(decision)
             case ev.KeeperNeeded(node_id):
@@ -223,33 +207,30 @@ class CoordinatorActor:
             case ev.NoticeAccepted(source):
                 self.outcomes.count_notice(source)
             case ev.Concluded(warm=record):
-                self._publish(decision)
+                self.tasks.publish(decision)
                 if record is not None:
                     self.warm_waits.answer_asks()
                 if record is not None and record.result is WarmResult.REJOINING:
                     # its members have until join_by to say what they did
-                    self._spawn(self._at(record.join_by, ev.JoinDeadline(record.cycle)))
+                    self.tasks.spawn(self.tasks.at(record.join_by, ev.JoinDeadline(record.cycle)))
             case ev.WarmFinished(cycle):
                 self.warm_waits.finished(cycle).set()
             case ev.HeldChanged(cycle, record):
                 publish_record(self.config.report_dir, self.job_id, f"held-cycle-{cycle}", record)
                 self.outcomes.held(cycle, record)
             case ev.HeldTimer(cycle, until):
-                self._spawn(self._at(until, ev.HeldDue(cycle)))
+                self.tasks.spawn(self.tasks.at(until, ev.HeldDue(cycle)))
             case ev.CommitHeld(request):
-                self._spawn(self._commit_held(request))
+                self.tasks.spawn(self.tasks.commit_held(request))
             case ev.MakeDurable(cycle, memory):
                 self.memory.after_commit(cycle, memory)  # the disk copy, in the background
-                self._spawn(self._when_durable(cycle))
+                self.tasks.spawn(self.tasks.when_durable(cycle))
             case ev.HeldLost(cycle, step, reason):
                 logger.error("ray_graceful: held step %s of cycle %s lost: %s", step, cycle, reason)
                 self.memory.after_commit(cycle, None)  # what the cycle handed to keepers goes
                 self.memory.durable_failed(cycle, f"held step {step} lost: {reason}")
             case _:
                 pass  # Replied, HoldPoll, HoldSparePoll, AwaitSaver, Commit: the caller's
-
-    def _event(self, cycle: int, what: str) -> asyncio.Event:
-        return self.cycle_events.setdefault((cycle, what), asyncio.Event())
 
     # --- registration and the long poll (the fan-out) -------------------------------------------
 
@@ -308,72 +289,11 @@ class CoordinatorActor:
     async def report_many(self, reports: list[tuple[str, TeardownReport]]) -> bytes:
         return await self.nodes.report_many(reports)
 
-    # --- a cycle, from its first notice to its outcome ----------------------------------------
-
-    async def _run_cycle(self, cycle: int) -> None:
-        """GATHERING -> TEARING_DOWN -> CONCLUDED -> the next cycle, whatever fails."""
-        try:
-            try:
-                await asyncio.wait_for(
-                    self._event(cycle, "gathered").wait(), self.config.notice_gather_s
-                )
-            except asyncio.TimeoutError:
-                pass  # the window closed with some touched node not fully covered
-            await recovery.settled(self.machine.topology, self.settle_until)  # after a restart
-            self._take(ev.GatheringClosed(cycle))
-            plan = self.machine.cycle.plan
-            if plan is not None:
-                gc_freeze.freeze_held()  # the orders are out: see gc_freeze.py
-                logger.info("ray_graceful: plan for cycle %s\n%s", cycle, plan.for_log())
-                written = recovery.in_flight(self.machine.cycle, self.config, self.job_id)
-                await asyncio.to_thread(recovery.record_in_flight, self.config.report_dir, written)
-                last = max((o.deadline for o in plan.orders), default=time.time())
-                try:
-                    await asyncio.wait_for(
-                        self._event(cycle, "reported").wait(),
-                        timeout=max(last - time.time(), 0) + REPORT_GRACE_S,
-                    )
-                except asyncio.TimeoutError:
-                    pass  # the missing ones are named in the outcome
-            [commit] = ev.of_kind(self._step(ev.ReportsClosed(cycle)), ev.Commit)
-            landed = await asyncio.to_thread(carry_out, commit.request)  # the disk, nothing else
-            self._take(ev.CommitDone(cycle, landed))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception("ray_graceful coordinator: cycle %s failed", cycle)
-            self._take(ev.CycleFailed(cycle, f"{type(exc).__name__}: {exc}"))
-        finally:
-            gc_freeze.thaw_held()
-            for key in [k for k in self.cycle_events if k[0] <= cycle]:
-                del self.cycle_events[key]
-            self.backups.forget_before(cycle + 1)
-            self.fanout.forget_except(set(self.machine.registry.processes))
-            await asyncio.to_thread(gc_freeze.give_back_freed)  # off the loop: see gc_freeze.py
-
-    def _publish(self, concluded: ev.Concluded) -> None:
-        """The outcome goes out once (``outcomes.py``); the memory tier acts on the commit."""
-        outcome = concluded.outcome
-        if self.config.memory_replicas:
-            outcome = dataclasses.replace(outcome, durable=self.memory.durable_summary())
-        self.outcomes.publish(outcome)
-        if concluded.outcome.result is not Result.HELD:  # a held step commits later
-            self.memory.after_commit(concluded.outcome.cycle, concluded.memory)
-
-    # --- held steps: the machine decides (``held.py``); here, the waits and the commit -----
+    # --- held steps: the machine decides (``held.py``); the commit and disk copy: cycle_tasks --
 
     async def late_saved(self, message: LateSave) -> Reply:
         """A survivor's held shards reached the keepers (or could not): see ``held.py``."""
         return self._take(ev.admitted(message, LateSave, "late save"))
-
-    async def _commit_held(self, request: CommitRequest) -> None:
-        """Every copy landed: commit the step in memory, then (``MakeDurable``) on disk."""
-        landed = await asyncio.to_thread(carry_out, request)
-        self._step(ev.HeldCommitted(request.cycle, landed))
-
-    async def _when_durable(self, cycle: int) -> None:
-        durable = await self.memory.wait_durable(cycle, REPORT_GRACE_S + 600.0)
-        self._step(ev.HeldDurable(cycle, durable))
 
     async def durability(self, cycle: int) -> dict[str, Any] | None:
         """Where cycle ``cycle``'s step is now: held by the group, in the keepers, on disk."""
