@@ -10,7 +10,9 @@ suspected, probed and declared lost are counted - with every agent beating, none
 
 Simulated, and said so in the table: the agents are asyncio connections in one other process,
 not node agents on hosts; the watch's secret is the benchmark's (so that process can make the
-tickets Ray would hand out); a suspected host's raylet is a local listener that accepts.
+tickets Ray would hand out); every suspected host's raylet is one listener that accepts, in the
+benchmark's own process (a probe that gets no answer in ``host_confirm_s`` then means the
+watch's own event loop was too late for it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import hmac
 import json
 import multiprocessing
 import os
+import socket
+import threading
 import time
 from typing import Any
 
@@ -61,13 +65,25 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _watch(port_out: Any, report: Any, stop: Any, counts: Any) -> None:
-    """The watch's process: a real HostWatch, its raylet probes answered by a local listener."""
+def _raylet() -> tuple[str, int]:
+    """A stand-in for every host's raylet, in this (the benchmark's) process: a listening
+    socket that accepts and closes, on a thread - never on the watch's event loop."""
+    server = socket.create_server(("127.0.0.1", 0), backlog=4096)
+
+    def serve() -> None:
+        while True:
+            connection, _ = server.accept()
+            connection.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ("127.0.0.1", server.getsockname()[1])
+
+
+def _watch(raylet_at: tuple[str, int], port_out: Any, report: Any, stop: Any, counts: Any) -> None:
+    """The watch's process: a real HostWatch on its own event loop, as the actor holds it."""
     from ray_graceful.coordinator.host_watch import HostWatch
 
     async def main() -> None:
-        raylet = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-        raylet_at = ("127.0.0.1", raylet.sockets[0].getsockname()[1])
         lost: list[str] = []
         watch = HostWatch(HEARTBEAT_S, 0.5, 0.5, lambda node, why: lost.append(node),
                           lambda node: raylet_at)  # fmt: skip
@@ -123,7 +139,10 @@ def _one_run(n: int, seconds: float) -> dict[str, Any]:
     counts_in, counts_out = ctx.Pipe(duplex=False)
     sent_in, sent_out = ctx.Pipe(duplex=False)
     stop, ready, report = ctx.Event(), ctx.Event(), ctx.Event()
-    watch = ctx.Process(target=_watch, args=(port_out, report, stop, counts_out), daemon=True)
+    raylet = _raylet()
+    watch = ctx.Process(
+        target=_watch, args=(raylet, port_out, report, stop, counts_out), daemon=True
+    )
     watch.start()
     port = port_in.recv()
     agents = ctx.Process(target=_agents, args=(port, n, ready, stop, sent_out), daemon=True)
@@ -168,6 +187,7 @@ def bench_host_watch_scale(args: argparse.Namespace) -> dict[str, Any]:
     table += (
         f"\nsimulated agents: asyncio connections in one process on this {os.cpu_count()}-core "
         "machine (a heartbeat every 0.1 s each, hello with a ticket); the watch is the real "
-        "HostWatch in a process of its own; a suspected host's raylet is a local listener"
+        "HostWatch in a process of its own; every raylet is one listener that accepts, in another "
+        "process (a host declared lost: a probe the watch's own loop answered too late)"
     )
     return {"results": runs, "table": table}
