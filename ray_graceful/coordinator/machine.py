@@ -95,92 +95,88 @@ class CycleMachine:
     def step(self, event: ev.Event, now: float) -> list[ev.Decision]:
         """Take one event that happened at ``now`` (``time.time()``); the decisions to carry out,
         in order. The only writer of the coordinator's state; it reads no clock."""
-        out: list[ev.Decision] = []
         state = self.state
         state.now = now
         match event:
             case Register() as message:
-                out += intake.register(state, message)
+                return intake.register(state, message)
             case ev.Polled(process_id, cycle, told):
-                out += intake.poll(state, process_id, cycle, told)
+                return intake.poll(state, process_id, cycle, told)
             case Ack() as message:
-                out += intake.ack(state, message)
+                return intake.ack(state, message)
             case ev.NoticesIn(notices):
-                out += intake.take_notices(state, notices)
+                return intake.take_notices(state, notices)
             case ev.Malformed(what, reason):
-                out += state.refuse(what, reason)
+                return state.refuse(what, reason)
             case SigtermSeen() as message:
-                out += intake.sigterm(state, message)
+                return intake.sigterm(state, message)
             case ev.DrainsSeen(drains):
-                out += intake.drains(state, drains)
+                return intake.drains(state, drains)
             case ev.DrainUnreadable(error):
-                out.append(
-                    state.reject({"source": "drain"}, f"could not read Ray's drain state: {error}")
-                )
+                why = f"could not read Ray's drain state: {error}"
+                return [state.reject({"source": "drain"}, why)]
             case ev.RanksLost(actor_ids):
-                out += intake.lost(state, actor_ids)
+                return intake.lost(state, actor_ids)
             case ev.HostLost(node_id, evidence):
-                out += intake.host_lost(state, node_id, evidence)
+                return intake.host_lost(state, node_id, evidence)
             case ev.RestartSettled(settle_s):
-                out += intake.not_back(state, settle_s)
+                return intake.not_back(state, settle_s)
             case ev.GatheringClosed(cycle):
                 if cycle == self.cycle.number and self.cycle.phase is Phase.GATHERING:
                     spares = self.spares.spares.values()
-                    out += plan_and_order(state, self.warm, spares, self.placement)
+                    return plan_and_order(state, self.warm, spares, self.placement)
             case ev.ReportIn(process_id, report):
-                out += self._report(process_id, report)
+                return self._report(process_id, report)
             case SaveResult() as message:
-                out += self._save_result(message)
+                return self._save_result(message)
             case SaveTurn() as message:
-                out += self._turn(message)
+                return self._turn(message)
             case ev.BackupSaves(cycle, key, why):
                 if cycle == self.cycle.number:
                     self.cycle.fallbacks.append({"shard": key, "at": now, "why": why})
             case ev.ReportsClosed(cycle):
                 if cycle == self.cycle.number and self.cycle.phase is Phase.TEARING_DOWN:
                     self._commit = self._commit_request()
-                    out.append(ev.Commit(self._commit))
+                    return [ev.Commit(self._commit)]
             case ev.CommitDone(cycle, landed):
                 if cycle == self.cycle.number:
-                    out += self._conclude(landed)
+                    return self._conclude(landed)
             case ev.CycleFailed(cycle, error):
                 if cycle == self.cycle.number:
-                    out += self._conclude(None, error=error)
+                    return self._conclude(None, error=error)
             case _:
-                out += self._after_the_cycle(event)
-        return out
+                return self._after_the_cycle(event)
+        return []
 
     def _after_the_cycle(self, event: ev.Event) -> list[ev.Decision]:
         """The events of what outlives a cycle: its warm restart, its held step, the spares, the
         job's end."""
-        out: list[ev.Decision] = []
         now = self.state.now
         match event:
             case Rejoined() as result:
-                out += self._rejoined(result)
+                return self._rejoined(result)
             case ev.JoinDeadline(cycle):
-                out += self._join_deadline(cycle, now)
+                return self._join_deadline(cycle, now)
             case ev.JobFinished(success, permanent):
-                out += self._job_finished(success, permanent)
+                return self._job_finished(success, permanent)
             case ev.SpareArrived(spare_id, role, node_id, pid):
-                out += self._spare_arrived(spare_id, role, node_id, pid)
+                return self._spare_arrived(spare_id, role, node_id, pid)
             case ev.SpareWanted(group, rank):
-                out += self._assign_spare(group, rank)
+                return self._assign_spare(group, rank)
             case ev.SparePolled(spare_id, held):
-                out += self._spare_polled(spare_id, held)
+                return self._spare_polled(spare_id, held)
             case ev.SpareLeaving(spare_id, reason):
-                out.append(ev.Replied(Reply(self.spares.leave(spare_id), reason)))
+                return [ev.Replied(Reply(self.spares.leave(spare_id), reason))]
             case LateSave() as message:
-                out += self.held.late(message, now)
+                return self.held.late(message, now)
             case ev.HeldDue(cycle):
-                out += self.held.due(cycle, now)
+                return self.held.due(cycle, now)
             case ev.HeldCommitted(cycle, landed):
-                out += self.held.committed(cycle, landed, now)
+                return self.held.committed(cycle, landed, now)
             case ev.HeldDurable(cycle, durable):
-                out += self.held.durable(cycle, durable, now)
+                return self.held.durable(cycle, durable, now)
             case _:
                 raise TypeError(f"not an event: {type(event).__name__}")
-        return out
 
     # --- queries (the actor's status and the watcher read them) -------------------------------
 
@@ -303,27 +299,21 @@ class CycleMachine:
         return out
 
     def _rejoined(self, result: Rejoined) -> list[ev.Decision]:
-        out: list[ev.Decision] = []
-        out += self._end_the_members(self.warm.joined(result, self.state.now))
-        out += self._if_warm_finished(self.warm.records.get(result.cycle))
-        out.append(ev.Replied(Reply.ok(self.cycle.number)))
-        return out
+        ended = self._end_the_members(self.warm.joined(result, self.state.now))
+        finished = self._if_warm_finished(self.warm.records.get(result.cycle))
+        return [*ended, *finished, ev.Replied(Reply.ok(self.cycle.number))]
 
     def _join_deadline(self, cycle: int, now: float) -> list[ev.Decision]:
-        out: list[ev.Decision] = []
         overdue = self.warm.overdue(cycle, now)
-        out += self._end_the_members(overdue)
-        out += self._if_warm_finished(overdue)
-        return out
+        return self._end_the_members(overdue) + self._if_warm_finished(overdue)
 
     @staticmethod
     def _if_warm_finished(record: WarmRecord | None) -> list[ev.Decision]:
         """Tell the actor a warm restart is over (its waiters: ``wait_rejoined``, the memory
         tier's persist); said again for a late word, which changes nothing."""
-        out: list[ev.Decision] = []
         if record is not None and record.finished:
-            out.append(ev.WarmFinished(record.cycle))
-        return out
+            return [ev.WarmFinished(record.cycle)]
+        return []
 
     def _end_the_members(self, failed_record: WarmRecord | None) -> list[ev.Decision]:
         """A warm restart that just failed: the members that joined are ended through a cycle
@@ -384,19 +374,13 @@ class CycleMachine:
         return out
 
     def _spare_polled(self, spare_id: str, held: bool) -> list[ev.Decision]:
-        out: list[ev.Decision] = []
         if held and not self.spares.has_word(spare_id):
-            return out  # its hold ended with no word: it polls again (or it left meanwhile)
+            return []  # its hold ended with no word: it polls again (or it left meanwhile)
         if spare_id not in self.spares.spares:  # Ray restarted us: our pool starts empty
             why = "this coordinator does not know the spare"
-            out.append(ev.Replied(SpareAnswer(SpareAction.REGISTER, why)))
-        elif self.spares.has_word(spare_id):
-            word = self.spares.take(spare_id)
-            assert word is not None
-            out.append(ev.Replied(word))
-        else:
-            out.append(ev.HoldSparePoll(spare_id))
-        return out
+            return [ev.Replied(SpareAnswer(SpareAction.REGISTER, why))]
+        word = self.spares.take(spare_id)
+        return [ev.Replied(word)] if word is not None else [ev.HoldSparePoll(spare_id)]
 
     def _job_finished(self, success: bool, permanent: bool) -> list[ev.Decision]:
         out: list[ev.Decision] = []

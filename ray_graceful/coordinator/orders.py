@@ -53,10 +53,8 @@ def plan_and_order(
     spares: Iterable[SpareRecord],
     placement: KeeperPlacement | None,
 ) -> list[ev.Decision]:
-    out: list[ev.Decision] = []
     with cyclic_gc_paused():  # one order per process, all kept: see cyclic_gc_paused
-        out += _plan_and_order(state, warm, spares, placement)
-    return out
+        return _plan_and_order(state, warm, spares, placement)
 
 
 def _plan_and_order(

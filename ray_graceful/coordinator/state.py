@@ -73,9 +73,7 @@ class CoordinatorState:
     def refuse(self, what: dict[str, Any], reason: str) -> list[ev.Decision]:
         """``reject``, and answer the caller with the reason."""
         rejected = self.reject(what, reason)
-        out: list[ev.Decision] = [rejected]
-        out.append(ev.Replied(Reply.refused(rejected.reason, self.cycle.number)))
-        return out
+        return [rejected, ev.Replied(Reply.refused(rejected.reason, self.cycle.number))]
 
     def resolve_saves(self, process: Process, saved: set[Any], why: str) -> list[ev.Decision]:
         """Record the saver's fate for each shard it was to save (first word wins)."""
