@@ -129,3 +129,53 @@ def torch_trainer(loop: dict[str, Any], callbacks: list[Any], work: str) -> Any:
             failure_config=FailureConfig(max_failures=3),
         ),
     )
+
+
+def warm_train_func(config: dict) -> None:
+    """The same job on the warm path (``GracefulTorchConfig``): ``setup`` and ``carry_on``.
+
+    Gradients are all-reduced by hand on the default group (DDP would hold the group it was
+    built with, which a warm restart replaces), with SGD and momentum, so every replica holds
+    bitwise the same model and optimizer at each step. Each attempt's line carries its pid;
+    at the end each rank writes its step and a checksum of its state to ``final``.
+    """
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from ray_graceful.train import carry_on, setup, should_stop
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def load(loaded: dict) -> None:
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["opt"])
+
+    step = setup(state_dict=state, load_state_dict=load) or 0
+    with open(config["attempt_file"], "a") as f:
+        node = ray.get_runtime_context().get_node_id()
+        f.write(f"{rank} start {step} {time.time()} {os.getpid()} {node}\n")
+    while step < config["total"]:
+        x = torch.full((4, 8), float(step % 7))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        step += 1
+        with open(config["progress"], "a") as f:
+            f.write(f"{rank} {step} {time.time()} {os.getpid()}\n")
+        time.sleep(config["step_s"])
+        if should_stop(step):
+            step = carry_on(step)
+    total = sum(float(t.double().sum()) for t in model.state_dict().values())
+    total += sum(float(s["momentum_buffer"].double().sum()) for s in opt.state.values())
+    with open(config["final"], "a") as f:
+        f.write(f"{rank} {step} {total!r} {os.getpid()}\n")

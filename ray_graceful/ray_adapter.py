@@ -397,6 +397,21 @@ def train_callback_bases() -> tuple[type, ...]:
     return (WorkerGroupCallback, WorkerCallback, ControllerCallback)
 
 
+def train_torch_backend() -> tuple[type, type | None]:
+    """Ray Train's torch backend (``_TorchBackend``, private: what ``TorchConfig`` forms the
+    process group with) and V2's ``ReplicaGroup`` - the worker group a replacement's
+    ``on_start`` is given - or None where Ray has no replica groups (before 2.56)."""
+    try:
+        from ray.train.torch.config import _TorchBackend
+    except ImportError as exc:
+        raise _moved("ray.train.torch.config._TorchBackend", exc) from exc
+    try:
+        from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+    except ImportError:
+        return _TorchBackend, None
+    return _TorchBackend, ReplicaGroup
+
+
 def wait_train_reports_collected(timeout_s: float) -> bool:
     """Wait until Ray Train's controller has taken this worker's reports; False if not in time.
 

@@ -5,11 +5,14 @@ An owned part of the coordinator's machine: plain state and rules - no Ray, no I
 Its life in one cycle:
 
 1. ``survivors`` - at plan time: the processes that stay. A process stays when it holds exactly
-   one rank, that rank is not evicted and not on FAULTY hardware, and the cycle is not Ray
-   Train's (Train restarts its whole worker group). Their order carries ``rejoin``: the
-   teardown releases their peers and saves as planned, and ends without an exit.
+   one rank, that rank is not evicted and not on FAULTY hardware, and the cycle is not one
+   where the training function saves (Ray Train's cold path: Train restarts its whole worker
+   group). Their order carries ``rejoin``: the teardown releases their peers and saves as
+   planned, and ends without an exit.
 2. ``decide`` - when the cycle concluded: the new membership of every group. Each evicted slot
-   goes to a waiting spare on a node no notice named; where none is free the group continues
+   goes to a waiting spare on a node no notice named; in a group Ray Train replaces by slot
+   (``RankSpec.train_replaces``), else to the process Train starts there - named by its slot,
+   as it does not exist yet (``train_slot_member``); where none is free the group continues
    smaller if ``min_world_size`` allows it and every shard keeps a holder. Anything short of
    that - no committed step, a slot with no spare, a process that did not report - and every
    survivor is told to leave: the ending is today's clean one, with the reason.
@@ -43,10 +46,13 @@ from ..protocol import (
     SpareAnswer,
     WarmResult,
     shard_key,
+    train_slot_member,
 )
 from .cycle import Cycle
 from .registry import Process, Registry
 from .spare_pool import SpareRecord, free_spares
+
+TRAIN_SLOT_PREFIX = train_slot_member("", 0).partition(":")[0] + ":"
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,8 @@ class WarmRestarts:
         for key, nodes in spare_nodes.items():
             group = key.partition("/")[0]
             spared[group] = spared.get(group, 0) + len(nodes)
+        for group in self._train_groups():  # Ray Train starts a process in every evicted slot
+            spared[group] = evicted.get(group, 0)
         return {
             s.spec.key
             for s in self.survivors.values()
@@ -290,9 +298,13 @@ class WarmRestarts:
                 (s.spec.rank, s.process_id, s.spec.shard, f"survivor of rank {s.spec.rank}")
                 for s in survivors
             ]
+            train_replaces = survivors[0].spec.train_replaces
             for rank, shard in sorted(evicted_ranks.get(group, {}).items()):
                 if free:
                     slots.append((rank, free.pop(0).spare_id, shard, f"spare for rank {rank}"))
+                elif train_replaces:  # the process Ray Train starts in the slot takes it
+                    member = train_slot_member(group, rank)
+                    slots.append((rank, member, shard, f"Ray Train's new worker for rank {rank}"))
             slots.sort()
             if len(slots) < world:
                 why = self._why_not_smaller(group, world, slots, evicted_ranks.get(group, {}))
@@ -322,6 +334,10 @@ class WarmRestarts:
             record.members[member] = replace(answer, peer=source.rank, shard_bytes=nbytes)
             source = record.members[holder]
             record.members[holder] = replace(source, send_to=(*source.send_to, answer.rank))
+
+    def _train_groups(self) -> set[str]:
+        """The survivors' groups whose evicted slots Ray Train fills (its replica groups)."""
+        return {s.spec.group for s in self.survivors.values() if s.spec.train_replaces}
 
     def _why_not_smaller(
         self, group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str]
@@ -433,11 +449,16 @@ class WarmRestarts:
             # Ordered to rejoin in the cycle in flight: wait for its decision - never hand out
             # the last one, which named the cycle this member is leaving now.
             return None
+        slot = member.partition(":")[2] if member.startswith(TRAIN_SLOT_PREFIX) else ""
+        if slot and slot.partition("/")[0] in self._train_groups():
+            return None  # Ray Train's new worker for a slot of the cycle in flight: it waits too
         record = self.current
         if record is not None and member in record.members:
             return record.members[member]
         if record is not None and member in record.told_to_leave:
             return Rendezvous(RendezvousAction.LEAVE, record.told_to_leave[member], record.cycle)
+        if slot and record is not None and record.result is WarmResult.COLD:
+            return Rendezvous(RendezvousAction.LEAVE, record.reason, record.cycle)
         return Rendezvous(
             RendezvousAction.LEAVE, "not a member of a warm restart (no rejoin order for it)"
         )

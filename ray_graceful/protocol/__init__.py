@@ -40,7 +40,7 @@ from .messages import (
 )
 from .spare_messages import JobClosed, SpareAnswer, SpareAssigned
 from .teardown_report import ExitPath, PhaseRecord, ReportedRank, TeardownReport
-from .warm_messages import Rejoined, Rendezvous
+from .warm_messages import Rejoined, Rendezvous, train_slot_member
 from .words import (
     Action,
     JobState,
@@ -102,4 +102,5 @@ __all__ = [
     "check_version",
     "coordinator_name",
     "shard_key",
+    "train_slot_member",
 ]

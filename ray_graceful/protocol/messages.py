@@ -42,6 +42,9 @@ class RankSpec:
     can_save: bool
     train_fn_saves: bool = False  # the training function saves (Ray Train)
     gpus: tuple[int, ...] = ()
+    # Ray Train starts a new process in this rank's slot when it leaves (its replica groups,
+    # ``ray_graceful/train/``): a warm restart hands the slot to that process
+    train_replaces: bool = False
 
     @property
     def key(self) -> RankKey:

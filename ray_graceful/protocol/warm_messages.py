@@ -10,6 +10,12 @@ from .checks import PROTOCOL_VERSION
 from .words import RejoinResult, RendezvousAction
 
 
+def train_slot_member(group: str, rank: int) -> str:
+    """The member id a warm restart gives the process Ray Train starts in an evicted rank's
+    slot: it does not exist yet when the slot is handed out, so the slot is its name."""
+    return f"ray-train:{group}/{rank}"
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """A warm restart's answer to one member: "join" group ``group`` as ``rank`` of

@@ -143,6 +143,9 @@ class ProcessRuntime:
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
     peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
     late: LateCopies = field(default_factory=LateCopies)  # held shards on their way to keepers
+    # A Ray Train worker on the warm path (``ray_graceful/train/warm.py``): should it leave,
+    # Train starts a new process in its slot, and the coordinator hands that process the slot
+    train_replaces: bool = False
     machine: RankMachine = field(default_factory=lambda: RankMachine(GracefulConfig()))
     timers: Timers = field(default_factory=Timers)
 
@@ -384,6 +387,7 @@ class ProcessRuntime:
                 reg.saver is not None or reg.train_fn_saves,
                 reg.train_fn_saves,
                 gpus,
+                self.train_replaces,
             )
             for reg in self.registrations.values()
             if not reg.release_only

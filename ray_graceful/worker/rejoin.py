@@ -47,6 +47,7 @@ from ..protocol import (
     RendezvousAction,
     SpareAction,
     shard_key,
+    train_slot_member,
 )
 from . import peer_transfer
 from .control import REPORT_TIMEOUT_S, find_coordinator
@@ -97,6 +98,54 @@ def rejoin(
             "rejoin(): this process holds ranks but was not ordered to rejoin (warm_restart "
             "is off, or its rank is being evicted): nothing to rejoin"
         )
+    return _as_the_machine_says(
+        runtime,
+        lambda: _rejoin(
+            runtime, config, coordinator, survivor, state_dict, load_state_dict, backend
+        ),
+    )
+
+
+def join_train_slot(
+    group: str,
+    rank: int,
+    *,
+    state_dict: Callable[[], Any] | None,
+    load_state_dict: Callable[[Any], Any] | None,
+    config: GracefulConfig | None = None,
+    backend: str | None = None,
+) -> Rejoined:
+    """Ray Train's new worker in an evicted rank's slot joins the warm restart as that rank.
+
+    Train started this process in the slot of world rank ``rank`` (its replica groups,
+    ``ray_graceful/train/warm.py``): the coordinator handed the slot out before the process
+    existed, under the slot's name (``train_slot_member``). From here it is a spare that was
+    handed that slot: it joins the new group, loads the committed step and registers.
+    """
+    runtime = process_runtime()
+    config = runtime.adopt_config(config)
+    coordinator = find_coordinator(config)
+    if coordinator is None:
+        raise SetupError("no coordinator runs for this job: the Ray Train callback starts it")
+    if runtime.registrations:
+        raise SetupError("this process holds ranks already: it is no new worker for a slot")
+    member = train_slot_member(group, rank)
+
+    def join() -> Rejoined:
+        answer = _ask(coordinator, member, config, runtime.machine.held_signal)
+        if answer.action != RendezvousAction.JOIN:
+            return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
+        return _join_or_report(
+            runtime, config, coordinator, member, answer,
+            backend or _default_backend(), None, state_dict, load_state_dict,
+        )  # fmt: skip
+
+    return _as_the_machine_says(runtime, join)
+
+
+def _as_the_machine_says(runtime: ProcessRuntime, rejoin_: Callable[[], Rejoined]) -> Rejoined:
+    """Run ``rejoin_`` inside the rank machine's REJOINING phase: a SIGTERM meanwhile is held
+    or ends it (``lifecycle.py``), and its end is the machine's ``RejoinEnded``."""
     runtime.step(RejoinBegun(time.time()))
     with runtime.lock:  # the phase and its data together, as another thread may step it
         phase, data = runtime.machine.phase, runtime.machine.data
@@ -106,9 +155,7 @@ def rejoin(
         return Rejoined(RejoinResult.LEFT, "", reason=reason, pid=os.getpid())
     result = Rejoined(RejoinResult.LEFT, "", reason="rejoin() raised", pid=os.getpid())
     try:
-        result = _rejoin(
-            runtime, config, coordinator, survivor, state_dict, load_state_dict, backend
-        )
+        result = rejoin_()
     finally:
         # Joined with a SIGTERM held: the machine has it reported as the new group's first
         # notice, once the others have joined too (``ProcessRuntime._notice_again``).
@@ -146,6 +193,24 @@ def _rejoin(
     answer = answer or _ask(coordinator, member, config, runtime.machine.held_signal)
     if answer.action != RendezvousAction.JOIN:
         return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
+    return _join_or_report(
+        runtime, config, coordinator, member, answer, backend, survivor, state_dict,
+        load_state_dict,
+    )  # fmt: skip
+
+
+def _join_or_report(
+    runtime: ProcessRuntime,
+    config: GracefulConfig,
+    coordinator: Any,
+    member: str,
+    answer: Rendezvous,
+    backend: str,
+    survivor: Registration | None,
+    state_dict: Callable[[], Any] | None,
+    load_state_dict: Callable[[Any], Any] | None,
+) -> Rejoined:
+    """``_join``; a failure on the way is told to the coordinator (which ends the others)."""
     try:
         return _join(
             runtime,

@@ -34,6 +34,10 @@ class TrainingLoop:
         self.parked_step: int | None = None  # the step the thread is parked at, if it is
         self.marked_at: float | None = None  # time.monotonic() of the last boundary
         self.step_times: deque[float] = deque(maxlen=8)  # seconds between recent boundaries
+        # Every peer heads for the same boundary (Ray Train's warm path agrees on the stop step
+        # before anyone parks): a collective in flight will end, so the teardown waits for the
+        # thread to park instead of releasing it from inside its step after ``IN_COLLECTIVE_S``
+        self.peers_reach_boundary = False
 
     def mark(self, step: int) -> None:
         """A step boundary: ``step`` steps are done (called by ``should_stop(step)``)."""
@@ -75,7 +79,8 @@ class TrainingLoop:
         in_collective = False
         while frame is not None:
             if frame.f_code is code:
-                return ThreadAt.IN_COLLECTIVE if in_collective else ThreadAt.IN_STEP
+                stuck = in_collective and not self.peers_reach_boundary
+                return ThreadAt.IN_COLLECTIVE if stuck else ThreadAt.IN_STEP
             in_collective = in_collective or in_torch_distributed(frame.f_code.co_filename)
             frame = frame.f_back
         return ThreadAt.IDLE
@@ -109,6 +114,8 @@ _WRAPPER_MODULES = (
     "ray_graceful.worker.mixin",
     "ray_graceful.worker.setup",
     "ray_graceful.train",
+    "ray_graceful.train.cold",
+    "ray_graceful.train.warm",
 )
 
 

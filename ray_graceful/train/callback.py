@@ -1,0 +1,88 @@
+"""The Ray Train callback: the run's coordinator, each worker's SIGTERM listener, its rank.
+
+``GracefulTrainCallback`` (also loadable with
+``RAY_TRAIN_CALLBACKS=ray_graceful.train.GracefulTrainCallback``) runs on Train's controller and
+on each worker:
+
+- on the controller it starts the run's coordinator, and ends it with the run;
+- on each worker's main thread it installs the SIGTERM listener (the training function runs on
+  a thread of its own, where no signal handler can be installed);
+- on the cold path it registers each rank once Train formed the process group. On the warm
+  path (``torch_config=GracefulTorchConfig()``) the training function registers itself
+  (``warm.setup``), as it holds what a new worker loads into.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .. import ray_adapter
+from ..config import GracefulConfig
+from ..worker.setup import install_signal_handling, register_rank
+from .loop import GROUP, train_shard
+
+logger = logging.getLogger(__name__)
+
+
+def _register_train_rank(config: GracefulConfig) -> str:
+    """Runs on each Train worker (main thread) once the process group is up: the cold path."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    shard = train_shard(config.train_shards == "replicated", rank)
+    status = register_rank(
+        GROUP, None, rank, ctx.get_world_size(), shard, None, config, train_fn_saves=True
+    )
+    return str(status)
+
+
+class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignore[misc]
+    """Turns ray_graceful on for a Ray Train V2 run (``RunConfig(callbacks=[...])``)."""
+
+    def __init__(self, config: GracefulConfig | None = None) -> None:
+        self.config = config or GracefulConfig.from_env()
+        self._coordinator: Any = None
+        self.warm = False  # the run's backend keeps survivors (GracefulTorchConfig)
+        self.statuses: list[str] = []
+
+    # --- on the controller -----------------------------------------------------------------
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        from ..coordinator import Coordinator, CoordinatorExists
+        from .backend import keeps_survivors
+
+        self.warm = keeps_survivors(getattr(train_run_context, "backend_config", None))
+        if self.warm and not self.config.warm_restart:
+            # torch_config=GracefulTorchConfig() is the switch: the warm path needs the
+            # coordinator's warm restart (the store the new group forms through)
+            logger.info("ray_graceful: GracefulTorchConfig turns warm_restart on for this run")
+            self.config = self.config.replace(warm_restart=True)
+        try:
+            self._coordinator = Coordinator.start(self.config)
+        except CoordinatorExists:
+            # This job's driver started it already (coordinators are per job): theirs to end.
+            self._coordinator = None
+
+    def after_worker_group_training_start(self, worker_group: Any) -> None:
+        # The process group is up by now (Ray Train's backend set it up when the group
+        # started), whichever order the callbacks run in.
+        if not self.warm:
+            self.statuses = worker_group.execute(_register_train_rank, self.config)
+
+    def after_controller_finish(self, result: Any) -> None:
+        coordinator, self._coordinator = self._coordinator, None
+        if coordinator is not None:
+            try:
+                coordinator.job_finished(success=getattr(result, "error", None) is None)
+            finally:
+                coordinator.shutdown()
+
+    # --- on each worker --------------------------------------------------------------------
+
+    def after_init_train_context(self) -> None:
+        # This runs on the Train worker's main thread: the one place signal handling can be
+        # installed (the training function runs on its own thread). Train calls it for the
+        # new worker it starts in an evicted slot too.
+        install_signal_handling(self.config)

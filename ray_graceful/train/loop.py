@@ -1,0 +1,61 @@
+"""The training function's step boundary under Ray Train: ``should_stop``, agreed by all ranks.
+
+Both of the plugin's ways through a Train run use it: the cold one (``emergency.py``: save,
+report, and Train restarts the whole group) and the warm one (``warm.py``: the survivors keep
+their processes and Train replaces only the evicted workers).
+"""
+
+from __future__ import annotations
+
+from ..worker.process_groups import SetupError
+from ..worker.process_runtime import process_runtime
+from ..worker.setup import should_stop as rank_should_stop
+
+GROUP = "train"  # the group name every Train worker registers under
+
+
+class EmergencyStop(RuntimeError):
+    """Raised once this worker's part of an eviction is done: its checkpoint was reported to
+    Ray Train (the cold path), or its process is leaving (an evicted worker on the warm path)."""
+
+
+def should_stop(step: int, every: int = 1) -> bool:
+    """Whether the training function should stop at this step - agreed by all ranks.
+
+    Orders reach ranks a few milliseconds apart; a rank that stopped at step 8 while its peer
+    went on to step 9 would leave both stuck (the peer's all-reduce waits for it, it waits in
+    ``ray.train.report`` for the peer). So the ranks agree: one all-reduce of a flag on the
+    run's process group, every ``every`` steps (all ranks must pass the same ``step`` and
+    ``every``). On GPUs that is one tiny NCCL all-reduce and a sync; raise ``every`` if a step
+    is short.
+
+    On the warm path (``warm.setup``) the ranks agree before any of them parks, so no rank
+    waits in the agreement for a peer that is parked: ``carry_on`` parks afterwards.
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise SetupError(f"should_stop: every={every!r} must be an int >= 1")
+    runtime = process_runtime()
+    warm = runtime.loop.peers_reach_boundary
+    if warm:
+        runtime.loop.mark(step)
+        local = rank_should_stop()  # the flag alone: carry_on parks once all agreed
+    else:
+        local = rank_should_stop(step)
+    if step % every:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def train_shard(replicated: bool, rank: int) -> str:
+    """The shard label of a Train worker: one for all (DDP), else its rank (FSDP, sharded)."""
+    return "model" if replicated else str(rank)

@@ -1,0 +1,136 @@
+"""Ray Train's warm path, in the training function: ``setup`` once, ``carry_on`` at a stop.
+
+::
+
+    from ray_graceful.train import carry_on, setup, should_stop
+
+    def train_func(config):
+        model, opt = build()
+        step = setup(state_dict=state, load_state_dict=load) or 0  # a new worker: its step
+        while step < total:
+            train_one_step(model, opt)  # gradients all-reduced on the default group
+            step += 1
+            if should_stop(step):
+                step = carry_on(step)  # a survivor: back in the group, at this step
+
+    TorchTrainer(train_func, torch_config=GracefulTorchConfig(),
+                 run_config=RunConfig(callbacks=[GracefulTrainCallback()]))
+
+What happens at a notice: every rank agrees on the stop step (``should_stop``); the evicted
+workers park there, save what the plan gives them and leave through Ray's intended exit; Train
+sees their groups fail and starts a new worker in each slot. The survivors park in
+``carry_on``, are released from their collectives, destroy their process group and keep their
+process; ``carry_on`` then re-forms the group with the new workers (``worker/rejoin.py``) and
+returns the step every member holds. A new worker's ``setup`` joins at the evicted rank and
+loads that step: from a survivor over the new group, a keeper or disk.
+
+Where the warm restart does not go ahead (no committed step, the new worker is not placed in
+time, every worker was evicted...), the survivors leave too, and Train restarts the whole group:
+``setup`` then loads the newest committed step in every worker, the cold ending of before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..worker.process_groups import SetupError
+from ..worker.process_runtime import process_runtime
+from ..worker.rejoin import join_train_slot, rejoin
+from ..worker.restore import load_latest
+from ..worker.setup import after_init_process_group
+from ..worker.setup import should_stop as rank_should_stop
+from .backend import ray_has_replica_groups
+from .loop import GROUP, EmergencyStop, train_shard
+
+logger = logging.getLogger(__name__)
+
+
+def setup(
+    *,
+    state_dict: Callable[[], Any],
+    load_state_dict: Callable[[Any], Any],
+    shard: str | None = None,
+) -> int | None:
+    """Register this Train worker on the warm path; the step it holds, or None.
+
+    Call it once, after the model and optimizer exist. ``state_dict()`` returns what a save
+    writes and a new worker receives (model and optimizer); ``load_state_dict(state)`` puts it
+    back. ``shard``: this rank's shard label (default: "model" for every rank when
+    ``train_shards="replicated"``, DDP; else the rank).
+
+    - A worker of the first start (Train formed the process group): registers, and loads the
+      newest committed step if there is one (a full restart after a fallback) - its step;
+      None when nothing was committed yet (start from 0, or from Train's own checkpoint).
+    - A worker Train started in an evicted slot: joins the survivors' new group as that rank
+      and loads the committed step - its step. If the warm restart failed meanwhile, raises
+      ``EmergencyStop`` (Train then restarts the whole group).
+    """
+    import ray.train
+    import torch.distributed as dist
+
+    for label, fn in (("state_dict", state_dict), ("load_state_dict", load_state_dict)):
+        if not callable(fn):
+            raise SetupError(f"setup: {label}={fn!r} is not callable")
+    runtime = process_runtime()
+    config = runtime.config_or_default()
+    if not config.warm_restart:
+        raise SetupError(
+            "ray_graceful.train.setup is the warm path: run the trainer with "
+            "torch_config=GracefulTorchConfig() and GracefulTrainCallback in its callbacks"
+        )
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    label = shard if shard is not None else train_shard(config.train_shards == "replicated", rank)
+    # Every rank agrees on the stop step before any parks (``loop.should_stop``); and where
+    # Ray keeps survivors, this rank's slot is refilled by Train if it leaves
+    runtime.loop.peers_reach_boundary = True
+    runtime.train_replaces = ray_has_replica_groups()
+    if not runtime.train_replaces:
+        logger.warning(
+            "ray_graceful: this Ray has no replica groups (Ray >= 2.56 has them): Ray Train "
+            "restarts its whole worker group at an eviction, from the committed step"
+        )
+    if dist.is_initialized():  # the first start, or Train's full restart
+        after_init_process_group(
+            GROUP, shard=label, state_dict=state_dict, load_state_dict=load_state_dict
+        )
+        loaded = load_latest(GROUP, label, config)
+        if loaded is None:
+            return None
+        load_state_dict(loaded.state)
+        return int(loaded.step)
+    joined = join_train_slot(
+        GROUP, rank, state_dict=state_dict, load_state_dict=load_state_dict, config=config
+    )
+    if not joined.joined:
+        raise EmergencyStop(f"ray_graceful: this new worker did not join: {joined.reason}")
+    return joined.step
+
+
+def carry_on(step: int) -> int:
+    """After ``should_stop(step)`` said True: the step to train on from, in the new group.
+
+    A survivor parks here until its part of the teardown is done, then re-forms the group in
+    this process with Train's new workers and returns the step every member holds (``step``
+    itself where this rank can prove it parked there). An evicted worker waits here while its
+    process leaves; if the warm restart does not go ahead, ``EmergencyStop`` is raised and Train
+    restarts the whole group from the committed step.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise SetupError(f"carry_on: step={step!r} must be an int >= 0")
+    runtime = process_runtime()
+    config = runtime.config_or_default()
+    # A peer saw the stop first (should_stop agreed on it): this rank's order is on its way.
+    runtime.stop_event.wait(config.order_wait_s)
+    rank_should_stop(step)  # parks at the boundary until this rank's save is done
+    order, teardown = runtime.order, runtime.teardown
+    if order is not None and order.rejoin:
+        joined = rejoin(config=config)
+        if joined.joined:
+            return joined.step
+        raise EmergencyStop(f"ray_graceful: the warm restart did not go ahead: {joined.reason}")
+    if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
+        teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
+    raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")

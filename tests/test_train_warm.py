@@ -1,0 +1,132 @@
+"""Ray Train's warm path: a real TorchTrainer (three CPU workers, gloo) with GracefulTorchConfig.
+
+One worker is SIGTERMed mid-run. Train replaces that worker alone; the two others keep their
+processes and their training functions (never started again), park at the agreed step, and
+re-form the group with the new worker, which joins at the evicted rank and loads the committed
+step. No step is lost or run twice, and every rank ends with the same model and optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from benchmarks.train_job import warm_train_func
+from ray_graceful import GracefulConfig
+from ray_graceful.train import GracefulTorchConfig, GracefulTrainCallback
+from ray_graceful.train.backend import ray_has_replica_groups
+
+pytestmark = pytest.mark.skipif(
+    not ray_has_replica_groups(), reason="this Ray has no replica groups (Ray >= 2.56)"
+)
+
+
+@pytest.fixture
+def three_nodes(ray_cluster):
+    added = [ray_cluster.add_node(num_cpus=2, resources={"train_slot": 1}) for _ in range(3)]
+    ray_cluster.wait_for_nodes()
+    yield added
+    for node in added:
+        ray_cluster.remove_node(node)
+
+
+def _lines(path):
+    try:
+        with open(path) as f:
+            return [line.split() for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _start(tmp_path, config, total=30):
+    files = {name: str(tmp_path / name) for name in ("progress", "attempts", "final")}
+    trainer = TorchTrainer(
+        warm_train_func,
+        train_loop_config={
+            "total": total,
+            "step_s": 0.2,
+            "progress": files["progress"],
+            "attempt_file": files["attempts"],
+            "final": files["final"],
+        },
+        scaling_config=ScalingConfig(
+            num_workers=3, resources_per_worker={"train_slot": 1, "CPU": 0}
+        ),
+        torch_config=GracefulTorchConfig(),
+        run_config=RunConfig(
+            storage_path=str(tmp_path / "storage"),
+            name="warm",
+            callbacks=[GracefulTrainCallback(config)],
+            failure_config=FailureConfig(max_failures=2),
+        ),
+    )
+    box: dict = {}
+    fit = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
+    fit.start()
+    return fit, box, files
+
+
+def _wait_until(what, condition, fit, timeout):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        assert fit.is_alive(), f"the run ended before {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(400)
+def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(three_nodes, tmp_path):
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+    )
+    fit, box, files = _start(tmp_path, config)
+    _wait_until(
+        "every rank past step 5",
+        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
+        fit,
+        180,
+    )
+    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    assert sorted(first) == [0, 1, 2]
+    os.kill(first[1], signal.SIGTERM)
+    signalled_at = time.time()
+    fit.join(240)
+    assert not fit.is_alive(), "the run did not finish"
+    result = box["result"]
+    assert result.error is None, result.error
+
+    attempts = _lines(files["attempts"])
+    # Train started a new worker in rank 1's slot alone; ranks 0 and 2 never started again
+    assert [int(a[0]) for a in attempts[3:]] == [1], attempts
+    again = attempts[3]
+    assert int(again[4]) != first[1]
+    joined_at_step = int(again[2])
+    assert joined_at_step >= 5, "the new worker joined at the committed step, not from 0"
+    assert float(again[3]) > signalled_at
+    # No step lost, none run twice: each rank executed every step once, 1..30
+    progress = _lines(files["progress"])
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
+        assert steps == list(range(1, 31)), (rank, steps)
+    # The survivors did all their steps in the process they started in
+    for rank in (0, 2):
+        assert {int(p[3]) for p in progress if int(p[0]) == rank} == {first[rank]}
+    # Rank 1's steps after the join ran in the new process
+    new_pid = int(again[4])
+    assert all(
+        int(p[3]) == new_pid for p in progress if int(p[0]) == 1 and int(p[1]) > joined_at_step
+    )
+    # Every rank ends with the same model and optimizer, at the last step
+    final = _lines(files["final"])
+    assert sorted(int(f[0]) for f in final) == [0, 1, 2]
+    assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
