@@ -363,6 +363,33 @@ def test_a_sigterm_during_the_rejoin_is_held_and_is_the_new_groups_first_notice(
     assert actions == [StartTimer(Timer.ORDER_WAIT, T0 + 4.1 + 2.0)]
 
 
+def test_a_sigterm_during_a_survivors_teardown_is_never_dropped_the_survivor_leaves(config):
+    machine = _tearing_down(config, rejoin=True)
+    assert machine.step(Signal(15, 1, T0 + 0.5)) == [ArmKernelDeadline(T0 + 0.5 + 24.5)]
+    assert machine.phase is RankPhase.TEARING_DOWN, "the teardown runs on"
+    assert machine.step(TeardownEnded(T0 + 1)) == [
+        Leave("signal 15 before its rejoin: its process is going")
+    ]
+    # rejoin() called before the teardown ended: it begins holding the signal (and leaves
+    # without an answer, ``rejoin._ask``)
+    machine = _tearing_down(config, rejoin=True)
+    machine.step(Signal(15, 1, T0 + 0.5))
+    machine.step(RejoinBegun(T0 + 0.6))
+    assert machine.phase is RankPhase.REJOINING and machine.data.held == (15, T0 + 0.5)
+    assert machine.held_signal()
+
+
+def test_a_rank_signalled_before_its_order_said_rejoin_does_not_stay(config):
+    """Its SIGTERM reached the coordinator after the plan: the order still says rejoin (the
+    coordinator hands its slot out instead, ``WarmRestarts.after_cycle``)."""
+    machine = signalled(config)
+    actions = machine.step(OrderIn(order(rejoin=True), T0 + 0.1))
+    assert kinds(actions) == [StartTeardown, AwaitRejoin]
+    assert machine.step(TeardownEnded(T0 + 1)) == [
+        Leave("signal 15 before its rejoin: its process is going")
+    ]
+
+
 def test_a_rejoin_that_fails_leaves_and_one_that_joins_trains_on(config):
     machine, _ = _awaiting_rejoin(config)
     machine.step(RejoinBegun(T0 + 2))

@@ -573,6 +573,40 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     assert {(faulty_rank, "spare"), (drained_rank, "spare")} <= was, was
 
 
+def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(tmp_path):
+    """Three replicas of g/0; n2 is drained and the plan goes out at once. Then the rank on n1
+    is SIGTERMed (its report arrives after the plan: the order already says rejoin). Its process
+    is going too: the warm restart tells it to leave and hands its slot to a spare."""
+    config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0)
+    m = registered(config, ranks=3)
+    m.spares.add("spare-x", "spare", "n3", 9)
+    m.spares.add("spare-y", "spare", "n3", 10)
+    drain = EvictionNotice("drain", "Ray is draining the node", 0, time.time() + 30, node_id="n2")
+    m.step(ev.NoticesIn((drain,)), time.time())
+    out = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
+    saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
+    late = "p1" if saver != "p1" else "p0"
+    assert out[late].rejoin
+    sigterm = EvictionNotice("sigterm", "SIGTERM", 0, time.time() + 30, rank=("g", int(late[1:])))
+    m.step(ev.NoticesIn((sigterm,)), time.time())
+    assert [n.source for n in m.cycle.late_notices] == ["sigterm"]
+    record = write_shard(
+        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
+    )
+    for pid in ("p0", "p1", "p2"):
+        report(m, pid, [record] if pid == saver else [])
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
+    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
+
+    warm = done.outcome.warm
+    assert "a notice after the plan named it (sigterm: SIGTERM)" in warm["told_to_leave"][late]
+    was = {(m["rank"], m["was"].split(" ")[0]) for m in warm["members"]}
+    assert {(int(late[1:]), "spare"), (2, "spare")} <= was, was
+
+
 def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_register(config):
     m = machine(config)
     m.step(ev.SpareArrived("s1", "spare", "n3", 9), time.time())

@@ -8,6 +8,7 @@ step. No step is lost or run twice, and every rank ends with the same model and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -129,4 +130,47 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(three_n
     # Every rank ends with the same model and optimizer, at the last step
     final = _lines(files["final"])
     assert sorted(int(f[0]) for f in final) == [0, 1, 2]
+    assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
+    # One eviction, warm (the outcome is written as the warm restart begins); the run's own
+    # end is no eviction
+    outcomes = [json.loads(p.read_text()) for p in (tmp_path / "reports").rglob("outcome-*.json")]
+    assert [(o["result"], o["warm"]["result"]) for o in outcomes] == [("committed", "rejoining")]
+    members = {m["member"]: m["was"] for m in outcomes[0]["warm"]["members"]}
+    assert members["ray-train:train/1"] == "Ray Train's new worker for rank 1"
+
+
+@pytest.mark.timeout(400)
+def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+    )
+    fit, box, files = _start(tmp_path, config)
+    _wait_until(
+        "every rank past step 5",
+        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
+        fit,
+        180,
+    )
+    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    for pid in first.values():
+        os.kill(pid, signal.SIGTERM)
+    fit.join(300)
+    assert not fit.is_alive(), "the run did not finish"
+    result = box["result"]
+    assert result.error is None, result.error
+
+    attempts = _lines(files["attempts"])
+    restarted = {int(a[0]): int(a[2]) for a in attempts[3:] if int(a[4]) not in first.values()}
+    # No survivor: Train restarted every worker, each from the step committed as they left
+    assert sorted(restarted) == [0, 1, 2], attempts
+    assert len(set(restarted.values())) == 1 and min(restarted.values()) >= 5, attempts
+    progress = _lines(files["progress"])
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
+        assert steps == list(range(1, 31)), (rank, steps)
+    final = _lines(files["final"])
     assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ray_graceful import GracefulConfig
@@ -16,6 +18,7 @@ from ray_graceful.protocol import (
     RendezvousAction,
     SpareAction,
     SpareAnswer,
+    train_slot_member,
 )
 
 NOW = 1_000.0  # the events' time: the warm-restart part reads no clock
@@ -294,3 +297,63 @@ def test_a_second_restart_of_a_group_while_one_runs_is_refused_at_once_and_the_f
     coordinator.release.set()
     with pytest.raises(WarmRestartFailed, match="no outcome"):  # the lock was let go
         group.restart(timeout=0.1)
+
+
+# --- Ray Train's warm path: the new worker Train starts in an evicted slot ------------------------
+
+
+def train_warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
+    """Survivors of a group Ray Train replaces by slot (``RankSpec.train_replaces``)."""
+    part = WarmRestarts(GracefulConfig(warm_restart=True, **config), ("10.0.0.1", 2345))
+    part.survivors = {
+        f"p{rank}": Survivor(
+            f"p{rank}",
+            RankSpec("g", rank, world, shard, True, train_replaces=True),
+            "n1",
+            100 + rank,
+        )
+        for rank, shard in survivors.items()
+    }
+    return part
+
+
+def test_an_evicted_slot_of_a_train_group_goes_to_the_worker_train_starts_there():
+    part = train_warm({0: "model", 2: "model", 3: "model"})
+    slot = train_slot_member("g", 1)
+    assert part.answer(slot) is None  # Train's new worker asked before the decision: it waits
+    record = decide(part, {1: "model"})
+    assert record.result == "rejoining"
+    assert record.members[slot].rank == 1 and record.members[slot].world_size == 4
+    assert record.members[slot].was == "Ray Train's new worker for rank 1"
+    assert part.answer(slot) == record.members[slot]
+    # A slot nobody was evicted from is no member
+    assert part.answer(train_slot_member("g", 2)).action == "leave"
+
+
+def test_a_waiting_spare_still_comes_first_and_a_plain_groups_slot_is_never_promised():
+    part = train_warm({0: "model", 2: "model", 3: "model"})
+    record = decide(part, {1: "model"}, [Spare("s1", "spare", "n2", 9)])
+    assert "s1" in record.members and train_slot_member("g", 1) not in record.members
+    plain = warm({0: "model", 2: "model", 3: "model"})  # a hand-built group: no one comes
+    assert plain.answer(train_slot_member("g", 1)).action == "leave"
+    assert decide(plain, {1: "model"}).result == "cold"
+
+
+def test_train_s_new_worker_is_told_why_when_the_warm_restart_does_not_go_ahead():
+    part = train_warm({0: "model", 2: "model", 3: "model"})
+    record = decide(part, {1: "model"}, committed=False)
+    assert record.result == "cold"
+    answer = part.answer(train_slot_member("g", 1))
+    assert answer.action == "leave" and answer.reason == record.reason
+    assert "no checkpoint was committed" in answer.reason
+
+
+def test_survivors_of_a_train_group_may_hold_the_step_train_refills_every_slot():
+    part = train_warm({0: "model", 2: "model", 3: "model"}, memory_replicas=1)
+    orders = [SimpleNamespace(group="g", rank=r, shard="model") for r in range(4)]
+    the_plan = SimpleNamespace(orders=orders)
+    assert part.may_hold(the_plan, part.spare_nodes(the_plan, [])) == {
+        ("g", 0),
+        ("g", 2),
+        ("g", 3),
+    }

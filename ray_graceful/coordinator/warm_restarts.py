@@ -388,7 +388,9 @@ class WarmRestarts:
     ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareAnswer]]]:
         """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
         slot with its word (marked ``assigned``; the caller tells it)."""
-        faulty = [pid for pid in cycle.late_faulty if self.survivors.pop(pid, None) is not None]
+        going = self._going_after_the_plan(cycle)
+        for pid in going:
+            del self.survivors[pid]
         if not self.survivors:
             return None, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
@@ -421,10 +423,8 @@ class WarmRestarts:
             ),
             now=now,
         )
-        if record is not None:  # found FAULTY after the plan: a spare takes its slot
-            for pid in faulty:
-                why = f"found FAULTY after the plan: {cycle.late_faulty[pid]}"[:300]
-                record.told_to_leave[pid] = why
+        if record is not None:  # its slot went to a spare (or Train's new worker) instead
+            record.told_to_leave.update(going)
         by_id = {s.spare_id: s for s in spares}
         told = []
         for member, answer in record.members.items() if record else ():
@@ -441,6 +441,24 @@ class WarmRestarts:
                     )
                 )
         return record, told
+
+    def _going_after_the_plan(self, cycle: Cycle) -> dict[str, str]:
+        """The survivors that may not stay after all, with why: found FAULTY after the plan, or
+        named by a notice that came after it (its own SIGTERM, its node drained) - its process
+        is going too. Their slots are handed out as the evicted ones are."""
+        going = {
+            pid: f"found FAULTY after the plan: {why}"[:300]
+            for pid, why in cycle.late_faulty.items()
+            if pid in self.survivors
+        }
+        for pid, survivor in self.survivors.items():
+            for notice in cycle.late_notices:
+                its_rank = notice.rank is not None and tuple(notice.rank) == survivor.spec.key
+                its_node = notice.node_id is not None and notice.node_id == survivor.node_id
+                if pid not in going and (its_rank or its_node):
+                    why = f"a notice after the plan named it ({notice.source}: {notice.reason})"
+                    going[pid] = why[:300]
+        return going
 
     # --- 3. the rendezvous -------------------------------------------------------------------
 

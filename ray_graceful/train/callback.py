@@ -45,6 +45,7 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
         self.config = config or GracefulConfig.from_env()
         self._coordinator: Any = None
         self.warm = False  # the run's backend keeps survivors (GracefulTorchConfig)
+        self._finished = False  # every worker's training function returned
         self.statuses: list[str] = []
 
     # --- on the controller -----------------------------------------------------------------
@@ -70,6 +71,16 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
         # started), whichever order the callbacks run in.
         if not self.warm:
             self.statuses = worker_group.execute(_register_train_rank, self.config)
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        # Every worker's training function returned: the run is over, and Train shuts the
+        # workers down next. Said now, their going is no eviction ("died without a notice").
+        statuses = getattr(worker_group_status, "worker_statuses", None) or {}
+        if self._coordinator is None or self._finished or not statuses:
+            return
+        if all(not s.running and s.error is None for s in statuses.values()):
+            self._finished = True
+            self._coordinator.job_finished(success=True)
 
     def after_controller_finish(self, result: Any) -> None:
         coordinator, self._coordinator = self._coordinator, None

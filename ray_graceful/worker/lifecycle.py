@@ -147,6 +147,12 @@ class RankMachine:
             return [kernel]
         if self.phase is RankPhase.AWAITING_REJOIN:
             return self._leave("SIGTERM while waiting to rejoin")
+        if isinstance(self.data, TearingDown) and self.data.survivor:
+            # A survivor's own process is going now: never dropped - it does not stay
+            if self.data.held is None:
+                held = replace(self.data, held=(event.signum, event.at))
+                self._move(RankPhase.TEARING_DOWN, held)
+            return [kernel]
         if self.phase is not RankPhase.RUNNING:
             return []  # already signalled, stopping, tearing down or leaving
         train_fn_saves = isinstance(self.data, Running) and self.data.train_fn_saves
@@ -282,16 +288,18 @@ class RankMachine:
     def _in_tearing_down(self, event: Event) -> list[Action]:
         data = self.data
         assert isinstance(data, TearingDown)
-        survivor = not data.exit_process and data.order_cycle is not None
-        if isinstance(event, RejoinBegun) and survivor:
-            # The driver called rejoin() before the teardown ended: rejoin() waits for it.
-            self._move(RankPhase.REJOINING, Rejoining())
+        if isinstance(event, RejoinBegun) and data.survivor:
+            # The driver called rejoin() before the teardown ended: rejoin() waits for it (and
+            # leaves without an answer if a SIGTERM came meanwhile).
+            self._move(RankPhase.REJOINING, Rejoining(data.held))
             return []
         if not isinstance(event, TeardownEnded):
             return []
-        if data.exit_process or data.order_cycle is None:
+        if not data.survivor:
             self._move(RankPhase.LEAVING, Leaving(data.trigger))
             return []
+        if data.held is not None:
+            return self._leave(f"signal {data.held[0]} before its rejoin: its process is going")
         until = event.at + self.config.rejoin_timeout_s
         self._move(RankPhase.AWAITING_REJOIN, AwaitingRejoin(data.order_cycle, until))
         return [StartTimer(Timer.REJOIN, until)]
@@ -355,7 +363,12 @@ class RankMachine:
             self._move(RankPhase.STOPPING, Stopping(order, event.at))
             return [StopLoop(), WatchLoop(order, event.at), StartTimer(Timer.GUARD, guard_at)]
         trigger = f"coordinator order ({order.trigger})"
-        self._move(RankPhase.TEARING_DOWN, TearingDown(trigger, not order.rejoin, order.cycle))
+        # Its own SIGTERM came before the order: a survivor's process is going all the same
+        held = (self.data.signum, self.data.at) if isinstance(self.data, Signalled) else None
+        tearing_down = TearingDown(
+            trigger, not order.rejoin, order.cycle, held if order.rejoin else None
+        )
+        self._move(RankPhase.TEARING_DOWN, tearing_down)
         teardown = StartTeardown(
             trigger,
             order.deadline,

@@ -85,6 +85,15 @@ class TearingDown:
     trigger: str
     exit_process: bool
     order_cycle: int | None = None  # the order's cycle; None: it went alone
+    # A survivor's teardown that a SIGTERM came into: (signum, at). Its process is going too,
+    # so it does not stay: held into its rejoin (which then leaves without an answer), or it
+    # leaves when the teardown ends
+    held: tuple[int, float] | None = None
+
+    @property
+    def survivor(self) -> bool:
+        """Ordered to rejoin: the teardown ends without an exit."""
+        return not self.exit_process and self.order_cycle is not None
 
 
 @dataclass(frozen=True)
