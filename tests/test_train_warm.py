@@ -19,7 +19,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from benchmarks.train_job import warm_train_func
-from ray_graceful import GracefulConfig
+from ray_graceful import Coordinator, GracefulConfig
 from ray_graceful.train import GracefulTorchConfig, GracefulTrainCallback
 from ray_graceful.train.backend import ray_has_replica_groups
 
@@ -82,13 +82,20 @@ def _wait_until(what, condition, fit, timeout):
 
 
 @pytest.mark.timeout(400)
-def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(three_nodes, tmp_path):
+@pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
+def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
+    three_nodes, tmp_path, memory_replicas
+):
+    """``disk``: the plan's saver writes the step, the new worker loads it. ``held``: with the
+    memory tier the survivors hold the step, and the new worker receives it from one of them
+    over the new group; the step reaches disk behind the training."""
     config = GracefulConfig(
         report_dir=str(tmp_path / "reports"),
         checkpoint_dir=str(tmp_path / "ckpt"),
         health_interval_s=0.5,
         train_shards="replicated",
         expected_save_s=1.0,
+        memory_replicas=memory_replicas,
     )
     fit, box, files = _start(tmp_path, config)
     _wait_until(
@@ -99,8 +106,11 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(three_n
     )
     first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
     assert sorted(first) == [0, 1, 2]
+    coordinator = Coordinator.connect(config)  # the run's: the callback started it
     os.kill(first[1], signal.SIGTERM)
     signalled_at = time.time()
+    assert coordinator.wait_outcome(timeout=60, cycle=0) is not None
+    rejoined = coordinator.wait_rejoined(1, timeout=120)
     fit.join(240)
     assert not fit.is_alive(), "the run did not finish"
     result = box["result"]
@@ -131,10 +141,25 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(three_n
     final = _lines(files["final"])
     assert sorted(int(f[0]) for f in final) == [0, 1, 2]
     assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
+    # Where each member's step came from: the survivors' own state, the new worker's from
+    # disk, or - held - from a surviving replica over the new group
+    loaded = {m["member"]: m["loaded_from"] for m in rejoined["members"]}
+    assert rejoined["result"] == "rejoined", rejoined
+    assert loaded.pop("ray-train:train/1") == ("disk" if memory_replicas == 0 else "group-peer")
+    assert set(loaded.values()) == {"own state"}, rejoined
+    # Train's records: every member reported the step it joined at, with the committed step
+    # where it was on disk by then (a held step reaches disk later: not attached)
+    committed = tmp_path / "ckpt" / f"step-{joined_at_step:08d}"
+    if memory_replicas == 0:
+        assert result.metrics == {"step": joined_at_step, "ray_graceful_warm_restart": 1}
+        with result.checkpoint.as_directory() as d:
+            assert sorted(os.listdir(d)) == sorted(os.listdir(committed))
     # One eviction, warm (the outcome is written as the warm restart begins); the run's own
     # end is no eviction
     outcomes = [json.loads(p.read_text()) for p in (tmp_path / "reports").rglob("outcome-*.json")]
-    assert [(o["result"], o["warm"]["result"]) for o in outcomes] == [("committed", "rejoining")]
+    result_word = "committed" if memory_replicas == 0 else "held"
+    assert [(o["result"], o["warm"]["result"]) for o in outcomes] == [(result_word, "rejoining")]
+    assert (committed / "MANIFEST.json").exists(), "the held step reached disk behind the training"
     members = {m["member"]: m["was"] for m in outcomes[0]["warm"]["members"]}
     assert members["ray-train:train/1"] == "Ray Train's new worker for rank 1"
 

@@ -35,6 +35,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..checkpoint import latest_committed
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
 from ..worker.rejoin import join_train_slot, rejoin
@@ -106,6 +107,7 @@ def setup(
     )
     if not joined.joined:
         raise EmergencyStop(f"ray_graceful: this new worker did not join: {joined.reason}")
+    _report_to_train(joined.step, joined.cycle, config.checkpoint_dir)
     return joined.step
 
 
@@ -129,8 +131,31 @@ def carry_on(step: int) -> int:
     if order is not None and order.rejoin:
         joined = rejoin(config=config)
         if joined.joined:
+            _report_to_train(joined.step, joined.cycle, config.checkpoint_dir)
             return joined.step
         raise EmergencyStop(f"ray_graceful: the warm restart did not go ahead: {joined.reason}")
     if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
     raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")
+
+
+def _report_to_train(step: int, cycle: int, checkpoint_dir: str | None) -> None:
+    """Every member of the new group reports the step it holds to Ray Train, at once (Train's
+    report is a barrier; Train cleared the survivors' unreported results when it replaced the
+    evicted workers, so no report mixes generations). Rank 0 attaches the committed step's
+    directory where it is on disk, uploaded behind the training; a step the memory tier holds
+    reaches disk later and is not attached."""
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    checkpoint = None
+    if checkpoint_dir is not None and ray.train.get_context().get_world_rank() == 0:
+        committed = latest_committed(checkpoint_dir, verify_checksums=False)
+        if committed is not None and committed.step == step:
+            checkpoint = ray.train.Checkpoint.from_directory(committed.path)
+    ray.train.report(
+        {"step": step, "ray_graceful_warm_restart": cycle},
+        checkpoint=checkpoint,
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        delete_local_checkpoint_after_upload=False,  # the plugin's committed step stays
+    )
