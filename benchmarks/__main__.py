@@ -14,6 +14,7 @@ from ray_graceful.tools.arguments import (
     EXIT_USAGE,
     CliError,
     comma_choices,
+    count,
     positive_int,
     positive_ints,
     positive_seconds,
@@ -142,9 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     recovery.add_argument(
         "--ways",
-        type=comma_choices("none", "ray-documented", "ray-best", "graceful"),
-        default="none,ray-documented,ray-best,graceful",
-        help="with --peers: none, ray-documented, ray-best, graceful (default: all)",
+        type=comma_choices("none", "ray-documented", "ray-best", "graceful", "graceful-warm"),
+        default="none,ray-documented,ray-best,graceful,graceful-warm",
+        help="with --peers: none, ray-documented, ray-best, graceful, graceful-warm (Ray Train's "
+        "warm path: GracefulTorchConfig) (default: all)",
+    )
+    recovery.add_argument(
+        "--free-nodes",
+        type=count,
+        default=2,
+        help="with --peers: free worker nodes already in the cluster (spare capacity); 0: a "
+        "fresh node is started once the old one is gone",
     )
 
     fanout = add_fanout_parser(names)

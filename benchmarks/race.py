@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-WAYS = ("none", "ray-documented", "ray-best", "graceful")
+WAYS = ("none", "ray-documented", "ray-best", "graceful", "graceful-warm")
 SCENARIOS = ("drain", "sigterm", "stuck", "faulty")
 RUN_TIMEOUT_S = 300.0
 
@@ -54,7 +54,10 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
 
     from .train_job import callback_config, torch_trainer
 
-    with local_cluster(extra_nodes=4, head_cpus=2, node_resources={"bench_slot": 1}) as (
+    # Two worker nodes, and as many free ones as the run asks for (spare capacity already in
+    # the cluster); none: a fresh node is started on demand once the event came.
+    free = args.free_nodes
+    with local_cluster(extra_nodes=2 + free, head_cpus=2, node_resources={"bench_slot": 1}) as (
         cluster,
         nodes,
     ):
@@ -62,10 +65,13 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         progress, attempts = os.path.join(work, "progress"), os.path.join(work, "attempts")
         faults = os.path.join(work, "faults.json")
         callbacks = []
-        if way == "graceful":
+        if way.startswith("graceful"):
+            warm = {"checkpoint_dir": os.path.join(work, "ckpt")} if way == "graceful-warm" else {}
             callbacks.append(
                 GracefulTrainCallback(
-                    callback_config(work, health_probe="scripted", health_script_path=faults)
+                    callback_config(
+                        work, health_probe="scripted", health_script_path=faults, **warm
+                    )
                 )
             )
         loop = {
@@ -75,10 +81,11 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
             "progress": progress,
             "attempt_file": attempts,
             "handling": way,
+            "final": os.path.join(work, "final"),
         }
         if scenario == "stuck":
             loop.update(stall_rank=1, stall_at=args.evict_after + 1)
-        trainer = torch_trainer(loop, callbacks, work)
+        trainer = torch_trainer(loop, callbacks, work, warm=way == "graceful-warm")
         box: dict[str, Any] = {}
         started = time.time()
         thread = threading.Thread(
@@ -93,7 +100,7 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
         pids = {rank: int(row[4]) for rank, row in first.items()}
         node_of = {rank: row[5] for rank, row in first.items()}
         by_id = {n.node_id: n for n in nodes}
-        at_event = max((int(s) for r, s, _t in _read(progress) if r == "0"), default=0)
+        at_event = max((int(row[1]) for row in _read(progress) if row[0] == "0"), default=0)
         victim = by_id[node_of[1]]
         t0 = time.time()
         doomed = [victim]
@@ -120,11 +127,13 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
                 time.sleep(0.05)
         for node in doomed:
             cluster.remove_node(node)
+        if not free:  # capacity on demand: the new node starts once the old one is gone
+            cluster.add_node(num_cpus=2, resources={"bench_slot": 1})
         thread.join(RUN_TIMEOUT_S)
         hung = thread.is_alive()
         endings = worker_exits(set(pids.values()))
         starts = _read(attempts)
-        executed = [(int(r), int(s), float(t)) for r, s, t in _read(progress)]
+        executed = [(int(row[0]), int(row[1]), float(row[2])) for row in _read(progress)]
         restart = min((float(row[3]) for row in starts[2:]), default=None)
         again = min((t for _r, _s, t in executed if restart and t > restart), default=None)
         rank0 = [s for r, s, _t in executed if r == 0]
@@ -141,9 +150,27 @@ def race_once(way: str, scenario: str, args: argparse.Namespace) -> dict[str, An
                 for rank, pid in sorted(pids.items())
             },
             "hung": hung,
+            # rank 0's node stays: did its process (and training function) go on?
+            "rank0_kept": not any(row[0] == "0" for row in starts[2:]),
+            # from the event: the new attempt's training function began, it had joined (the
+            # warm path: setup returned), its first step was done
+            "phases_s": {
+                "began": float(starts[2][6]) - t0
+                if len(starts) > 2 and len(starts[2]) > 6
+                else None,
+                "joined": float(starts[2][3]) - t0 if len(starts) > 2 else None,
+                "first_step": (again - t0) if again else None,
+            },
             "error": str(result.error)[:200] if result is not None and result.error else None,
             "wall_s": time.time() - started,
         }
+
+
+def _phases(phases: dict[str, float | None]) -> str:
+    began, joined = phases.get("began"), phases.get("joined")
+    if joined is None:
+        return "-"
+    return (f"{began:.1f} / " if began is not None else "- / ") + f"{joined:.1f}"
 
 
 def bench_race(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,7 +197,9 @@ def bench_race(args: argparse.Namespace) -> dict[str, Any]:
                     r["resumed_at_step"] if r["resumed_at_step"] is not None else "-",
                     r["steps_lost"],
                     f"{again:.1f}" if again is not None else "never",
+                    _phases(r["phases_s"]),
                     ", ".join(sorted(set(r["endings"].values()))),
+                    "yes" if r["rank0_kept"] else "no",
                     "HUNG" if r["hung"] else (r["error"] or "ok")[:40],
                 ]
             )
@@ -182,13 +211,20 @@ def bench_race(args: argparse.Namespace) -> dict[str, Any]:
             "resumed at",
             "steps lost",
             "training again s",
+            "began / joined s",
             "first attempt's workers ended",
+            "rank 0 kept its process",
             "run",
         ],
         rows,
     )
     table += (
         f"\n{args.total} steps of {args.step_s}s, periodic checkpoint every {args.every}; event "
-        f"after step {args.evict_after}; drain deadline {args.deadline:.0f}s"
+        f"after step {args.evict_after}; drain deadline {args.deadline:.0f}s; "
+        + (
+            f"{args.free_nodes} free node(s) in the cluster"
+            if args.free_nodes
+            else "a fresh node started on demand when the old one is gone"
+        )
     )
     return {"results": results, "table": table}

@@ -111,17 +111,21 @@ def callback_config(work: str, **settings: Any) -> GracefulConfig:
     )
 
 
-def torch_trainer(loop: dict[str, Any], callbacks: list[Any], work: str) -> Any:
-    """The recovery benchmarks' TorchTrainer: 2 CPU workers on ``bench_slot`` nodes."""
+def torch_trainer(loop: dict[str, Any], callbacks: list[Any], work: str, warm: bool = False) -> Any:
+    """The recovery benchmarks' TorchTrainer: 2 CPU workers on ``bench_slot`` nodes; ``warm``:
+    the warm path's job and backend (``warm_train_func``, ``GracefulTorchConfig``)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from ray_graceful.train import GracefulTorchConfig
 
     return TorchTrainer(
-        train_func,
+        warm_train_func if warm else train_func,
         train_loop_config=loop,
         scaling_config=ScalingConfig(
             num_workers=2, resources_per_worker={"CPU": 0, "bench_slot": 1}
         ),
+        torch_config=GracefulTorchConfig() if warm else TorchConfig(),
         run_config=RunConfig(
             storage_path=os.path.join(work, "storage"),
             name="run",
@@ -136,8 +140,9 @@ def warm_train_func(config: dict) -> None:
 
     Gradients are all-reduced by hand on the default group (DDP would hold the group it was
     built with, which a warm restart replaces), with SGD and momentum, so every replica holds
-    bitwise the same model and optimizer at each step. Each attempt's line carries its pid;
-    at the end each rank writes its step and a checksum of its state to ``final``.
+    bitwise the same model and optimizer at each step. Each attempt's line carries its pid and
+    when the function began (before ``setup``: a new worker's join is the span to its line's
+    time); at the end each rank writes its step and a checksum of its state to ``final``.
     """
     import ray.train
     import torch
@@ -145,6 +150,7 @@ def warm_train_func(config: dict) -> None:
 
     from ray_graceful.train import carry_on, setup, should_stop
 
+    began = time.time()  # the training function started (a new worker: before it joined)
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
@@ -160,7 +166,7 @@ def warm_train_func(config: dict) -> None:
     step = setup(state_dict=state, load_state_dict=load) or 0
     with open(config["attempt_file"], "a") as f:
         node = ray.get_runtime_context().get_node_id()
-        f.write(f"{rank} start {step} {time.time()} {os.getpid()} {node}\n")
+        f.write(f"{rank} start {step} {time.time()} {os.getpid()} {node} {began}\n")
     while step < config["total"]:
         x = torch.full((4, 8), float(step % 7))
         opt.zero_grad()

@@ -23,7 +23,7 @@ from ray_graceful import Coordinator, GracefulConfig
 from ray_graceful.train import GracefulTorchConfig, GracefulTrainCallback
 from ray_graceful.train.backend import ray_has_replica_groups
 
-pytestmark = pytest.mark.skipif(
+needs_replica_groups = pytest.mark.skipif(
     not ray_has_replica_groups(), reason="this Ray has no replica groups (Ray >= 2.56)"
 )
 
@@ -81,6 +81,7 @@ def _wait_until(what, condition, fit, timeout):
         time.sleep(0.1)
 
 
+@needs_replica_groups
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
 def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
@@ -164,6 +165,7 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     assert members["ray-train:train/1"] == "Ray Train's new worker for rank 1"
 
 
+@needs_replica_groups
 @pytest.mark.timeout(400)
 def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
     config = GracefulConfig(
@@ -199,3 +201,40 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
         assert steps == list(range(1, 31)), (rank, steps)
     final = _lines(files["final"])
     assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
+
+
+@pytest.mark.skipif(ray_has_replica_groups(), reason="the fallback of a Ray without replica groups")
+@pytest.mark.timeout(400)
+def test_without_replica_groups_train_restarts_the_group_from_the_committed_step(
+    three_nodes, tmp_path
+):
+    """Ray < 2.56 (``.ci/versions.sh`` runs this on the oldest Ray): the same job and switch,
+    one worker SIGTERMed. Train restarts every worker; nobody was kept to rejoin (it would be
+    killed in its rejoin), and every worker resumes from the step committed as it left."""
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+    )
+    fit, box, files = _start(tmp_path, config)
+    _wait_until(
+        "every rank past step 5",
+        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
+        fit,
+        180,
+    )
+    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    os.kill(first[1], signal.SIGTERM)
+    fit.join(300)
+    assert not fit.is_alive(), "the run did not finish"
+    assert box["result"].error is None, box["result"].error
+    restarted = {int(a[0]): int(a[2]) for a in _lines(files["attempts"])[3:]}
+    assert sorted(restarted) == [0, 1, 2] and len(set(restarted.values())) == 1, restarted
+    progress = _lines(files["progress"])
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
+        assert steps == list(range(1, 31)), (rank, steps)
+    outcomes = [json.loads(p.read_text()) for p in (tmp_path / "reports").rglob("outcome-*.json")]
+    assert [(o["result"], o["warm"]) for o in outcomes] == [("committed", None)], outcomes

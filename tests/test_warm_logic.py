@@ -303,12 +303,12 @@ def test_a_second_restart_of_a_group_while_one_runs_is_refused_at_once_and_the_f
 
 
 def train_warm(survivors: dict[int, str], world: int = 4, **config) -> WarmRestarts:
-    """Survivors of a group Ray Train replaces by slot (``RankSpec.train_replaces``)."""
+    """Survivors of a group Ray Train replaces by slot (``RankSpec.replaced_by``)."""
     part = WarmRestarts(GracefulConfig(warm_restart=True, **config), ("10.0.0.1", 2345))
     part.survivors = {
         f"p{rank}": Survivor(
             f"p{rank}",
-            RankSpec("g", rank, world, shard, True, train_replaces=True),
+            RankSpec("g", rank, world, shard, True, replaced_by="ray-train-slot"),
             "n1",
             100 + rank,
         )
@@ -357,3 +357,48 @@ def test_survivors_of_a_train_group_may_hold_the_step_train_refills_every_slot()
         ("g", 2),
         ("g", 3),
     }
+
+
+def test_no_survivor_is_chosen_where_ray_train_restarts_the_whole_group():
+    """A Ray without replica groups restarts every Train worker when one fails: a survivor
+    kept to rejoin would be killed in its rejoin (or its save). So none is chosen; the others
+    are, whoever takes their slots."""
+    part = WarmRestarts(GracefulConfig(warm_restart=True), ("10.0.0.1", 2345))
+    orders = tuple(
+        SimpleNamespace(group="g", rank=r, evicted=r == 0, health="healthy") for r in range(3)
+    )
+    the_plan = SimpleNamespace(orders=orders, abandoned=None, incomplete={})
+
+    def process(rank: int, replaced_by: str) -> SimpleNamespace:
+        spec = RankSpec("g", rank, 3, "model", True, replaced_by=replaced_by)
+        return SimpleNamespace(
+            process_id=f"p{rank}", keys=[spec.key], node_id="n1",
+            registration=SimpleNamespace(ranks=(spec,), pid=100 + rank),
+        )  # fmt: skip
+
+    for replaced_by, survivors in [
+        ("whole-group", set()),
+        ("ray-train-slot", {"p1", "p2"}),
+        ("spare", {"p1", "p2"}),
+    ]:
+        processes = [process(r, replaced_by) for r in range(3)]
+        assert part.choose_survivors(the_plan, processes, train_fn_saves=False) == survivors
+
+
+def test_a_train_slot_on_a_node_drained_until_a_later_deadline_is_not_waited_for():
+    """Train starts the new worker in the slot's placement-group bundle, which stays on the
+    drained node until its deadline: past ``TRAIN_SLOT_WAIT_LIMIT_S`` the full restart is sooner."""
+    from ray_graceful.coordinator.warm_restarts import TRAIN_SLOT_WAIT_LIMIT_S
+
+    def decide_with(free_in: float) -> object:
+        part = train_warm({0: "model", 2: "model", 3: "model"})
+        return part.decide(
+            0, 7, True, {pid: True for pid in part.survivors}, {"g": {1: "model"}}, [],
+            frozenset({"gone"}), slots_free_at={("g", 1): NOW + free_in}, now=NOW,
+        )  # fmt: skip
+
+    soon = decide_with(TRAIN_SLOT_WAIT_LIMIT_S - 1)
+    assert soon.result == "rejoining" and train_slot_member("g", 1) in soon.members
+    late = decide_with(30)
+    assert late.result == "cold"
+    assert "drained until its deadline in 30s" in late.reason and "full restart" in late.reason

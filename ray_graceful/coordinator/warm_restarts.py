@@ -11,7 +11,7 @@ Its life in one cycle:
    planned, and ends without an exit.
 2. ``decide`` - when the cycle concluded: the new membership of every group. Each evicted slot
    goes to a waiting spare on a node no notice named; in a group Ray Train replaces by slot
-   (``RankSpec.train_replaces``), else to the process Train starts there - named by its slot,
+   (``RankSpec.replaced_by``), else to the process Train starts there - named by its slot,
    as it does not exist yet (``train_slot_member``); where none is free the group continues
    smaller if ``min_world_size`` allows it and every shard keeps a holder. Anything short of
    that - no committed step, a slot with no spare, a process that did not report - and every
@@ -42,6 +42,7 @@ from ..protocol import (
     Rejoined,
     Rendezvous,
     RendezvousAction,
+    Replacement,
     SpareAction,
     SpareAnswer,
     WarmResult,
@@ -51,6 +52,13 @@ from ..protocol import (
 from .cycle import Cycle
 from .registry import Process, Registry
 from .spare_pool import SpareRecord, free_spares
+
+# Ray Train starts the new worker for an evicted slot in the slot's placement-group bundle, which
+# stays on a drained node until that node is gone (measured: the new worker came 4.2 s after the
+# node's removal at its deadline). Its full restart - a new placement group, every worker anew -
+# took 11-12 s on this machine (docs/benchmarks.md, the race). A slot freed later than this is
+# not waited for: Train restarts the group.
+TRAIN_SLOT_WAIT_LIMIT_S = 8.0
 
 TRAIN_SLOT_PREFIX = train_slot_member("", 0).partition(":")[0] + ":"
 
@@ -160,6 +168,7 @@ class WarmRestarts:
                 len(specs) == 1
                 and specs[0].key in staying
                 and specs[0].group not in plan.incomplete
+                and specs[0].replaced_by is not Replacement.WHOLE_GROUP
             ):
                 self.survivors[process.process_id] = Survivor(
                     process.process_id, specs[0], process.node_id, process.registration.pid
@@ -227,6 +236,7 @@ class WarmRestarts:
         evicted_nodes: frozenset[str],
         held: dict[str, tuple[str, int]] | None = None,
         parked: frozenset[str] = frozenset(),
+        slots_free_at: dict[RankKey, float] | None = None,
         *,
         now: float,
     ) -> WarmRecord | None:
@@ -240,7 +250,8 @@ class WarmRestarts:
         ``reported``: survivor process id -> whether its teardown reported in time (one that did
         not cannot be trusted to be out of its collective). ``evicted_ranks``: group -> the
         ranks that left, with their shard labels. Spares handed a slot are taken out of
-        ``spares`` by the caller (``assigned``).
+        ``spares`` by the caller (``assigned``). ``slots_free_at``: an evicted rank whose node
+        is drained -> the node's deadline (a slot Ray Train refills only once it passed).
         """
         if not self.survivors:
             return None
@@ -250,7 +261,9 @@ class WarmRestarts:
         )  # fmt: skip
         why = self._why_not(step, committed, reported)
         if why is None:
-            why = self._plan_members(record, evicted_ranks, spares, evicted_nodes)
+            why = self._plan_members(
+                record, evicted_ranks, spares, evicted_nodes, slots_free_at or {}, now
+            )
         if why is None:
             self._peers(record, held or {}, parked)
         if why is not None:
@@ -286,6 +299,8 @@ class WarmRestarts:
         evicted_ranks: dict[str, dict[int, str]],
         spares: list[SpareRecord],
         evicted_nodes: frozenset[str],
+        slots_free_at: dict[RankKey, float],
+        now: float,
     ) -> str | None:
         """Fill ``record.members``; the reason when a group cannot continue."""
         free = free_spares(spares, evicted_nodes)
@@ -298,11 +313,19 @@ class WarmRestarts:
                 (s.spec.rank, s.process_id, s.spec.shard, f"survivor of rank {s.spec.rank}")
                 for s in survivors
             ]
-            train_replaces = survivors[0].spec.train_replaces
+            train_slots = survivors[0].spec.replaced_by is Replacement.TRAIN_SLOT
             for rank, shard in sorted(evicted_ranks.get(group, {}).items()):
                 if free:
                     slots.append((rank, free.pop(0).spare_id, shard, f"spare for rank {rank}"))
-                elif train_replaces:  # the process Ray Train starts in the slot takes it
+                elif train_slots:  # the process Ray Train starts in the slot takes it
+                    wait = slots_free_at.get((group, rank), now) - now
+                    if wait > TRAIN_SLOT_WAIT_LIMIT_S:
+                        return (
+                            f"group {group!r}: rank {rank}'s node is drained until its deadline "
+                            f"in {wait:.0f}s, and Ray Train starts the new worker in the same "
+                            "placement-group bundle only once the node is gone: its full "
+                            "restart is sooner"
+                        )
                     member = train_slot_member(group, rank)
                     slots.append((rank, member, shard, f"Ray Train's new worker for rank {rank}"))
             slots.sort()
@@ -337,7 +360,11 @@ class WarmRestarts:
 
     def _train_groups(self) -> set[str]:
         """The survivors' groups whose evicted slots Ray Train fills (its replica groups)."""
-        return {s.spec.group for s in self.survivors.values() if s.spec.train_replaces}
+        return {
+            s.spec.group
+            for s in self.survivors.values()
+            if s.spec.replaced_by is Replacement.TRAIN_SLOT
+        }
 
     def _why_not_smaller(
         self, group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str]
@@ -401,9 +428,17 @@ class WarmRestarts:
             if record.tier is Place.HELD
         }
         evicted: dict[str, dict[int, str]] = {}
+        drained = {
+            n.node_id: n.deadline
+            for n in cycle.notices + cycle.late_notices
+            if n.node_id is not None and n.deadline
+        }
+        slots_free_at: dict[RankKey, float] = {}
         for spec, process in registry.ranks_of(cycle.number):
             if process.process_id not in self.survivors:
                 evicted.setdefault(spec.group, {})[spec.rank] = spec.shard
+                if process.node_id in drained:
+                    slots_free_at[spec.key] = drained[process.node_id]
         record = self.decide(
             cycle.number,
             step,
@@ -421,6 +456,7 @@ class WarmRestarts:
                 for p in involved
                 if p.report is not None and step is not None and p.report.parked_at == step
             ),
+            slots_free_at,
             now=now,
         )
         if record is not None:  # its slot went to a spare (or Train's new worker) instead

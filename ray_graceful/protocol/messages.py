@@ -17,7 +17,7 @@ from ..checkpoint.records import ShardRecord, shard_key
 from ..config import GracefulConfig
 from ..health import HealthReport
 from .checks import PROTOCOL_VERSION, ProtocolError, check_count, check_text, check_version
-from .words import PollKind
+from .words import PollKind, Replacement
 
 DEFAULT_NAME = "ray_graceful_coordinator"  # + "-<job id>": one coordinator per job
 
@@ -42,9 +42,12 @@ class RankSpec:
     can_save: bool
     train_fn_saves: bool = False  # the training function saves (Ray Train)
     gpus: tuple[int, ...] = ()
-    # Ray Train starts a new process in this rank's slot when it leaves (its replica groups,
-    # ``ray_graceful/train/``): a warm restart hands the slot to that process
-    train_replaces: bool = False
+    # Who takes this rank's slot when its process leaves: a spare, or the worker Ray Train
+    # starts there (``ray_graceful/train/``)
+    replaced_by: Replacement = Replacement.SPARE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replaced_by", Replacement(self.replaced_by))
 
     @property
     def key(self) -> RankKey:

@@ -52,6 +52,16 @@ class Result(Word):
     FAILED = "failed"  # the coordinator could not conclude normally (the reason says why)
 
 
+class Replacement(Word):
+    """Who takes a rank's slot when its process leaves (``RankSpec.replaced_by``)."""
+
+    SPARE = "spare"  # a waiting spare, if there is one (hand-built groups)
+    TRAIN_SLOT = "ray-train-slot"  # the worker Ray Train starts in the slot (replica groups)
+    # Ray Train restarts every worker of the group (a Ray without replica groups): no survivor
+    # can keep its process, so none is chosen
+    WHOLE_GROUP = "whole-group"
+
+
 class SpareAction(Word):
     """What ends a spare's or standby's wait (``SpareAnswer.action``, ``SpareResult.action``)."""
 

@@ -70,6 +70,7 @@ class GracefulTorchConfig(TorchConfig):
         return _BACKEND
 
 
-def keeps_survivors(backend_config: Any) -> bool:
-    """Whether a run's backend config is the warm path's (and Ray can keep survivors)."""
-    return isinstance(backend_config, GracefulTorchConfig) and ray_has_replica_groups()
+def is_warm_path(backend_config: Any) -> bool:
+    """Whether a run's backend config is the warm path's (on any Ray: where Ray has no replica
+    groups, the warm path's ranks say so, and nobody is kept to rejoin - ``warm.setup``)."""
+    return isinstance(backend_config, GracefulTorchConfig)

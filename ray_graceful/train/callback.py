@@ -52,9 +52,9 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
 
     def after_controller_start(self, train_run_context: Any) -> None:
         from ..coordinator import Coordinator, CoordinatorExists
-        from .backend import keeps_survivors
+        from .backend import is_warm_path
 
-        self.warm = keeps_survivors(getattr(train_run_context, "backend_config", None))
+        self.warm = is_warm_path(getattr(train_run_context, "backend_config", None))
         if self.warm and not self.config.warm_restart:
             # torch_config=GracefulTorchConfig() is the switch: the warm path needs the
             # coordinator's warm restart (the store the new group forms through)

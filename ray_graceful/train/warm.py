@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import latest_committed
+from ..protocol import Replacement
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
 from ..worker.rejoin import join_train_slot, rejoin
@@ -87,8 +88,9 @@ def setup(
     # Every rank agrees on the stop step before any parks (``loop.should_stop``); and where
     # Ray keeps survivors, this rank's slot is refilled by Train if it leaves
     runtime.loop.peers_reach_boundary = True
-    runtime.train_replaces = ray_has_replica_groups()
-    if not runtime.train_replaces:
+    replica_groups = ray_has_replica_groups()
+    runtime.replaced_by = Replacement.TRAIN_SLOT if replica_groups else Replacement.WHOLE_GROUP
+    if not replica_groups:
         logger.warning(
             "ray_graceful: this Ray has no replica groups (Ray >= 2.56 has them): Ray Train "
             "restarts its whole worker group at an eviction, from the committed step"

@@ -300,6 +300,7 @@ class RankMachine:
             return []
         if data.held is not None:
             return self._leave(f"signal {data.held[0]} before its rejoin: its process is going")
+        assert data.order_cycle is not None  # a survivor's
         until = event.at + self.config.rejoin_timeout_s
         self._move(RankPhase.AWAITING_REJOIN, AwaitingRejoin(data.order_cycle, until))
         return [StartTimer(Timer.REJOIN, until)]

@@ -26,7 +26,7 @@ from typing import Any
 from ..bounded import NoAnswer
 from ..checkpoint import shard_key
 from ..config import GracefulConfig
-from ..protocol import RankSpec, Rendezvous, TeardownOrder
+from ..protocol import RankSpec, Rendezvous, Replacement, TeardownOrder
 from .control import ControlChannel, gpu_indices
 from .exit_path import hard_exit, leave, write_stderr
 from .hard_deadline import hard_deadline
@@ -143,9 +143,10 @@ class ProcessRuntime:
     rendezvous: Rendezvous | None = None  # a survivor's answer, once the coordinator gave it
     peer_watch: PeerWatch | None = None  # while no coordinator is reachable (peer_release.py)
     late: LateCopies = field(default_factory=LateCopies)  # held shards on their way to keepers
-    # A Ray Train worker on the warm path (``ray_graceful/train/warm.py``): should it leave,
-    # Train starts a new process in its slot, and the coordinator hands that process the slot
-    train_replaces: bool = False
+    # Who takes this process's slot when it leaves: on Ray Train's warm path
+    # (``ray_graceful/train/warm.py``) the worker Train starts there, which the coordinator
+    # hands the slot to - or, on a Ray without replica groups, nobody stays at all
+    replaced_by: Replacement = Replacement.SPARE
     machine: RankMachine = field(default_factory=lambda: RankMachine(GracefulConfig()))
     timers: Timers = field(default_factory=Timers)
 
@@ -387,7 +388,7 @@ class ProcessRuntime:
                 reg.saver is not None or reg.train_fn_saves,
                 reg.train_fn_saves,
                 gpus,
-                self.train_replaces,
+                self.replaced_by,
             )
             for reg in self.registrations.values()
             if not reg.release_only
