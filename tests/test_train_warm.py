@@ -28,8 +28,10 @@ needs_replica_groups = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def three_nodes(ray_cluster):
+    """Three worker nodes, one Train slot each, shared by this module's runs (each run's
+    placement group is gone when its trainer returns)."""
     added = [ray_cluster.add_node(num_cpus=2, resources={"train_slot": 1}) for _ in range(3)]
     ray_cluster.wait_for_nodes()
     yield added

@@ -427,18 +427,7 @@ class WarmRestarts:
             for record in (p.report.saved if p.report is not None else ())
             if record.tier is Place.HELD
         }
-        evicted: dict[str, dict[int, str]] = {}
-        drained = {
-            n.node_id: n.deadline
-            for n in cycle.notices + cycle.late_notices
-            if n.node_id is not None and n.deadline
-        }
-        slots_free_at: dict[RankKey, float] = {}
-        for spec, process in registry.ranks_of(cycle.number):
-            if process.process_id not in self.survivors:
-                evicted.setdefault(spec.group, {})[spec.rank] = spec.shard
-                if process.node_id in drained:
-                    slots_free_at[spec.key] = drained[process.node_id]
+        evicted, slots_free_at = self._evicted_slots(cycle, registry)
         record = self.decide(
             cycle.number,
             step,
@@ -477,6 +466,25 @@ class WarmRestarts:
                     )
                 )
         return record, told
+
+    def _evicted_slots(
+        self, cycle: Cycle, registry: Registry
+    ) -> tuple[dict[str, dict[int, str]], dict[RankKey, float]]:
+        """The ranks that left (group -> rank -> shard), and for those on a drained node the
+        node's deadline (``TRAIN_SLOT_WAIT_LIMIT_S``)."""
+        drained = {
+            n.node_id: n.deadline
+            for n in cycle.notices + cycle.late_notices
+            if n.node_id is not None and n.deadline
+        }
+        evicted: dict[str, dict[int, str]] = {}
+        slots_free_at: dict[RankKey, float] = {}
+        for spec, process in registry.ranks_of(cycle.number):
+            if process.process_id not in self.survivors:
+                evicted.setdefault(spec.group, {})[spec.rank] = spec.shard
+                if process.node_id in drained:
+                    slots_free_at[spec.key] = drained[process.node_id]
+        return evicted, slots_free_at
 
     def _going_after_the_plan(self, cycle: Cycle) -> dict[str, str]:
         """The survivors that may not stay after all, with why: found FAULTY after the plan, or

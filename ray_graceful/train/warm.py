@@ -85,6 +85,7 @@ def setup(
     context = ray.train.get_context()
     rank = context.get_world_rank()
     label = shard if shard is not None else train_shard(config.train_shards == "replicated", rank)
+    _use_assigned_gpu()
     # Every rank agrees on the stop step before any parks (``loop.should_stop``); and where
     # Ray keeps survivors, this rank's slot is refilled by Train if it leaves
     runtime.loop.peers_reach_boundary = True
@@ -111,6 +112,19 @@ def setup(
         raise EmergencyStop(f"ray_graceful: this new worker did not join: {joined.reason}")
     _report_to_train(joined.step, joined.cycle, config.checkpoint_dir)
     return joined.step
+
+
+def _use_assigned_gpu() -> None:
+    """On GPUs: make Ray's assignment this thread's current device before any NCCL group forms
+    (the plugin's rendezvous builds the communicator on the current device). Ray Train's
+    ``get_device`` maps Ray's GPU ids through ``CUDA_VISIBLE_DEVICES``; ``local_rank`` would
+    not do: under replica groups it is 0 in every worker."""
+    import ray.train.torch
+    import torch
+
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def carry_on(step: int) -> int:
