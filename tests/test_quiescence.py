@@ -417,6 +417,32 @@ def test_a_loop_is_stuck_only_after_three_typical_steps_without_a_boundary(monke
     assert fresh.stuck_since(clock["now"] - 2.5, patience_s=2.0)
 
 
+def test_on_rays_train_warm_path_a_thread_outside_its_loop_is_on_its_way_to_the_boundary():
+    """Ray Train's warm path: one training function from ``setup`` to its end. A thread in
+    ``setup`` (a new worker that just joined) or in ``carry_on`` was read as "out of its loop"
+    and released at once - then it walked into its next step's all-reduce on a destroyed group
+    and raised, and Train restarted the whole group (the second notice's fault row). Now it is
+    waited for, like a thread in its step, until it parks."""
+    import threading
+
+    from ray_graceful.worker.threads import ThreadAt
+    from ray_graceful.worker.training_loop import TrainingLoop
+
+    loop = TrainingLoop()
+    assert loop.state() is ThreadAt.IDLE, "a hand-built rank with no loop seen: out of it"
+    loop.peers_reach_boundary = True
+    assert loop.state() is ThreadAt.IN_STEP
+    loop.mark(5)  # the site is this thread; it is not parked and not in a step right now
+    assert loop.state() is ThreadAt.IN_STEP
+    teardown = types.SimpleNamespace(training_released=threading.Event(), remaining=lambda: 5.0)
+    thread = threading.Thread(target=loop.park, args=(5, teardown))
+    thread.start()
+    wait_for(lambda: loop.parked_step == 5, timeout=5, what="the thread parked at step 5")
+    assert loop.state() is ThreadAt.PARKED
+    teardown.training_released.set()
+    thread.join(5)
+
+
 def test_the_wait_for_an_order_leaves_the_teardown_its_time(monkeypatch):
     """Review defect 7: a 45 s order wait with a 10 s teardown was accepted, and a SIGTERMed
     rank whose coordinator was lost left after 45.1 s, past its deadline (a recorded crash).

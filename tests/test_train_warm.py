@@ -205,6 +205,49 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
     assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
 
 
+@needs_replica_groups
+@pytest.mark.timeout(400)
+def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_nodes, tmp_path):
+    """Rank 1 is SIGTERMed; while Train starts its new worker, survivor rank 2 is SIGTERMed too.
+    Rank 2 already has its answer: it finishes joining (the others would wait for it), and its
+    held signal is the new group's first notice - a second warm restart replaces it. Rank 0
+    keeps its process through both; no step is lost or run twice."""
+    config = GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+    )
+    fit, box, files = _start(tmp_path, config, total=40)
+    _wait_until(
+        "every rank past step 5",
+        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
+        fit,
+        180,
+    )
+    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    coordinator = Coordinator.connect(config)
+    os.kill(first[1], signal.SIGTERM)
+    assert coordinator.wait_outcome(timeout=60, cycle=0) is not None
+    assert len(_lines(files["attempts"])) == 3, "rank 1's new worker has not joined yet"
+    os.kill(first[2], signal.SIGTERM)  # during the replacement
+    fit.join(300)
+    assert not fit.is_alive(), "the run did not finish"
+    assert box["result"].error is None, box["result"].error
+
+    attempts = _lines(files["attempts"])
+    assert sorted(int(a[0]) for a in attempts[3:]) == [1, 2], attempts
+    assert all(int(a[4]) not in first.values() for a in attempts[3:])
+    progress = _lines(files["progress"])
+    assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
+        assert steps == list(range(1, 41)), (rank, steps)
+    final = _lines(files["final"])
+    assert {(int(f[1]), f[2]) for f in final} == {(40, final[0][2])}, final
+
+
 @pytest.mark.skipif(ray_has_replica_groups(), reason="the fallback of a Ray without replica groups")
 @pytest.mark.timeout(400)
 def test_without_replica_groups_train_restarts_the_group_from_the_committed_step(

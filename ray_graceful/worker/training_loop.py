@@ -35,8 +35,9 @@ class TrainingLoop:
         self.marked_at: float | None = None  # time.monotonic() of the last boundary
         self.step_times: deque[float] = deque(maxlen=8)  # seconds between recent boundaries
         # Every peer heads for the same boundary (Ray Train's warm path agrees on the stop step
-        # before anyone parks): a collective in flight will end, so the teardown waits for the
-        # thread to park instead of releasing it from inside its step after ``IN_COLLECTIVE_S``
+        # before anyone parks): a collective in flight will end, and a thread outside its loop
+        # is on its way into it, so the teardown waits for the thread to park (bounded by
+        # ``quiesce_timeout_s``) instead of releasing it from inside its step
         self.peers_reach_boundary = False
 
     def mark(self, step: int) -> None:
@@ -71,6 +72,11 @@ class TrainingLoop:
         when a ``torch.distributed`` call is on its stack; else parked or out of its loop."""
         if self.parked_step is not None:
             return ThreadAt.PARKED
+        if self.peers_reach_boundary:
+            # Ray Train's warm path: one training function from setup to its end, so a thread
+            # not in its loop now (in setup, in carry_on's rejoin) is on its way into it - to
+            # the step boundary every peer heads for. Never "out of its loop".
+            return ThreadAt.IN_STEP
         site = self.step_site
         if site is None:  # no loop known: any thread inside a collective counts
             return ThreadAt.IN_COLLECTIVE if thread_in_collective() else ThreadAt.IDLE
@@ -79,8 +85,7 @@ class TrainingLoop:
         in_collective = False
         while frame is not None:
             if frame.f_code is code:
-                stuck = in_collective and not self.peers_reach_boundary
-                return ThreadAt.IN_COLLECTIVE if stuck else ThreadAt.IN_STEP
+                return ThreadAt.IN_COLLECTIVE if in_collective else ThreadAt.IN_STEP
             in_collective = in_collective or in_torch_distributed(frame.f_code.co_filename)
             frame = frame.f_back
         return ThreadAt.IDLE
