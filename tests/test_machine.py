@@ -525,6 +525,19 @@ def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(confi
         resolve_group("team/actor")
 
 
+def _saved_and_concluded(m, config, saver: str):
+    """Cycle 0 of three replicas of g/0: ``saver`` saved step 5, every rank reported, the
+    commit ran - the machine's ``Concluded``."""
+    record = write_shard(
+        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
+    )
+    for pid in ("p0", "p1", "p2"):
+        report(m, pid, [record] if pid == saver else [])
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
+    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
+    return done
+
+
 def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_takes_its_slot(
     tmp_path,
 ):
@@ -557,13 +570,7 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     assert [n.source for n in m.cycle.late_notices] == ["health"]
     if faulty == saver:
         assert of(polled, ev.SaveResolved)[0].saved is False, "its backup saves now"
-    record = write_shard(
-        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
-    )
-    for pid in ("p0", "p1", "p2"):
-        report(m, pid, [record] if pid == saver else [])
-    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
-    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
+    done = _saved_and_concluded(m, config, saver)
 
     assert done.outcome.result == "committed" and done.outcome.committed["step"] == 5
     warm = done.outcome.warm
@@ -593,13 +600,7 @@ def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(t
     sigterm = EvictionNotice("sigterm", "SIGTERM", 0, time.time() + 30, rank=("g", int(late[1:])))
     m.step(ev.NoticesIn((sigterm,)), time.time())
     assert [n.source for n in m.cycle.late_notices] == ["sigterm"]
-    record = write_shard(
-        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
-    )
-    for pid in ("p0", "p1", "p2"):
-        report(m, pid, [record] if pid == saver else [])
-    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
-    (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
+    done = _saved_and_concluded(m, config, saver)
 
     warm = done.outcome.warm
     assert "a notice after the plan named it (sigterm: SIGTERM)" in warm["told_to_leave"][late]

@@ -83,6 +83,39 @@ def _wait_until(what, condition, fit, timeout):
         time.sleep(0.1)
 
 
+def _config(tmp_path, **settings) -> GracefulConfig:
+    return GracefulConfig(
+        report_dir=str(tmp_path / "reports"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        health_interval_s=0.5,
+        train_shards="replicated",
+        expected_save_s=1.0,
+        **settings,
+    )
+
+
+def _first_pids_past_step_5(files, fit) -> dict[int, int]:
+    """Once every rank is past step 5 (a step committed by then is not step 0): rank -> pid."""
+    _wait_until(
+        "every rank past step 5",
+        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
+        fit,
+        180,
+    )
+    return {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+
+
+def _each_rank_ran_every_step_once(files, total: int) -> None:
+    """No step lost, none run twice; every rank ends with the same model and optimizer."""
+    progress = _lines(files["progress"])
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
+        assert steps == list(range(1, total + 1)), (rank, steps)
+    final = _lines(files["final"])
+    assert sorted(int(f[0]) for f in final) == [0, 1, 2]
+    assert {(int(f[1]), f[2]) for f in final} == {(total, final[0][2])}, final
+
+
 @needs_replica_groups
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
@@ -92,22 +125,9 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     """``disk``: the plan's saver writes the step, the new worker loads it. ``held``: with the
     memory tier the survivors hold the step, and the new worker receives it from one of them
     over the new group; the step reaches disk behind the training."""
-    config = GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        health_interval_s=0.5,
-        train_shards="replicated",
-        expected_save_s=1.0,
-        memory_replicas=memory_replicas,
-    )
+    config = _config(tmp_path, memory_replicas=memory_replicas)
     fit, box, files = _start(tmp_path, config)
-    _wait_until(
-        "every rank past step 5",
-        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
-        fit,
-        180,
-    )
-    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    first = _first_pids_past_step_5(files, fit)
     assert sorted(first) == [0, 1, 2]
     coordinator = Coordinator.connect(config)  # the run's: the callback started it
     os.kill(first[1], signal.SIGTERM)
@@ -127,11 +147,9 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     joined_at_step = int(again[2])
     assert joined_at_step >= 5, "the new worker joined at the committed step, not from 0"
     assert float(again[3]) > signalled_at
-    # No step lost, none run twice: each rank executed every step once, 1..30
+    # No step lost, none run twice; every rank ends with the same model and optimizer
+    _each_rank_ran_every_step_once(files, 30)
     progress = _lines(files["progress"])
-    for rank in (0, 1, 2):
-        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
-        assert steps == list(range(1, 31)), (rank, steps)
     # The survivors did all their steps in the process they started in
     for rank in (0, 2):
         assert {int(p[3]) for p in progress if int(p[0]) == rank} == {first[rank]}
@@ -140,10 +158,6 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     assert all(
         int(p[3]) == new_pid for p in progress if int(p[0]) == 1 and int(p[1]) > joined_at_step
     )
-    # Every rank ends with the same model and optimizer, at the last step
-    final = _lines(files["final"])
-    assert sorted(int(f[0]) for f in final) == [0, 1, 2]
-    assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
     # Where each member's step came from: the survivors' own state, the new worker's from
     # disk, or - held - from a surviving replica over the new group
     loaded = {m["member"]: m["loaded_from"] for m in rejoined["members"]}
@@ -170,21 +184,9 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
 @needs_replica_groups
 @pytest.mark.timeout(400)
 def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
-    config = GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        health_interval_s=0.5,
-        train_shards="replicated",
-        expected_save_s=1.0,
-    )
+    config = _config(tmp_path)
     fit, box, files = _start(tmp_path, config)
-    _wait_until(
-        "every rank past step 5",
-        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
-        fit,
-        180,
-    )
-    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    first = _first_pids_past_step_5(files, fit)
     for pid in first.values():
         os.kill(pid, signal.SIGTERM)
     fit.join(300)
@@ -197,12 +199,7 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
     # No survivor: Train restarted every worker, each from the step committed as they left
     assert sorted(restarted) == [0, 1, 2], attempts
     assert len(set(restarted.values())) == 1 and min(restarted.values()) >= 5, attempts
-    progress = _lines(files["progress"])
-    for rank in (0, 1, 2):
-        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
-        assert steps == list(range(1, 31)), (rank, steps)
-    final = _lines(files["final"])
-    assert {(int(f[1]), f[2]) for f in final} == {(30, final[0][2])}, final
+    _each_rank_ran_every_step_once(files, 30)
 
 
 @needs_replica_groups
@@ -212,21 +209,9 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
     Rank 2 already has its answer: it finishes joining (the others would wait for it), and its
     held signal is the new group's first notice - a second warm restart replaces it. Rank 0
     keeps its process through both; no step is lost or run twice."""
-    config = GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        health_interval_s=0.5,
-        train_shards="replicated",
-        expected_save_s=1.0,
-    )
+    config = _config(tmp_path)
     fit, box, files = _start(tmp_path, config, total=40)
-    _wait_until(
-        "every rank past step 5",
-        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
-        fit,
-        180,
-    )
-    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    first = _first_pids_past_step_5(files, fit)
     coordinator = Coordinator.connect(config)
     os.kill(first[1], signal.SIGTERM)
     assert coordinator.wait_outcome(timeout=60, cycle=0) is not None
@@ -241,11 +226,7 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
     assert all(int(a[4]) not in first.values() for a in attempts[3:])
     progress = _lines(files["progress"])
     assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
-    for rank in (0, 1, 2):
-        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
-        assert steps == list(range(1, 41)), (rank, steps)
-    final = _lines(files["final"])
-    assert {(int(f[1]), f[2]) for f in final} == {(40, final[0][2])}, final
+    _each_rank_ran_every_step_once(files, 40)
 
 
 @pytest.mark.skipif(ray_has_replica_groups(), reason="the fallback of a Ray without replica groups")
@@ -256,30 +237,15 @@ def test_without_replica_groups_train_restarts_the_group_from_the_committed_step
     """Ray < 2.56 (``.ci/versions.sh`` runs this on the oldest Ray): the same job and switch,
     one worker SIGTERMed. Train restarts every worker; nobody was kept to rejoin (it would be
     killed in its rejoin), and every worker resumes from the step committed as it left."""
-    config = GracefulConfig(
-        report_dir=str(tmp_path / "reports"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        health_interval_s=0.5,
-        train_shards="replicated",
-        expected_save_s=1.0,
-    )
+    config = _config(tmp_path)
     fit, box, files = _start(tmp_path, config)
-    _wait_until(
-        "every rank past step 5",
-        lambda: sum(1 for r in _lines(files["progress"]) if int(r[1]) >= 5) >= 3,
-        fit,
-        180,
-    )
-    first = {int(a[0]): int(a[4]) for a in _lines(files["attempts"])}
+    first = _first_pids_past_step_5(files, fit)
     os.kill(first[1], signal.SIGTERM)
     fit.join(300)
     assert not fit.is_alive(), "the run did not finish"
     assert box["result"].error is None, box["result"].error
     restarted = {int(a[0]): int(a[2]) for a in _lines(files["attempts"])[3:]}
     assert sorted(restarted) == [0, 1, 2] and len(set(restarted.values())) == 1, restarted
-    progress = _lines(files["progress"])
-    for rank in (0, 1, 2):
-        steps = sorted(int(p[1]) for p in progress if int(p[0]) == rank)
-        assert steps == list(range(1, 31)), (rank, steps)
+    _each_rank_ran_every_step_once(files, 30)
     outcomes = [json.loads(p.read_text()) for p in (tmp_path / "reports").rglob("outcome-*.json")]
     assert [(o["result"], o["warm"]) for o in outcomes] == [("committed", None)], outcomes

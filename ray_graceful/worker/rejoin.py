@@ -135,9 +135,11 @@ def join_train_slot(
         answer = _ask(coordinator, member, config, runtime.machine.held_signal)
         if answer.action != RendezvousAction.JOIN:
             return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
+        backend_ = backend or _default_backend()
         return _join_or_report(
-            runtime, config, coordinator, member, answer,
-            backend or _default_backend(), None, state_dict, load_state_dict,
+            coordinator, member, answer,
+            lambda: _join(runtime, config, coordinator, member, answer, backend_, None,
+                          state_dict, load_state_dict),
         )  # fmt: skip
 
     return _as_the_machine_says(runtime, join)
@@ -194,35 +196,19 @@ def _rejoin(
     if answer.action != RendezvousAction.JOIN:
         return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
     return _join_or_report(
-        runtime, config, coordinator, member, answer, backend, survivor, state_dict,
-        load_state_dict,
+        coordinator, member, answer,
+        lambda: _join(runtime, config, coordinator, member, answer, backend, survivor,
+                      state_dict, load_state_dict),
     )  # fmt: skip
 
 
 def _join_or_report(
-    runtime: ProcessRuntime,
-    config: GracefulConfig,
-    coordinator: Any,
-    member: str,
-    answer: Rendezvous,
-    backend: str,
-    survivor: Registration | None,
-    state_dict: Callable[[], Any] | None,
-    load_state_dict: Callable[[Any], Any] | None,
+    coordinator: Any, member: str, answer: Rendezvous, join: Callable[[], Rejoined]
 ) -> Rejoined:
-    """``_join``; a failure on the way is told to the coordinator (which ends the others)."""
+    """``join()`` (``_join``); a failure on the way is told to the coordinator, which then ends
+    the other members cleanly, and this process leaves."""
     try:
-        return _join(
-            runtime,
-            config,
-            coordinator,
-            member,
-            answer,
-            backend,
-            survivor,
-            state_dict,
-            load_state_dict,
-        )
+        return join()
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"[:400]
         result = _result(answer, member, RejoinResult.LEFT, reason=reason)
