@@ -50,6 +50,31 @@ def test_ray_train_example(ray_cluster):
     assert "finished at step 40; error: None" in result.stdout
 
 
+@pytest.mark.timeout(320)
+def test_ray_train_warm_example(ray_cluster):
+    """Ray Train's warm path with DDP, a ``notify`` for rank 1: only rank 1 starts again, rank
+    0 keeps its process, and the run ends at its last step."""
+    from ray_graceful.train.backend import ray_has_replica_groups
+
+    if not ray_has_replica_groups():
+        pytest.skip("this Ray has no replica groups (Ray >= 2.56)")
+    result = run_example("ray_train_warm.py", ray_cluster.address)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "notice accepted: True" in result.stdout
+    starts = dict.fromkeys(
+        re.findall(r"rank (\d) starts at step (\d+) \(pid (\d+)\)", result.stdout)
+    )
+    assert [(rank, step) for rank, step, _pid in starts][:2] in (
+        [("0", "0"), ("1", "0")],
+        [("1", "0"), ("0", "0")],
+    ), starts
+    again = [(rank, int(step)) for rank, step, _pid in list(starts)[2:]]
+    assert len(again) == 1 and again[0][0] == "1" and again[0][1] > 0, starts
+    pids = {rank: pid for rank, _step, pid in starts}
+    assert f"rank 0 finished at step 40 (pid {pids['0']})" in result.stdout  # the same process
+    assert "finished at step" in result.stdout and "error: None" in result.stdout
+
+
 def test_scenario_example_plans():
     """examples/scenario.yaml, as its first line says to run it."""
     result = subprocess.run(

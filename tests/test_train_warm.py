@@ -20,6 +20,7 @@ from ray.train.torch import TorchTrainer
 
 from benchmarks.train_job import warm_train_func
 from ray_graceful import Coordinator, GracefulConfig
+from ray_graceful.ray_adapter import worker_exits
 from ray_graceful.train import GracefulTorchConfig, GracefulTrainCallback
 from ray_graceful.train.backend import ray_has_replica_groups
 
@@ -150,6 +151,8 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     # No step lost, none run twice; every rank ends with the same model and optimizer
     _each_rank_ran_every_step_once(files, 30)
     progress = _lines(files["progress"])
+    # The SIGTERMed worker left through Ray's intended exit: no crash in Ray's records
+    assert worker_exits({first[1]}) == {first[1]: "INTENDED_SYSTEM_EXIT"}
     # The survivors did all their steps in the process they started in
     for rank in (0, 2):
         assert {int(p[3]) for p in progress if int(p[0]) == rank} == {first[rank]}
@@ -195,6 +198,9 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
     assert result.error is None, result.error
 
     attempts = _lines(files["attempts"])
+    assert worker_exits(set(first.values())) == dict.fromkeys(
+        first.values(), "INTENDED_SYSTEM_EXIT"
+    )
     restarted = {int(a[0]): int(a[2]) for a in attempts[3:] if int(a[4]) not in first.values()}
     # No survivor: Train restarted every worker, each from the step committed as they left
     assert sorted(restarted) == [0, 1, 2], attempts
