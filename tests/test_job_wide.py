@@ -7,7 +7,8 @@ examples/kuberay_raycluster.yaml, which carries Ray's own ``RAY_GRACEFUL_SHUTDOW
 as KubeRay users set them. That env is the driver's environment and the job's runtime_env, so
 Ray runs the setup hook in every process of the job - the coordinator's, Ray Train's controller
 - as it does on Anyscale. For (a) a sync actor group, (b) an async, SkyRL/verl-shaped group and
-(c) Ray Train through ``RAY_TRAIN_CALLBACKS``: a normal run must finish unharmed, and an
+(c) Ray Train through ``RAY_TRAIN_CALLBACKS`` (its warm path with the Anyscale env, its cold
+path with KubeRay's): a normal run must finish unharmed, and an
 eviction (a SIGTERM to a rank; the KubeRay preStop command) must be handled.
 """
 
@@ -148,22 +149,28 @@ def test_actor_group_on_kuberay_with_the_prestop_hook(ray_cluster, tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flavour", ["anyscale", "kuberay"])
 def test_ray_train_through_ray_train_callbacks(ray_cluster, tmp_path, flavour):
-    """Both ways of switching the callback on, each through an eviction and a restart from the
-    emergency checkpoint; a normal run unharmed is checked once (it does not depend on them)."""
+    """Both ways of switching the callback on, each through an eviction: the Anyscale option's
+    env with Ray Train's warm path (``GracefulTorchConfig`` in the driver, the callback from
+    ``RAY_TRAIN_CALLBACKS``) - the SIGTERMed rank 1 is replaced alone; KubeRay's env and preStop
+    hook with the cold path - a restart from the emergency checkpoint. A normal run unharmed is
+    checked once (it does not depend on them)."""
     if flavour == "anyscale":
-        env, evict, kind = anyscale_env(tmp_path), "sigterm", "train"
+        env, evict, kind = anyscale_env(tmp_path), "sigterm", "train-warm"
     else:
         env, evict = kuberay_env_and_prestop(tmp_path)
         kind = "train-evicted"
     result = run_driver(ray_cluster, tmp_path, kind, env, evict)
-    if kind == "train":
-        assert result["normal"] == {"error": None, "starts": [0]}, "a normal run is unharmed"
+    if kind == "train-warm":
+        normal = {"error": None, "starts": [0], "started_again": []}
+        assert result["normal"] == normal, "a normal run is unharmed"
     evicted = result["evicted"]
     assert evicted["error"] is None, evicted
     assert len(evicted["starts"]) == 2 and evicted["starts"][1] > 0, (
-        "the evicted run restarted from its emergency checkpoint",
+        "the evicted run went on from the step committed at the eviction",
         result,
     )
+    if kind == "train-warm":  # only the SIGTERMed rank started again: rank 0 kept its process
+        assert evicted["started_again"] == [1], result
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,8 @@
 """A user's driver, run as its own Ray job with the plugin switched on job-wide.
 
 argv: KIND ADDRESS ENV_JSON WORKDIR EVICT
-  KIND      sync | async | train | train-evicted | warm-sync | warm-async
+  KIND      sync | async | train | train-evicted | train-warm | warm-sync | warm-async
+            (train-warm: the same Train job on the warm path, GracefulTorchConfig)
   ENV_JSON  the env vars a guide tells the user to set (the Anyscale option's output, a KubeRay
             pod's env): they are this driver's environment already (the test starts it so) and
             become the job's runtime_env - nothing is set per actor.
@@ -93,22 +94,28 @@ def actor_group() -> None:
 
 def train_run() -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
-    from benchmarks.train_job import train_func
+    from benchmarks.train_job import train_func, warm_train_func
+    from ray_graceful.train import GracefulTorchConfig
+
+    warm = kind == "train-warm"
 
     def run(total: int, step_s: float, name: str, evicting: bool) -> dict:
-        files = {k: os.path.join(workdir, f"{name}-{k}") for k in ("progress", "attempts")}
+        names = ("progress", "attempts", "final")
+        files = {k: os.path.join(workdir, f"{name}-{k}") for k in names}
         trainer = TorchTrainer(
-            train_func,
+            warm_train_func if warm else train_func,
             train_loop_config={
                 "total": total,
                 "every": 100,
                 "step_s": step_s,
                 "progress": files["progress"],
                 "attempt_file": files["attempts"],
+                "final": files["final"],
             },
             scaling_config=ScalingConfig(num_workers=2),
+            torch_config=GracefulTorchConfig() if warm else TorchConfig(),
             run_config=RunConfig(
                 name=name,
                 storage_path=tempfile.mkdtemp(dir=workdir),
@@ -121,8 +128,12 @@ def train_run() -> None:
             ).start()
         fit = trainer.fit()
         with open(files["attempts"]) as f:
-            starts = sorted({int(line.split()[2]) for line in f if line.split()[1] == "start"})
-        return {"error": repr(fit.error) if fit.error else None, "starts": starts}
+            lines = [line.split() for line in f if line.split()[1] == "start"]
+        return {
+            "error": repr(fit.error) if fit.error else None,
+            "starts": sorted({int(line[2]) for line in lines}),
+            "started_again": sorted(int(line[0]) for line in lines[2:]),  # ranks
+        }
 
     def evict_when_registered(attempts: str) -> None:
         """Evict once this run's two workers (their pids from ``attempts``) are registered.
@@ -151,7 +162,7 @@ def train_run() -> None:
         else:
             evict_now(None)
 
-    if kind == "train":  # "train-evicted": the normal run is another flavour's to show
+    if kind != "train-evicted":  # "train-evicted": the normal run is another flavour's
         result["normal"] = run(3, 0.05, "normal", evicting=False)
     # Long enough (9 s) for the eviction to land mid-run even on a loaded 2-core machine, where
     # the callback's coordinator and both registrations can take a few seconds.
