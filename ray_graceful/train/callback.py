@@ -31,7 +31,7 @@ def _register_train_rank(config: GracefulConfig) -> str:
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    shard = train_shard(config.train_shards == "replicated", rank)
+    shard = train_shard(config, rank)
     status = register_rank(
         GROUP, None, rank, ctx.get_world_size(), shard, None, config, train_fn_saves=True
     )

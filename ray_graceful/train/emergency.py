@@ -114,10 +114,8 @@ def shard_dir(checkpoint: Any, shard: str | None = None) -> str | None:
     if shard is None:
         import ray.train
 
-        shard = train_shard(
-            process_runtime().config_or_default().train_shards == "replicated",
-            ray.train.get_context().get_world_rank(),
-        )
+        rank = ray.train.get_context().get_world_rank()
+        shard = train_shard(process_runtime().config_or_default(), rank)
     directory = os.path.join(_local_path(checkpoint), _shard_dir_name(f"{GROUP}/{shard}"))
     return directory if os.path.isdir(directory) else None
 

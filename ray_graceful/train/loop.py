@@ -7,6 +7,7 @@ their processes and Train replaces only the evicted workers).
 
 from __future__ import annotations
 
+from ..config import GracefulConfig
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
 from ..worker.setup import should_stop as rank_should_stop
@@ -56,6 +57,7 @@ def should_stop(step: int, every: int = 1) -> bool:
     return bool(flag.item())
 
 
-def train_shard(replicated: bool, rank: int) -> str:
-    """The shard label of a Train worker: one for all (DDP), else its rank (FSDP, sharded)."""
-    return "model" if replicated else str(rank)
+def train_shard(config: GracefulConfig, rank: int) -> str:
+    """The shard label of a Train worker: one for all (``train_shards="replicated"``, DDP),
+    else its rank (FSDP, sharded)."""
+    return "model" if config.train_shards == "replicated" else str(rank)

@@ -84,7 +84,7 @@ def setup(
         )
     context = ray.train.get_context()
     rank = context.get_world_rank()
-    label = shard if shard is not None else train_shard(config.train_shards == "replicated", rank)
+    label = shard if shard is not None else train_shard(config, rank)
     _use_assigned_gpu()
     # Every rank agrees on the stop step before any parks (``loop.should_stop``); and where
     # Ray keeps survivors, this rank's slot is refilled by Train if it leaves
