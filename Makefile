@@ -1,4 +1,5 @@
-# Two commands on a fresh machine (README): `make demo` runs the main job, `make test` the tests.
+# Two commands on a fresh machine (README): `make demo` runs the main job, `make test` the tests
+# (every documented path; `make test-long`, which CI adds, the fault rows, soaks and real hosts).
 # Both install into .venv first. torch is pinned to the CPU build that these machines carry
 # (`pip install torch==2.13.0`); installing it first keeps pip from fetching a CUDA wheel.
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-long lint install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,12 @@ demo: $(BIN)/.installed
 	$(BIN)/ray-graceful demo
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not long"
+
+# The fault rows, the soaks and the real hosts (network namespaces, root): CI runs them after
+# `make test`.
+test-long: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m long
 	$(BIN)/python -m pytest -q --hosts tests/hosts
 
 lint: $(BIN)/.installed

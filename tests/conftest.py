@@ -35,11 +35,20 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+FAULTS = os.path.join(REPO, "tests", "faults")
+
+
 def pytest_collection_modifyitems(items):
-    """Mark each test by what it needs: `-m unit` runs the fast bulk, `-m cluster` the rest."""
+    """Mark each test by what it needs: `-m unit` runs the fast bulk, `-m cluster` the rest.
+
+    Every fault-injection scenario (tests/faults) is a ``long`` row, as are the fault rows and
+    soaks marked so elsewhere: `make test` (`-m "not long"`) walks every documented path once,
+    `make test-long` what goes wrong on the way; CI runs both."""
     for item in items:
         needs_cluster = "ray_cluster" in getattr(item, "fixturenames", ())
         item.add_marker(pytest.mark.cluster if needs_cluster else pytest.mark.unit)
+        if str(item.path).startswith(FAULTS + os.sep):
+            item.add_marker(pytest.mark.long)
 
 
 @pytest.fixture(scope="session")

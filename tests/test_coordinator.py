@@ -122,6 +122,7 @@ def test_drain_with_deadline_saves_once_per_shard_commits_and_resumes(
     kill_actors(*restarted)
 
 
+@pytest.mark.long
 def test_a_saver_that_cannot_save_is_replaced_by_its_backup(
     nodes, config, coordinator, exit_recorder
 ):
@@ -183,6 +184,7 @@ def slow_save_config(config):
     return config.replace(expected_save_s=14.0)
 
 
+@pytest.mark.long
 def test_no_viable_saver_writes_no_manifest(nodes, slow_save_config, exit_recorder):
     config = slow_save_config
     coordinator = Coordinator.start(config)
@@ -227,6 +229,7 @@ def test_bad_and_stale_notices_change_nothing(nodes, config, coordinator, exit_r
     kill_actors(*ranks)
 
 
+@pytest.mark.long
 def test_coordinator_killed_ranks_still_leave_by_deadline(
     nodes, config, coordinator, exit_recorder
 ):

@@ -184,6 +184,7 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     assert members["ray-train:train/1"] == "Ray Train's new worker for rank 1"
 
 
+@pytest.mark.long
 @needs_replica_groups
 @pytest.mark.timeout(400)
 def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
@@ -208,6 +209,7 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
     _each_rank_ran_every_step_once(files, 30)
 
 
+@pytest.mark.long
 @needs_replica_groups
 @pytest.mark.timeout(400)
 def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_nodes, tmp_path):
@@ -235,6 +237,7 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
     _each_rank_ran_every_step_once(files, 40)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(ray_has_replica_groups(), reason="the fallback of a Ray without replica groups")
 @pytest.mark.timeout(400)
 def test_without_replica_groups_train_restarts_the_group_from_the_committed_step(

@@ -156,6 +156,7 @@ def test_a_spare_receives_the_shard_a_surviving_replica_holds_over_the_new_group
             assert torch.equal(at_restart[0]["state"][name], tensor), name
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluster, tmp_path):
     with warm_job(tmp_path, 2) as (_config, coordinator, workers, _spares):
@@ -169,6 +170,7 @@ def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluste
         wait_for(lambda: not alive(workers[0]), 30, "the survivor to leave")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
     ray_cluster, tmp_path
@@ -194,6 +196,7 @@ def test_a_member_that_cannot_load_ends_the_warm_restart_and_every_rank_leaves(
 # --- it never makes an ending worse ---------------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_spare_that_died_ends_the_warm_restart_and_every_rank_leaves(ray_cluster, tmp_path):
     """The only spare is killed after it registered: no group of the old size can form. Every
@@ -212,6 +215,7 @@ def test_a_spare_that_died_ends_the_warm_restart_and_every_rank_leaves(ray_clust
         assert latest_committed(config.checkpoint_dir) is not None, "the cold path still has it"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_second_notice_before_the_rejoin_ends_every_rank_cleanly(ray_cluster, tmp_path):
     """A survivor gets SIGTERM while it waits to rejoin: it leaves at once, the other members
@@ -230,6 +234,7 @@ def test_a_second_notice_before_the_rejoin_ends_every_rank_cleanly(ray_cluster, 
         gone_within([w[1], s[0]], 30, "the other members to leave")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_coordinator_lost_before_the_rejoin_ends_every_survivor(ray_cluster, tmp_path):
     """The coordinator dies after deciding: the driver's restart says so, and each survivor,
@@ -275,6 +280,7 @@ def _process_resources(pid: int) -> dict[str, int]:
     }
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ten_warm_cycles_in_a_row_leak_no_threads_fds_ports_actors_or_memory(ray_cluster, tmp_path):
     """Rank 0 is evicted 10 times; each time a new spare takes its slot. Each restart resumes

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 from .. import torch_adapter
 from .process_groups import GroupHandle
+from .threads import run_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ def announce_leaving(groups: Iterable[GroupHandle], why: str) -> list[str]:
             except Exception as exc:  # its host is gone: nobody is left to tell there
                 logger.info("ray_graceful: could not tell group %r's peers: %r", handle.name, exc)
 
-    writer = threading.Thread(target=write, name="ray_graceful-announce", daemon=True)
-    writer.start()
-    writer.join(ANNOUNCE_TIMEOUT_S)
+    try:
+        run_bounded(write, ANNOUNCE_TIMEOUT_S, "announce")
+    except TimeoutError:  # a store that does not answer: the groups told so far are the answer
+        pass
     return list(told)
 
 
