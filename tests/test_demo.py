@@ -76,6 +76,7 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
         assert drawn["lines"]["in the keepers"] == pytest.approx(keepers), "the picture too"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_demo_host_loss_scene_comes_back_from_the_replicas(ray_cluster, tmp_path, capsys):
     """`ray-graceful demo --host-loss`: node B's processes all SIGKILLed, no notice of any kind.
