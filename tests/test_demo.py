@@ -52,6 +52,8 @@ def test_demo_runs_to_its_summary(ray_cluster, tmp_path, capsys):
     for segment in drawn["segments"]:
         by_rank.setdefault(segment["row"], []).append(segment)
     assert sorted(by_rank) == [0, 1, 2, 3, 4, 5]
+    assert drawn["rows"][4:] == ["rank 4 (C)", "rank 5 (C)"], drawn["rows"]  # C's survivors
+    assert all(" -> " in row for row in drawn["rows"][:4]), drawn["rows"]  # spares took A's, B's
     # Where each rank's state came from, as the demo printed it: a survivor parked at the
     # committed step holds it ("own state", its load drawn skipped); one released from inside
     # a step, and every spare, loads it.
@@ -100,6 +102,14 @@ def test_demo_host_loss_scene_comes_back_from_the_replicas(ray_cluster, tmp_path
     spares = re.findall(r"rank (\d) \(\w+, pid \d+\): spare for rank \d.*loaded from (.+)", out)
     assert sorted(int(rank) for rank, _ in spares) == [2, 3]
     assert all(where != "own state" for _, where in spares), spares
+    # The picture keeps a row for each of B's ranks, labelled with the spare's node after.
+    rows = json.loads((tmp_path / "timeline.json").read_text())["rows"]
+    placed = dict(re.findall(r"rank (\d) \((\w+), pid \d+\)", out))
+    assert rows == [
+        f"rank {r} ({old})" if placed[str(r)] == old else f"rank {r} ({old} -> {placed[str(r)]})"
+        for r, old in enumerate("AABBCC")
+    ], (rows, placed)
+    assert rows[2].startswith("rank 2 (B -> ") and rows[3].startswith("rank 3 (B -> "), rows
 
 
 def test_a_demo_scene_that_does_not_exist_is_refused_with_the_ones_that_do():
@@ -133,6 +143,17 @@ def test_every_step_the_timeline_draws_has_its_own_legend_entry():
     ]
     assert kinds["save skipped"] == ("save", "skipped")
     assert "quiesce" in STEP_ORDER
+
+
+def test_a_rows_label_names_the_node_a_spare_took_the_rank_to():
+    from ray_graceful.tools.timeline import row_labels
+
+    assert row_labels(["A", "A", "B"], {0: "C", 1: "A"}) == [
+        "rank 0 (A -> C)",
+        "rank 1 (A)",
+        "rank 2 (B)",
+    ]
+    assert row_labels(["A"]) == ["rank 0 (A)"]
 
 
 def test_the_way_back_is_drawn_from_each_members_record():

@@ -283,6 +283,7 @@ def run_demo(
             else "WARM      ranks 4 and 5 on node C keep their processes; the spares take ranks 0-3"
         )
         restart = group.restart(timeout=60)
+        after = {m.rank: names.get(m.node_id, m.node_id[:8]) for m in restart.members}
         for member in restart.members:
             where = names.get(member.node_id, member.node_id[:8])
             print(
@@ -341,8 +342,9 @@ def run_demo(
         way_back = WayBack(record, first_step_at, durable["at"], in_keepers)
         t0 = min(n["received_at"] for n in outcome.notices)
         with open(os.path.join(output, "timeline.json"), "w") as f:
-            json.dump(way_back_json(way_back, t0), f, indent=2)
-        png = timeline_png(outcome, os.path.join(output, "timeline.png"), PLACEMENT, way_back)
+            json.dump(way_back_json(way_back, t0, PLACEMENT, after), f, indent=2)
+        picture = os.path.join(output, "timeline.png")
+        png = timeline_png(outcome, picture, PLACEMENT, way_back, after)
         print()
         print("SUMMARY")
         print(

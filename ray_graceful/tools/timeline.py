@@ -102,14 +102,29 @@ def bar_style(status: str) -> dict[str, Any]:
     }
 
 
-def timeline_png(
-    outcome: Any, path: str, placement: Sequence[str], way_back: WayBack | None = None
-) -> str | None:
-    """One bar per rank, one segment per teardown step, from the first notice; for a warm
-    restart (``way_back``) each rank's way back after it, and the first step and durable
-    lines.
+def row_labels(placement: Sequence[str], after: dict[int, str] | None = None) -> list[str]:
+    """Each rank's row label: the node it ran on, and where a new member took it (a spare on
+    another node) the node it runs on after - "rank 2 (B -> C)"."""
+    labels = []
+    for rank, node in enumerate(placement):
+        now = (after or {}).get(rank, node)
+        labels.append(f"rank {rank} ({node})" if now == node else f"rank {rank} ({node} -> {now})")
+    return labels
 
-    ``placement[rank]`` names the node each rank ran on; None when matplotlib is missing.
+
+def timeline_png(
+    outcome: Any,
+    path: str,
+    placement: Sequence[str],
+    way_back: WayBack | None = None,
+    after: dict[int, str] | None = None,
+) -> str | None:
+    """One row per rank, one segment per teardown step, from the first notice; for a warm
+    restart (``way_back``) each rank's way back after it, and the first step and durable
+    lines. A rank that sent no report (its host lost with it) keeps its row, marked so.
+
+    ``placement[rank]`` names the node each rank ran on, ``after[rank]`` the node of the member
+    that holds the rank after a warm restart; None when matplotlib is missing.
     """
     try:
         import matplotlib
@@ -137,10 +152,15 @@ def timeline_png(
     t0 = min(n["received_at"] for n in outcome.notices)
     reports = sorted(outcome.reports, key=lambda r: r["ranks"][0]["rank"])
     notices = sorted(outcome.notices, key=lambda n: n["received_at"])
+    rows = len(placement)
     head = 0.6 + 0.35 * len(notices)  # room above the first bar for the notice labels
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(reports) + 2.2 + 0.25 * len(notices)))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * rows + 2.2 + 0.25 * len(notices)))
     drawn = legend_kinds(reports)
-    for row, report in enumerate(reports):
+    reported = {rank["rank"] for report in reports for rank in report["ranks"]}
+    for rank in sorted(set(range(rows)) - reported):
+        ax.text(0.01, rank, " no report: lost with its host", va="center", fontsize=8)
+    for report in reports:
+        row = report["ranks"][0]["rank"]
         base = report["started_at"] - t0
         for step in report["phases"]:
             name, status = step["name"], step["status"]
@@ -173,7 +193,7 @@ def timeline_png(
     for label, at in (way_back.lines(t0) if way_back is not None else {}).items():
         line = {"durable": "#2ca02c", "in the keepers": "#9467bd"}.get(label, "#d62728")
         ax.axvline(at, color=line, linewidth=1.2)
-        ax.text(at, len(reports) - 0.55, f" {label}", fontsize=7, va="bottom")
+        ax.text(at, rows - 0.55, f" {label}", fontsize=7, va="bottom")
     for kind in dict.fromkeys((s.name, s.status) for s in segments):
         drawn.setdefault(kind[0] if kind[1] == "ran" else f"{kind[0]} {kind[1]}", kind)
     for i, notice in enumerate(notices):
@@ -184,11 +204,9 @@ def timeline_png(
     ax.axvline(plan_at, color="black", linestyle=":", linewidth=1)
     ax.text(plan_at, -0.6 - 0.35 * len(notices), " plan", fontsize=7, va="center")
     ax.set_xlim(left=-0.02)
-    ax.set_ylim(len(reports) - 0.5, -0.6 - head)  # inverted: rank 0 on top, labels above it
-    ax.set_yticks(range(len(reports)))
-    ax.set_yticklabels(
-        [f"rank {r['ranks'][0]['rank']} ({placement[r['ranks'][0]['rank']]})" for r in reports]
-    )
+    ax.set_ylim(rows - 0.5, -0.6 - head)  # inverted: rank 0 on top, labels above it
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels(row_labels(placement, after))
     label = "seconds since the first eviction notice (dashed: notices; dotted: the plan"
     if segments:  # two lines: one would run off the picture
         label += ";\nthen each rank's way back; red: the new group's first step; green: durable)"
@@ -223,9 +241,12 @@ def timeline_png(
     return path
 
 
-def way_back_json(way_back: WayBack, t0: float) -> dict[str, Any]:
+def way_back_json(
+    way_back: WayBack, t0: float, placement: Sequence[str], after: dict[int, str] | None = None
+) -> dict[str, Any]:
     """What the picture draws past the teardown, as data (the demo writes it beside the PNG)."""
     return {
+        "rows": row_labels(placement, after),
         "segments": [asdict(segment) for segment in way_back.segments(t0)],
         "lines": way_back.lines(t0),
     }
