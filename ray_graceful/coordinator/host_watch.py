@@ -63,7 +63,7 @@ class WatchedHost:
     node_id: str
     raylet: tuple[str, int]
     last_heard: float
-    writer: asyncio.StreamWriter | None = None  # the coordinator's beat back, to the agent
+    transport: asyncio.BaseTransport | None = None  # its connection: the beat back goes there
     connected: bool = True  # its agent's connection is open: a second one is refused
     probing: bool = False
     lost: bool = False
@@ -104,6 +104,32 @@ async def probe_raylet(address: tuple[str, int], timeout_s: float) -> Probe:
     return Probe(True, f"its raylet at {ip}:{port} accepted a TCP connect in {took * 1000:.0f}ms")
 
 
+class _Beats(asyncio.Protocol):
+    """A watched host's connection once its hello was taken: each arrival only stamps the host
+    heard. A callback per read, and no coroutine woken per heartbeat: at 1,000 hosts beating
+    every 0.1 s the stream reader's wake-ups were most of the watch's CPU (docs/benchmarks.md,
+    host-watch-scale)."""
+
+    def __init__(
+        self,
+        host: WatchedHost,
+        clock: Callable[[], float],
+        closed: Callable[[WatchedHost], None],
+        stream: asyncio.StreamWriter,
+    ) -> None:
+        self.host, self.clock, self.closed = host, clock, closed
+        self.stream = stream  # held: a StreamWriter garbage-collected closes its transport
+
+    def data_received(self, data: bytes) -> None:
+        self.host.last_heard = self.clock()
+
+    def eof_received(self) -> bool:
+        return False  # the agent closed its side: close ours (then connection_lost)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed(self.host)
+
+
 class HostWatch:
     """The listening side of the node agents' heartbeats, and the probe of a silent host."""
 
@@ -131,6 +157,7 @@ class HostWatch:
         self._server: asyncio.AbstractServer | None = None
         self._checker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     async def start(self, host_ip: str) -> tuple[str, int]:
         """Listen on ``host_ip`` (an ephemeral port) and start checking; the address agents use."""
@@ -169,25 +196,28 @@ class HostWatch:
     # --- the connections -------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """An agent's connection: its hello, read here; then its heartbeats, to ``_Beats``."""
         host = None
         try:
             host = await self._hello(reader)
-            if host is None:
-                return
-            host.writer = writer
-            while True:
-                data = await reader.read(256)
-                if not data:
-                    break
-                host.last_heard = self.clock()
         except (ConnectionError, OSError):
             pass
-        finally:
+        transport = writer.transport  # a socket's: asyncio.Transport (it reads as well)
+        if host is None or transport.is_closing() or not isinstance(transport, asyncio.Transport):
             writer.close()
             if host is not None:
-                host.connected = False
-            if host is not None and self.hosts.get(host.node_id) is host and not host.lost:
-                self._probe_soon(host, "its agent's heartbeat connection closed", closed=True)
+                self._closed(host)
+            return
+        host.transport = transport
+        transport.set_protocol(_Beats(host, self.clock, self._closed, writer))
+        if not transport.is_reading():  # the stream's flow control may have paused it
+            transport.resume_reading()
+
+    def _closed(self, host: WatchedHost) -> None:
+        """Its agent's connection closed: the kernel said its process died - probe the host."""
+        host.connected = False
+        if self.hosts.get(host.node_id) is host and not host.lost and not self._closing:
+            self._probe_soon(host, "its agent's heartbeat connection closed", closed=True)
 
     async def _hello(self, reader: asyncio.StreamReader) -> WatchedHost | None:
         """The agent's first line, ``{"node_id", "ticket"}``: its host, watched from now on;
@@ -246,9 +276,9 @@ class HostWatch:
         that is not being probed already."""
         now = self.clock()
         for host in list(self.hosts.values()):
-            if host.writer is not None and not host.lost:
-                with contextlib.suppress(Exception):  # a closed one is the reader's to see
-                    host.writer.write(b".")
+            if isinstance(host.transport, asyncio.WriteTransport) and not host.lost:
+                with contextlib.suppress(Exception):  # a closed one is _Beats's to see
+                    host.transport.write(b".")
             silent = now - host.last_heard
             if not host.lost and not host.probing and silent >= self.suspect_s:
                 self._probe_soon(host, f"no heartbeat for {silent:.2f}s")
@@ -282,8 +312,13 @@ class HostWatch:
         self.on_lost(host.node_id, evidence)
 
     async def close(self) -> None:
+        """Stop listening, checking and probing, and close every agent's connection."""
+        self._closing = True
         for task in [self._checker, *self._tasks]:
             if task is not None:
                 task.cancel()
         if self._server is not None:
             self._server.close()
+        for host in self.hosts.values():
+            if host.transport is not None:
+                host.transport.close()
