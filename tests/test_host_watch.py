@@ -8,6 +8,7 @@ timeout verdict needs a host that drops packets: ``tests/hosts`` (a partitioned 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import time
@@ -77,6 +78,31 @@ def test_a_beating_host_is_never_suspected():
 
     lost, probed, silent_s = asyncio.run(scenario())
     assert lost == [] and probed == 0, "five suspicion windows of beats: never probed"
+    assert silent_s < 0.3
+
+
+def test_a_host_is_still_heard_after_the_watch_collected_its_garbage():
+    """Once the hello is taken the heartbeats go to a protocol callback; the hello's stream
+    objects must not close the connection when they are collected (a StreamWriter does)."""
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost)
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", closed_port(), beats=4)
+        gc.collect()
+        for _ in range(10):  # 0.5 s more of beats, each after a collection
+            writer.write(b".")
+            await writer.drain()
+            gc.collect()
+            await asyncio.sleep(0.05)
+        seen = (list(lost), w.alive_after_suspicion, w.describe()["hosts"]["n1"]["silent_s"])
+        writer.close()
+        await w.close()
+        return seen
+
+    lost, probed, silent_s = asyncio.run(scenario())
+    assert lost == [] and probed == 0, (lost, probed)
     assert silent_s < 0.3
 
 
