@@ -9,6 +9,7 @@
 - ``warm_restarts.py`` warm restarts: who rejoins, which spare takes which slot
 - ``held.py``       a warm restart's held step: held, in the keepers, on disk, or lost
 - ``actor.py``      the Ray actor: a thin shell that owns futures, tasks and I/O, and these parts:
+- ``effects.py``    what each of the machine's decisions does in the world
 - ``watch.py``      Ray's drain state and lost ranks, polled from injected sources
 - ``memory.py``     the memory tier: keepers (from an injected factory), hand-on, durable copy
 - ``backups.py``    backup savers waiting on their saver's fate

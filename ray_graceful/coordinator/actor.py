@@ -3,11 +3,11 @@
 One async Ray actor per job. Its methods are what workers, the driver and the CLI call; each
 turns the call into an event for the cycle machine (``machine.py``, no Ray, no I/O, no clock,
 the one writer of the coordinator's state) and carries out the decisions that come back
-(``events.py``). The shell owns what the machine must not: the held polls (``fanout.py``,
-``warm_waits.py``), each cycle's task, timers and commits on a thread (``cycle_tasks.py``),
-outcomes (``outcomes.py``), and the parts that talk to the world - the watcher (``watch.py``),
-the host watch, the memory tier (``memory.py``) and the backups' waits (``backups.py``), each
-with injected sources.
+(``events.py``; what each does: ``effects.py``). The shell owns what the machine must not: the
+held polls (``fanout.py``, ``warm_waits.py``), each cycle's task, timers and commits on a thread
+(``cycle_tasks.py``), outcomes (``outcomes.py``), and the parts that talk to the world - the
+watcher (``watch.py``), the host watch, the memory tier (``memory.py``) and the backups' waits
+(``backups.py``), each with injected sources.
 
 ::
 
@@ -50,7 +50,6 @@ from ..protocol import (
     SpareAssigned,
     TeardownReport,
     TurnAnswer,
-    WarmResult,
 )
 from ..rendezvous import host_store
 from . import events as ev
@@ -58,6 +57,7 @@ from . import recovery
 from .backups import BackupTurns
 from .cycle_tasks import CycleTasks
 from .durability import durability, loadable
+from .effects import Effects
 from .fanout import Fanout
 from .groups import GroupAgents
 from .host_watch import HostWatch
@@ -152,6 +152,10 @@ class CoordinatorActor:
         self.nodes = NodeFacingCalls(
             self.fanout, self.groups, self.outcomes, self._take, self._wake
         )
+        self.effects = Effects(  # what each decision does: orders out, tasks, records
+            config, job_id, self.fanout, self.tasks, self.backups, self.memory,
+            self.warm_waits, self.outcomes,
+        )  # fmt: skip
 
     def _wake(self) -> None:
         """On the event loop, at the first call: the watcher runs, a predecessor's cycles end."""
@@ -173,7 +177,7 @@ class CoordinatorActor:
         decisions = self.machine.step(event, time.time())
         for decision in decisions:
             try:
-                self._carry_out(decision)
+                self.effects.carry_out(decision)
             except Exception as exc:
                 logger.exception("ray_graceful coordinator: could not carry out %s", decision)
                 self.watcher.record_failure(f"{type(decision).__name__}: {exc!r}"[:500])
@@ -182,55 +186,6 @@ class CoordinatorActor:
     def _take(self, event: ev.Event) -> Any:
         """Step the machine; the answer for the caller (a ``Reply`` or ``PollAnswer``), if any."""
         return ev.reply_of(self._step(event))
-
-    def _carry_out(self, decision: ev.Decision) -> None:
-        match decision:
-            case ev.OrderOut(process_id, answer):
-                self.fanout.answer(process_id, answer)
-            case ev.CycleOpened(cycle):
-                self.tasks.spawn(self.tasks.run_cycle(cycle))
-            case ev.Gathered(cycle):
-                self.tasks.event(cycle, "gathered").set()
-            case ev.AllReported(cycle):
-                self.tasks.event(cycle, "reported").set()
-            case ev.SaveResolved():
-                self.backups.resolved(decision)
-            case ev.KeeperNeeded(node_id):
-                self.memory.ensure_keeper(node_id)
-            case ev.NodeLeaving(node_id, deadline):
-                self.memory.node_leaving(node_id, deadline)
-            case ev.SpareTold(spare_id):
-                self.fanout.tell_spare(spare_id)
-            case ev.Rejected(summary, reason):
-                logger.warning("ray_graceful coordinator: rejected %s: %s", summary, reason)
-                self.outcomes.count_rejected()
-            case ev.NoticeAccepted(source):
-                self.outcomes.count_notice(source)
-            case ev.Concluded(warm=record):
-                self.tasks.publish(decision)
-                if record is not None:
-                    self.warm_waits.answer_asks()
-                if record is not None and record.result is WarmResult.REJOINING:
-                    # its members have until join_by to say what they did
-                    self.tasks.spawn(self.tasks.at(record.join_by, ev.JoinDeadline(record.cycle)))
-            case ev.WarmFinished(cycle):
-                self.warm_waits.finished(cycle).set()
-            case ev.HeldChanged(cycle, record):
-                publish_record(self.config.report_dir, self.job_id, f"held-cycle-{cycle}", record)
-                self.outcomes.held(cycle, record)
-            case ev.HeldTimer(cycle, until):
-                self.tasks.spawn(self.tasks.at(until, ev.HeldDue(cycle)))
-            case ev.CommitHeld(request):
-                self.tasks.spawn(self.tasks.commit_held(request))
-            case ev.MakeDurable(cycle, memory):
-                self.memory.after_commit(cycle, memory)  # the disk copy, in the background
-                self.tasks.spawn(self.tasks.when_durable(cycle))
-            case ev.HeldLost(cycle, step, reason):
-                logger.error("ray_graceful: held step %s of cycle %s lost: %s", step, cycle, reason)
-                self.memory.after_commit(cycle, None)  # what the cycle handed to keepers goes
-                self.memory.durable_failed(cycle, f"held step {step} lost: {reason}")
-            case _:
-                pass  # Replied, HoldPoll, HoldSparePoll, AwaitSaver, Commit: the caller's
 
     # --- registration and the long poll (the fan-out) -------------------------------------------
 
