@@ -131,12 +131,8 @@ class CoordinatorActor:
             self.machine.watched_actors,
             self._take,
         )
-        self.host_watch = None  # heartbeats from node agents: hosts lost without a word
-        if config.host_watch:
-            timing = (config.host_heartbeat_s, config.host_suspect_s, config.host_confirm_s)
-            self.host_watch = HostWatch(
-                *timing, on_lost=self._host_lost, raylet_of=ray_adapter.raylet_address
-            )
+        # heartbeats from node agents: hosts lost without a word
+        self.host_watch = HostWatch.of(config, self._host_lost) if config.host_watch else None
         self.backups = BackupTurns()
         self.fanout = Fanout()  # the held polls: per process, per node agent, per spare
         self.groups = GroupAgents(

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import ray_adapter
+from ..config import GracefulConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,12 @@ class HostWatch:
         self._checker: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+
+    @classmethod
+    def of(cls, config: GracefulConfig, on_lost: Callable[[str, str], object]) -> HostWatch:
+        """The watch ``config`` sets, probing the raylets Ray lists."""
+        timing = (config.host_heartbeat_s, config.host_suspect_s, config.host_confirm_s)
+        return cls(*timing, on_lost=on_lost, raylet_of=ray_adapter.raylet_address)
 
     async def start(self, host_ip: str) -> tuple[str, int]:
         """Listen on ``host_ip`` (an ephemeral port) and start checking; the address agents use."""
