@@ -210,7 +210,8 @@ class HostWatch:
         except (ConnectionError, OSError):
             pass
         transport = writer.transport  # a socket's: asyncio.Transport (it reads as well)
-        if host is None or transport.is_closing() or not isinstance(transport, asyncio.Transport):
+        gone = reader.at_eof() or transport.is_closing()  # it closed right after its hello
+        if host is None or gone or not isinstance(transport, asyncio.Transport):
             writer.close()
             if host is not None:
                 self._closed(host)
