@@ -291,8 +291,9 @@ def join(cycle: int = 1) -> Rendezvous:
 def test_a_survivors_order_tears_down_without_an_exit_and_asks_for_its_rendezvous(config):
     machine = running(config)
     actions = machine.step(OrderIn(order(rejoin=True), T0))
-    assert kinds(actions) == [StartTeardown, AwaitRejoin]
+    assert kinds(actions) == [StartTeardown]
     assert not actions[0].exit_process
+    assert actions[0].then == AwaitRejoin(order(rejoin=True))
 
 
 def test_an_order_while_rejoining_ends_the_rank_the_new_group_gave_up(config):
@@ -384,7 +385,8 @@ def test_a_rank_signalled_before_its_order_said_rejoin_does_not_stay(config):
     coordinator hands its slot out instead, ``WarmRestarts.after_cycle``)."""
     machine = signalled(config)
     actions = machine.step(OrderIn(order(rejoin=True), T0 + 0.1))
-    assert kinds(actions) == [StartTeardown, AwaitRejoin]
+    assert kinds(actions) == [StartTeardown]
+    assert isinstance(actions[0].then, AwaitRejoin)
     assert machine.step(TeardownEnded(T0 + 1)) == [
         Leave("signal 15 before its rejoin: its process is going")
     ]

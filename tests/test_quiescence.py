@@ -228,6 +228,31 @@ def test_a_collective_is_given_time_to_finish_only_when_a_boundary_is_needed(tmp
         assert teardown.clean_step is None
 
 
+def test_a_survivors_next_step_runs_once_its_teardown_ended(tmp_path):
+    """``start(then)``: a survivor's ask to rejoin runs on the watchdog's thread once the
+    teardown is done (that thread has nothing left to watch), not on a thread of its own."""
+    import threading
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.teardown import Teardown
+
+    config = GracefulConfig(report_dir=str(tmp_path), quiesce_timeout_s=0.2)
+    teardown = Teardown(
+        config, [], "test", time.time() + 10, training=_Training("parked"), exit_process=False
+    )
+    ran: list[tuple[str, bool]] = []
+    ended = threading.Event()
+
+    def then() -> None:
+        ran.append((threading.current_thread().name, teardown.done.is_set()))
+        ended.set()
+
+    teardown.start(then)
+    assert ended.wait(10), "the survivor's next step never ran"
+    assert ran == [("ray_graceful-watchdog", True)]
+
+
 def test_a_thread_stuck_in_a_collective_is_timed_from_the_release_not_from_the_exit(
     tmp_path, monkeypatch
 ):

@@ -53,7 +53,7 @@ def kernel(monkeypatch) -> KernelTimer:
 def left(monkeypatch) -> list[str]:
     """Why the process would have left (``exit_path.leave`` ends this one: recorded instead)."""
     reasons: list[str] = []
-    monkeypatch.setattr(runtime_module, "leave", lambda config, reason: reasons.append(reason))
+    monkeypatch.setattr(runtime_module, "leave", lambda _config, why, _at: reasons.append(why))
     return reasons
 
 

@@ -9,12 +9,17 @@ end the process in time.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
-import threading
+import time
+from collections.abc import Callable
 
 from .. import ray_adapter
 from ..config import GracefulConfig
+
+# When to call what, on the rank's timers' thread (``timers.Timers.call_at``)
+CallAt = Callable[[float, Callable[[], object]], None]
 
 
 def write_stderr(text: str) -> None:
@@ -71,10 +76,11 @@ def request_ray_intended_exit(detail: str) -> bool:
     return True
 
 
-def exit_when_idle(detail: str, grace_s: float) -> None:
+def exit_when_idle(detail: str, grace_s: float, call_at: CallAt) -> None:
     """End this process with status 0 once the running actor method returned: Ray's intended
     exit, and ``os._exit(0)`` after ``grace_s`` if that never ends it (a method that does not
-    return). For a process that leaves without a teardown: a spare, a survivor not rejoining.
+    return) - a wait on the rank's timers (``call_at``: ``Timers.call_at``), not a thread of its
+    own. For a process that leaves without a teardown: a spare, a survivor not rejoining.
 
     As after a teardown, the interpreter's finalization is skipped: a reference cycle holding an
     ObjectRef (the traceback of a call that met a restarting coordinator, say) collected after
@@ -83,15 +89,13 @@ def exit_when_idle(detail: str, grace_s: float) -> None:
     gc.freeze()
     skip_finalization(0)
     if request_ray_intended_exit(detail):
-        timer = threading.Timer(grace_s, hard_exit, args=(0, detail))
-        timer.daemon = True
-        timer.start()
+        call_at(time.time() + grace_s, functools.partial(hard_exit, 0, detail))
     else:
         hard_exit(0, f"{detail} (outside a Ray worker)")
 
 
-def leave(config: GracefulConfig, reason: str) -> None:
+def leave(config: GracefulConfig, reason: str, call_at: CallAt) -> None:
     """Leave as a torn-down rank does, without a teardown (a survivor not rejoining after all):
     Ray's intended exit, a hard exit if that never ends it."""
     write_stderr(f"ray_graceful: leaving: {reason}\n")
-    exit_when_idle(f"ray_graceful: {reason}", config.exit_grace_s + 5.0)
+    exit_when_idle(f"ray_graceful: {reason}", config.exit_grace_s + 5.0, call_at)

@@ -376,8 +376,9 @@ class RankMachine:
             order,
             skip_reason=order.skip_reason,
             exit_process=not order.rejoin,
+            then=AwaitRejoin(order) if order.rejoin else None,
         )
-        return [teardown, AwaitRejoin(order)] if order.rejoin else [teardown]
+        return [teardown]
 
     def _alone(self, trigger: str, deadline: float | None) -> list[Action]:
         self._move(RankPhase.TEARING_DOWN, TearingDown(trigger, True))

@@ -16,6 +16,7 @@ The public setup API that fills it is ``setup.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -38,7 +39,6 @@ from .rank_events import (
     Action,
     ArmKernelDeadline,
     AskFailed,
-    AwaitRejoin,
     Due,
     Event,
     HardExit,
@@ -215,14 +215,12 @@ class ProcessRuntime:
             case WatchLoop(order, since):
                 self.order = order
                 self._watch_loop(since)
-            case AwaitRejoin(order):
-                self._await_rejoin(order)
             case KeepAnswer(answer):
                 self.rendezvous = answer
             case Leave(reason):
                 # The step the group held must not vanish with this holder: its copy first.
                 self.late.finish(config.save_budget_s)
-                leave(config, reason)
+                leave(config, reason, self.timers.call_at)
             case HardExit(code, why):
                 running = self.teardown
                 if running is not None:
@@ -285,6 +283,7 @@ class ProcessRuntime:
             return
         save_orders, skipped = self._save_orders(order)
         skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
+        then = functools.partial(self._await_rejoin, action.then.order) if action.then else None
         self.begin_teardown(
             trigger=action.trigger,
             deadline=order.deadline,
@@ -293,6 +292,7 @@ class ProcessRuntime:
             skip_save_reason=skip_reason or "the plan has another replica save",
             exit_process=action.exit_process,
             boundary_needed=order.boundary_needed,
+            then=then,
         )
 
     def _save_orders(self, order: TeardownOrder) -> tuple[list[ShardSave], list[str]]:
@@ -319,35 +319,31 @@ class ProcessRuntime:
         return save_orders, skipped
 
     def _await_rejoin(self, order: TeardownOrder) -> None:
-        """A survivor: once its teardown is done, ask the coordinator for its rendezvous - short
-        long polls, and every ``ASK_WAIT_S`` once answered, so that a coordinator lost while the
-        driver has not called back yet is seen within that - until it rejoins or leaves."""
+        """A survivor whose teardown ended in time (on the teardown watchdog's thread, which has
+        nothing left to watch): ask the coordinator for its rendezvous - short long polls, and
+        every ``ASK_WAIT_S`` once answered, so that a coordinator lost while the driver has not
+        called back yet is seen within that - until it rejoins or leaves."""
         teardown, control = self.teardown, self.control
         assert teardown is not None and control is not None  # started; the order came through it
-        margin_s = self.config_or_default().watchdog_margin_s
-
-        def ask() -> None:
-            teardown.done.wait(max(teardown.remaining(), 0.0) + margin_s)
-            # What it holds goes to the keepers once the group trains again (late_copy.py).
-            config = self.config_or_default()
-            self.late.take(
-                order.cycle, list(teardown.saving.held), control.late_saved, config.rejoin_timeout_s
-            )
-            self.step(TeardownEnded(time.time()))
-            answered_at = None
-            while self.phase() is RankPhase.AWAITING_REJOIN:
-                if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
-                    time.sleep(0.05)
-                    continue
-                answer = control.rendezvous(ASK_WAIT_S)
-                if isinstance(answer, NoAnswer):
-                    self.step(AskFailed(str(answer), time.time()))
-                    return
-                if answer is not None:
-                    self.step(RendezvousIn(answer, time.time()))
-                    answered_at = time.monotonic()
-
-        threading.Thread(target=ask, name="ray_graceful-rejoin-ask", daemon=True).start()
+        threading.current_thread().name = "ray_graceful-rejoin-ask"
+        # What it holds goes to the keepers once the group trains again (late_copy.py).
+        config = self.config_or_default()
+        self.late.take(
+            order.cycle, list(teardown.saving.held), control.late_saved, config.rejoin_timeout_s
+        )
+        self.step(TeardownEnded(time.time()))
+        answered_at = None
+        while self.phase() is RankPhase.AWAITING_REJOIN:
+            if answered_at is not None and time.monotonic() - answered_at < ASK_WAIT_S:
+                time.sleep(0.05)
+                continue
+            answer = control.rendezvous(ASK_WAIT_S)
+            if isinstance(answer, NoAnswer):
+                self.step(AskFailed(str(answer), time.time()))
+                return
+            if answer is not None:
+                self.step(RendezvousIn(answer, time.time()))
+                answered_at = time.monotonic()
 
     def _watch_loop(self, since: float) -> None:
         """Ray Train: every ``LOOP_CHECK_S``, on the timers' thread, whether the stopped loop
@@ -430,8 +426,10 @@ class ProcessRuntime:
         skip_save_reason: str | None = None,
         exit_process: bool = True,
         boundary_needed: bool = True,
+        then: Callable[[], None] | None = None,
     ) -> Teardown:
-        """Start this process's teardown once; later calls return the one already running."""
+        """Start this process's teardown once; later calls return the one already running.
+        ``then`` runs once it ended within its deadline (``Teardown.start``)."""
         with self.lock:
             if self.teardown is not None:
                 return self.teardown
@@ -460,7 +458,7 @@ class ProcessRuntime:
             teardown = self.teardown
         if self.order is None:  # leaving alone: no coordinator tells the peers, so we do
             announce_leaving([r.group for r in self.registrations.values()], trigger)
-        teardown.start()
+        teardown.start(then)
         return teardown
 
     def _own_save_decision(

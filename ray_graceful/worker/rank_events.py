@@ -280,6 +280,15 @@ class StartTimer:
 
 
 @dataclass(frozen=True)
+class AwaitRejoin:
+    """What a survivor does once its teardown ended within its deadline (``StartTeardown.then``):
+    tell ``TeardownEnded``, then ask the coordinator for the rendezvous (``RendezvousIn`` /
+    ``AskFailed``)."""
+
+    order: TeardownOrder
+
+
+@dataclass(frozen=True)
 class StartTeardown:
     """Begin the teardown: with the order's saves, or alone (its own shards, peers told)."""
 
@@ -289,6 +298,7 @@ class StartTeardown:
     save: bool = True  # False: no shard saved (a stuck loop; Ray Train saves its own)
     skip_reason: str = ""
     exit_process: bool = True  # False: a survivor (``order.rejoin``), or ``teardown_now``'s
+    then: AwaitRejoin | None = None  # a survivor's next step, once the teardown ended in time
 
     @property
     def alone(self) -> bool:
@@ -308,14 +318,6 @@ class WatchLoop:
 
     order: TeardownOrder
     since: float
-
-
-@dataclass(frozen=True)
-class AwaitRejoin:
-    """A survivor's teardown runs without an exit: tell ``TeardownEnded`` when it is done,
-    then ask the coordinator for the rendezvous (``RendezvousIn`` / ``AskFailed``)."""
-
-    order: TeardownOrder
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,6 @@ Action = (
     | StartTeardown
     | StopLoop
     | WatchLoop
-    | AwaitRejoin
     | KeepAnswer
     | Leave
     | HardExit

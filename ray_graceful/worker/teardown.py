@@ -159,14 +159,20 @@ class Teardown:
 
     # --- running ---------------------------------------------------------------------------
 
-    def start(self) -> threading.Thread:
+    def start(self, then: Callable[[], None] | None = None) -> threading.Thread:
+        """Run the teardown on a thread of its own, and its watchdog on another. ``then`` (a
+        survivor's ask to rejoin) runs on the watchdog's thread once the teardown ended within
+        its deadline: that thread has nothing left to watch then, and a teardown that overran
+        ends the process instead."""
         if self.exit_process:
             # Half the watchdog's margin before the deadline: the Python watchdog fires first
             # and writes the report; this one ends the process where no Python thread can run
             # (a GIL held in C, or the interpreter finalizing during Ray's exit).
             at = self.deadline_monotonic - self.config.watchdog_margin_s / 2
             hard_deadline().arm(at, self.config.exit_code)
-        threading.Thread(target=self._watchdog, name="ray_graceful-watchdog", daemon=True).start()
+        threading.Thread(
+            target=self._watchdog, args=(then,), name="ray_graceful-watchdog", daemon=True
+        ).start()
         thread = threading.Thread(target=self.run, name="ray_graceful-teardown", daemon=True)
         thread.start()
         return thread
@@ -445,9 +451,11 @@ class Teardown:
             time.sleep(0.02)
         return waited, None
 
-    def _watchdog(self) -> None:
+    def _watchdog(self, then: Callable[[], None] | None = None) -> None:
         delay = self.remaining()
         if self.done.wait(timeout=max(delay, 0.0)) and not self.exit_process:
+            if then is not None:
+                then()
             return
         if self.done.is_set():
             # The report is out and an exit is under way; the watchdog stays the last word.
