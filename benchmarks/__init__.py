@@ -15,7 +15,9 @@ install: ``python -m benchmarks NAME [options]`` (``--help`` lists them).
 - ``fanout``: a real coordinator and thousands of simulated ranks and nodes (``fanout.py``);
   ``replies``: what one reply to a node agent costs in Ray, as objects or packed
   (``replies.py``);
-- ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``);
+- ``soak``: eviction cycles back to back on one cluster, resources tracked (``soak.py``;
+  ``--warm``: warm restarts of one group, ``soak_warm.py``; ``--train``: Ray Train's warm path,
+  ``soak_train.py``);
 - ``watcher``: one round of the lost-rank watcher in the GCS, per actor and per job
   (``watcher.py``);
 - ``host-loss``: a host crashed or cut off, on real hosts (network namespaces, ``hosts.py``):

@@ -188,6 +188,12 @@ def _runner(args: argparse.Namespace) -> Callable[[argparse.Namespace], dict[str
         from .memory import bench_save_memory
 
         return bench_save_memory
+    if args.bench == "soak" and args.warm and args.train:
+        raise CliError("soak: --warm and --train are two harnesses; give one")
+    if args.bench == "soak" and args.train:
+        from .soak_train import bench_soak_train
+
+        return bench_soak_train
     if args.bench == "soak" and args.warm:
         from .soak_warm import bench_soak_warm
 

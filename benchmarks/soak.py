@@ -93,6 +93,13 @@ def add_soak_parser(names: Any) -> Any:
         "the survivors and a spare re-formed in place (soak_warm.py; --kinds does not apply)",
     )
     soak.add_argument(
+        "--train",
+        action="store_true",
+        help="Ray Train's warm path instead: one TorchTrainer for the whole run, a worker "
+        "SIGTERMed each cycle, Train's new worker joins the survivors (soak_train.py; "
+        "--memory-replicas and --deadline apply)",
+    )
+    soak.add_argument(
         "--held",
         action="store_true",
         help="with --warm: the SIGTERMed rank and the spares on a node of their own, so the "

@@ -19,6 +19,7 @@ so its peers block in the next all-reduce - a rank stuck in a collective.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -135,6 +136,31 @@ def torch_trainer(loop: dict[str, Any], callbacks: list[Any], work: str, warm: b
     )
 
 
+def _stop_agreed(stop_file: str | None) -> bool:
+    """A soak's end: every rank stops at the same step once ``stop_file`` exists (one look per
+    rank per step, agreed by an all-reduce: a rank that saw it makes them all stop)."""
+    if stop_file is None:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    seen = torch.tensor([float(os.path.exists(stop_file))])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
+
+def _die_if_marked(marker: str | None) -> None:
+    """A fault test's: the first process to find ``marker`` takes it away and dies at once
+    (SIGKILL), as a host's crash would end it."""
+    if marker is None:
+        return
+    try:
+        os.unlink(marker)  # one process wins it
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def warm_train_func(config: dict) -> None:
     """The same job on the warm path (``GracefulTorchConfig``): ``setup`` and ``carry_on``.
 
@@ -152,6 +178,9 @@ def warm_train_func(config: dict) -> None:
 
     began = time.time()  # the training function started (a new worker: before it joined)
     rank = ray.train.get_context().get_world_rank()
+    if config.get("began_file"):  # a fault test's moment: this process is about to join
+        with open(config["began_file"], "a") as f:
+            f.write(f"{rank} {os.getpid()} {began}\n")
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -160,6 +189,7 @@ def warm_train_func(config: dict) -> None:
         return {"model": model.state_dict(), "opt": opt.state_dict()}
 
     def load(loaded: dict) -> None:
+        _die_if_marked(config.get("die_in_load"))
         model.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["opt"])
 
@@ -167,7 +197,7 @@ def warm_train_func(config: dict) -> None:
     with open(config["attempt_file"], "a") as f:
         node = ray.get_runtime_context().get_node_id()
         f.write(f"{rank} start {step} {time.time()} {os.getpid()} {node} {began}\n")
-    while step < config["total"]:
+    while step < config["total"] and not _stop_agreed(config.get("stop_file")):
         x = torch.full((4, 8), float(step % 7))
         opt.zero_grad()
         model(x).pow(2).mean().backward()

@@ -58,6 +58,7 @@ def test_every_harness_has_help(name):
         (["fanout", "--ranks-per-node", "8,x"], "each 0 (per rank) to 4096"),
         (["soak", "--kinds", "sigterm,flood"], "'flood' is not one of them"),
         (["soak", "--cycles", "0"], "give an integer >= 1"),
+        (["soak", "--warm", "--train"], "--warm and --train are two harnesses; give one"),
         (["save", "--format", "dcp", "--tier", "memory"], "use --tier disk"),
         (["host-loss", "--faults", "crash,flood"], "'flood' is not one of them"),
         (["host-loss", "--stalls", "-1"], "give an integer >= 0"),
