@@ -328,3 +328,40 @@ def test_a_rank_with_unwaited_async_collectives_is_released_and_ends_within_its_
     assert steps["destroy_process_group"]["status"] in ("ran", "failed"), steps
     assert all(ended), f"pending collectives left inside gloo after the release: {ended}"
     assert seconds < 5.0, f"released and torn down in {seconds:.1f}s, deadline 8 s"
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def set(self, key, value):
+        self.keys[key] = value
+
+
+class _Group:
+    def __init__(self, store=None, error: Exception | None = None) -> None:
+        self.store, self.error = store, error
+
+    def get_group_store(self):
+        if self.error is not None:
+            raise self.error
+        return self.store
+
+
+def test_announcing_a_leave_never_raises_into_the_teardown_that_announces():
+    """A group whose store cannot even be reached (any error, not only the ones the adapter
+    expects) is skipped: the teardown that announces must start all the same, and the other
+    groups are told."""
+    from ray_graceful.worker.peer_release import LEAVE_KEY, announce_leaving
+    from ray_graceful.worker.process_groups import GroupHandle
+
+    store = _Store()
+    groups = [
+        GroupHandle("broken", 0, 2, process_group=_Group(error=TypeError("a torch of its own"))),
+        GroupHandle("train", 0, 2, process_group=_Group(store)),
+    ]
+    assert announce_leaving(groups, "SIGTERM") == ["train"]
+    assert LEAVE_KEY in store.keys

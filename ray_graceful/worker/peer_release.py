@@ -56,10 +56,10 @@ def announce_leaving(groups: Iterable[GroupHandle], why: str) -> list[str]:
 
     def write() -> None:
         for handle in handles:
-            store = torch_adapter.group_store(handle.process_group)
-            if store is None:
-                continue
-            try:
+            try:  # nothing here may keep the teardown that announces from starting
+                store = torch_adapter.group_store(handle.process_group)
+                if store is None:
+                    continue
                 if not store.check([LEAVE_KEY]):
                     store.set(LEAVE_KEY, value)
                 told.append(handle.name)
