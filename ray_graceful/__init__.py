@@ -55,7 +55,7 @@ from .worker.spare_wait import SpareResult, wait_as_spare
 # The one place the version is written: pyproject.toml reads it, and so do the Anyscale option's
 # pin, the dashboard and `ray-graceful --version` (tests/test_layout.py holds CHANGELOG.md and the
 # examples to it).
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def _default_logging() -> None:
