@@ -9,7 +9,8 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test test-long lint install clean
 
-$(BIN)/.installed: pyproject.toml
+# ray_graceful/__init__.py: the version is read from it into the installed metadata
+$(BIN)/.installed: pyproject.toml ray_graceful/__init__.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
