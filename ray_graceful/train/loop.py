@@ -11,6 +11,7 @@ from ..config import GracefulConfig
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
 from ..worker.setup import should_stop as rank_should_stop
+from .held_report import NOT_YET, held_report
 
 GROUP = "train"  # the group name every Train worker registers under
 
@@ -52,9 +53,20 @@ def should_stop(step: int, every: int = 1) -> bool:
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    if not warm:
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+    # The warm path's agreement carries a held step found on disk too (``held_report.py``)
+    rank = dist.get_rank()
+    agreed = torch.tensor(
+        [1 if local else 0, held_report.on_disk(rank)], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    stop, on_disk = (int(v) for v in agreed.tolist())
+    if on_disk != NOT_YET and not stop:
+        held_report.report(on_disk, rank)
+    return bool(stop)
 
 
 def train_shard(config: GracefulConfig, rank: int) -> str:

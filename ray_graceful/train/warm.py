@@ -44,6 +44,7 @@ from ..worker.restore import load_latest
 from ..worker.setup import after_init_process_group
 from ..worker.setup import should_stop as rank_should_stop
 from .backend import ray_has_replica_groups
+from .held_report import held_report
 from .loop import GROUP, EmergencyStop, train_shard
 
 logger = logging.getLogger(__name__)
@@ -160,15 +161,17 @@ def _report_to_train(step: int, cycle: int, checkpoint_dir: str | None) -> None:
     report is a barrier; Train cleared the survivors' unreported results when it replaced the
     evicted workers, so no report mixes generations). Rank 0 attaches the committed step's
     directory where it is on disk, uploaded behind the training; a step the memory tier holds
-    reaches disk later and is not attached."""
+    reaches disk later, and is reported again then (``held_report.py``)."""
     import ray.train
     from ray.train import CheckpointUploadMode
 
     checkpoint = None
+    held_report.expect(step, cycle, checkpoint_dir)  # reported again once on disk (rank 0 looks)
     if checkpoint_dir is not None and ray.train.get_context().get_world_rank() == 0:
         committed = latest_committed(checkpoint_dir, verify_checksums=False)
         if committed is not None and committed.step == step:
             checkpoint = ray.train.Checkpoint.from_directory(committed.path)
+            held_report.forget()
     ray.train.report(
         {"step": step, "ray_graceful_warm_restart": cycle},
         checkpoint=checkpoint,
