@@ -277,6 +277,24 @@ def _resources(ray: Any, coordinator: Any) -> dict[str, Any]:
     }
 
 
+def resources_table(cycles: list[dict[str, Any]], names: tuple[str, ...], warmup: int) -> str:
+    """Each resource after the first cycle, after the last, and its slope per cycle once the
+    first ``warmup`` cycles are left out (what a leak shows as)."""
+    from ray_graceful.tools.bench.kit import markdown_table
+
+    steady = cycles[warmup:] or cycles
+    rows = [
+        [
+            name,
+            cycles[0][name] if cycles else float("nan"),
+            cycles[-1][name] if cycles else float("nan"),
+            slope([float(c[name]) for c in steady]),
+        ]
+        for name in names
+    ]
+    return markdown_table(["resource", "after cycle 1", "last", "slope per cycle"], rows)
+
+
 def slope(values: list[float]) -> float:
     """Least-squares change per cycle."""
     n = len(values)
@@ -318,19 +336,7 @@ def _report(cycles: list[dict[str, Any]], kinds: list[str], args: argparse.Names
         )
     header = ["eviction", "cycles", "hangs", "torn", "Ray: crashes", "outcomes"]
     text = markdown_table([*header, "all out p50 s", "max s"], rows)
-    steady = cycles[args.warmup :] or cycles
-    resources = [
-        [
-            name,
-            cycles[0][name] if cycles else float("nan"),
-            cycles[-1][name] if cycles else float("nan"),
-            slope([float(c[name]) for c in steady]),
-        ]
-        for name in RESOURCES
-    ]
-    text += "\n\n" + markdown_table(
-        ["resource", "after cycle 1", "last", "slope per cycle"], resources
-    )
+    text += "\n\n" + resources_table(cycles, RESOURCES, args.warmup)
     text += (
         f"\n{len(cycles)} cycles, {len(SHARDS)} ranks each, deadline {args.deadline:.0f}s, "
         f"memory_replicas={args.memory_replicas}; slopes over cycles {args.warmup + 1}.."

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .soak import slope
+from .soak import resources_table
 
 WORKERS = 3
 RESOURCES = (
@@ -295,19 +295,7 @@ def _report(cycles: list[dict[str, Any]], end: dict[str, Any], args: argparse.Na
         "survivors kept", "new worker's step from", "training again p50 s", "max s",
     ]  # fmt: skip
     text = markdown_table(header, [row])
-    steady = cycles[args.warmup :] or cycles
-    resources = [
-        [
-            name,
-            cycles[0][name] if cycles else float("nan"),
-            cycles[-1][name] if cycles else float("nan"),
-            slope([float(c[name]) for c in steady]),
-        ]
-        for name in RESOURCES
-    ]
-    text += "\n\n" + markdown_table(
-        ["resource", "after cycle 1", "last", "slope per cycle"], resources
-    )
+    text += "\n\n" + resources_table(cycles, RESOURCES, args.warmup)
     lived = sum(1 for c in cycles if cycles and c["rank0_pid"] == cycles[-1]["rank0_pid"])
     text += (
         f"\n{len(cycles)} cycles, {WORKERS} Train workers on {WORKERS} nodes, "

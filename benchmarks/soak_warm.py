@@ -46,7 +46,7 @@ from ray_graceful.checkpoint import latest_committed
 from ray_graceful.tools.bench.kit import BenchRank, process_alive, recorded_crashes, resident_mb
 from ray_graceful.worker.mixin import GracefulWorkerMixin
 
-from .soak import SHARDS, slope, torn_commits
+from .soak import SHARDS, resources_table, torn_commits
 
 RESOURCES = (
     "coordinator_rss_mb",
@@ -376,19 +376,7 @@ def _report(cycles: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]  # fmt: skip
     timed = ["evicted out p50 s", "training again p50 s", "max s", "first step p50 s"]
     text = markdown_table([*header, *timed], [row])
-    steady = cycles[args.warmup :] or cycles
-    resources = [
-        [
-            name,
-            cycles[0][name] if cycles else float("nan"),
-            cycles[-1][name] if cycles else float("nan"),
-            slope([float(c[name]) for c in steady]),
-        ]
-        for name in RESOURCES
-    ]
-    text += "\n\n" + markdown_table(
-        ["resource", "after cycle 1", "last", "slope per cycle"], resources
-    )
+    text += "\n\n" + resources_table(cycles, RESOURCES, args.warmup)
     oldest = cycles[-1]["oldest_rank_pid"] if cycles else 0
     lived = sum(1 for c in cycles if c["oldest_rank_pid"] == oldest and oldest)
     text += (
