@@ -11,7 +11,7 @@ from ..config import GracefulConfig
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
 from ..worker.setup import should_stop as rank_should_stop
-from .held_report import NOT_YET, held_report
+from .reports import NOT_YET, held_report
 
 GROUP = "train"  # the group name every Train worker registers under
 
@@ -57,7 +57,7 @@ def should_stop(step: int, every: int = 1) -> bool:
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-    # The warm path's agreement carries a held step found on disk too (``held_report.py``)
+    # The warm path's agreement carries a held step found on disk too (``reports.py``)
     rank = dist.get_rank()
     agreed = torch.tensor(
         [1 if local else 0, held_report.on_disk(rank)], dtype=torch.int64, device=device

@@ -35,7 +35,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import latest_committed
 from ..protocol import Replacement
 from ..worker.process_groups import SetupError
 from ..worker.process_runtime import process_runtime
@@ -44,8 +43,8 @@ from ..worker.restore import load_latest
 from ..worker.setup import after_init_process_group
 from ..worker.setup import should_stop as rank_should_stop
 from .backend import ray_has_replica_groups
-from .held_report import held_report
 from .loop import GROUP, EmergencyStop, train_shard
+from .reports import report_joined
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def setup(
     )
     if not joined.joined:
         raise EmergencyStop(f"ray_graceful: this new worker did not join: {joined.reason}")
-    _report_to_train(joined.step, joined.cycle, config.checkpoint_dir)
+    report_joined(joined.step, joined.cycle, config.checkpoint_dir)
     return joined.step
 
 
@@ -148,33 +147,9 @@ def carry_on(step: int) -> int:
     if order is not None and order.rejoin:
         joined = rejoin(config=config)
         if joined.joined:
-            _report_to_train(joined.step, joined.cycle, config.checkpoint_dir)
+            report_joined(joined.step, joined.cycle, config.checkpoint_dir)
             return joined.step
         raise EmergencyStop(f"ray_graceful: the warm restart did not go ahead: {joined.reason}")
     if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
     raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")
-
-
-def _report_to_train(step: int, cycle: int, checkpoint_dir: str | None) -> None:
-    """Every member of the new group reports the step it holds to Ray Train, at once (Train's
-    report is a barrier; Train cleared the survivors' unreported results when it replaced the
-    evicted workers, so no report mixes generations). Rank 0 attaches the committed step's
-    directory where it is on disk, uploaded behind the training; a step the memory tier holds
-    reaches disk later, and is reported again then (``held_report.py``)."""
-    import ray.train
-    from ray.train import CheckpointUploadMode
-
-    checkpoint = None
-    held_report.expect(step, cycle, checkpoint_dir)  # reported again once on disk (rank 0 looks)
-    if checkpoint_dir is not None and ray.train.get_context().get_world_rank() == 0:
-        committed = latest_committed(checkpoint_dir, verify_checksums=False)
-        if committed is not None and committed.step == step:
-            checkpoint = ray.train.Checkpoint.from_directory(committed.path)
-            held_report.forget()
-    ray.train.report(
-        {"step": step, "ray_graceful_warm_restart": cycle},
-        checkpoint=checkpoint,
-        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-        delete_local_checkpoint_after_upload=False,  # the plugin's committed step stays
-    )

@@ -1,4 +1,4 @@
-"""Ray Train's warm path: a held step reported to Train once it is on disk (``held_report.py``).
+"""Ray Train's warm path: a held step reported to Train once it is on disk (``reports.py``).
 
 Pure logic: which step rank 0 puts into the boundary's all-reduce, and when. The report itself
 goes through ``ray.train.report`` in a real run (``tests/test_train_warm.py``, the held row).
@@ -11,8 +11,8 @@ import os
 import torch
 
 from ray_graceful.checkpoint import commit, save_state_dict, step_dir, write_shard
-from ray_graceful.train import held_report as module
-from ray_graceful.train.held_report import NOT_YET, HeldReport
+from ray_graceful.train import reports as module
+from ray_graceful.train.reports import NOT_YET, HeldReport
 
 
 def _commit(root: str, step: int) -> None:
