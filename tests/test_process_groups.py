@@ -330,7 +330,7 @@ def test_a_rank_with_unwaited_async_collectives_is_released_and_ends_within_its_
     assert seconds < 5.0, f"released and torn down in {seconds:.1f}s, deadline 8 s"
 
 
-class _Store:
+class _LeaveStore:
     def __init__(self) -> None:
         self.keys: dict[str, str] = {}
 
@@ -341,7 +341,7 @@ class _Store:
         self.keys[key] = value
 
 
-class _Group:
+class _GroupWithStore:
     def __init__(self, store=None, error: Exception | None = None) -> None:
         self.store, self.error = store, error
 
@@ -358,10 +358,10 @@ def test_announcing_a_leave_never_raises_into_the_teardown_that_announces():
     from ray_graceful.worker.peer_release import LEAVE_KEY, announce_leaving
     from ray_graceful.worker.process_groups import GroupHandle
 
-    store = _Store()
+    store = _LeaveStore()
     groups = [
-        GroupHandle("broken", 0, 2, process_group=_Group(error=TypeError("a torch of its own"))),
-        GroupHandle("train", 0, 2, process_group=_Group(store)),
+        GroupHandle("broken", 0, 2, _GroupWithStore(error=TypeError("a torch of its own"))),
+        GroupHandle("train", 0, 2, _GroupWithStore(store)),
     ]
     assert announce_leaving(groups, "SIGTERM") == ["train"]
     assert LEAVE_KEY in store.keys
