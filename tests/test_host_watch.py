@@ -166,6 +166,34 @@ def test_an_agent_that_died_alone_leaves_its_live_host_unwatched_not_lost():
     assert lost == [] and "n1" not in hosts
 
 
+def test_a_raylet_that_ends_just_after_its_agent_is_still_seen_lost():
+    """A crash ends the host's processes one by one: the agent's connection closes while its
+    raylet still answers the first probe, and the raylet ends a moment later. The host stays
+    watched (probed again once silent for suspect_s) and is declared lost - not handed to Ray's
+    watch, whose verdict takes 12-65 s (failed in CI's real-host run before)."""
+    raylet = listening()
+
+    async def scenario():
+        lost: list = []
+        w = watch(lost)
+        await w.start("127.0.0.1")
+        writer = await agent(w, "n1", raylet.getsockname()[1], beats=2)
+        writer.close()
+        await asyncio.sleep(0.1)  # the close's probe: the raylet answers
+        answered = w.alive_after_suspicion
+        raylet.close()  # then the raylet ends too
+        for _ in range(40):
+            if lost:
+                break
+            await asyncio.sleep(0.05)
+        await w.close()
+        return answered, lost
+
+    answered, lost = asyncio.run(scenario())
+    assert answered == 1, "the first probe found the raylet alive"
+    assert [node for node, _ in lost] == ["n1"], lost
+
+
 def test_a_host_declared_lost_that_comes_back_is_not_watched_again():
     async def scenario():
         lost: list = []

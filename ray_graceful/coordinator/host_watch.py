@@ -68,6 +68,7 @@ class WatchedHost:
     connected: bool = True  # its agent's connection is open: a second one is refused
     probing: bool = False
     lost: bool = False
+    closed_at: float | None = None  # when its agent's connection closed
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,9 @@ class HostWatch:
     def _closed(self, host: WatchedHost) -> None:
         """Its agent's connection closed: the kernel said its process died - probe the host."""
         host.connected = False
+        host.closed_at = self.clock()
         if self.hosts.get(host.node_id) is host and not host.lost and not self._closing:
-            self._probe_soon(host, "its agent's heartbeat connection closed", closed=True)
+            self._probe_soon(host, "its agent's heartbeat connection closed")
 
     async def _hello(self, reader: asyncio.StreamReader) -> WatchedHost | None:
         """The agent's first line, ``{"node_id", "ticket"}``: its host, watched from now on;
@@ -291,15 +293,15 @@ class HostWatch:
             if not host.lost and not host.probing and silent >= self.suspect_s:
                 self._probe_soon(host, f"no heartbeat for {silent:.2f}s")
 
-    def _probe_soon(self, host: WatchedHost, why: str, closed: bool = False) -> None:
+    def _probe_soon(self, host: WatchedHost, why: str) -> None:
         if host.probing or host.lost:
             return
         host.probing = True
-        task = asyncio.get_running_loop().create_task(self._probe(host, why, closed))
+        task = asyncio.get_running_loop().create_task(self._probe(host, why))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _probe(self, host: WatchedHost, why: str, closed: bool) -> None:
+    async def _probe(self, host: WatchedHost, why: str) -> None:
         try:
             probe = await probe_raylet(host.raylet, self.confirm_s)
         finally:
@@ -308,7 +310,11 @@ class HostWatch:
             self.alive_after_suspicion += 1
             logger.info("ray_graceful host watch: %s suspected (%s); %s: not lost",
                         host.node_id[:12], why, probe.evidence)  # fmt: skip
-            if closed and self.hosts.get(host.node_id) is host:
+            # A crash ends the host's processes one by one: the raylet may still answer just
+            # after the agent's connection closed. Probed again once silent for suspect_s; a
+            # host whose agent is gone that long while its raylet answers is Ray's to watch.
+            gone_s = self.clock() - host.closed_at if host.closed_at is not None else 0.0
+            if gone_s >= self.suspect_s and self.hosts.get(host.node_id) is host:
                 del self.hosts[host.node_id]  # its agent is gone, the host is not: Ray's watch
             else:
                 host.last_heard = self.clock()  # silent still: probed again after suspect_s
