@@ -65,10 +65,14 @@ class WatchedHost:
     raylet: tuple[str, int]
     last_heard: float
     transport: asyncio.BaseTransport | None = None  # its connection: the beat back goes there
-    connected: bool = True  # its agent's connection is open: a second one is refused
     probing: bool = False
     lost: bool = False
     closed_at: float | None = None  # when its agent's connection closed
+
+    @property
+    def connected(self) -> bool:
+        """Its agent's connection is open: a second one is refused."""
+        return self.closed_at is None
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,6 @@ class HostWatch:
 
     def _closed(self, host: WatchedHost) -> None:
         """Its agent's connection closed: the kernel said its process died - probe the host."""
-        host.connected = False
         host.closed_at = self.clock()
         if self.hosts.get(host.node_id) is host and not host.lost and not self._closing:
             self._probe_soon(host, "its agent's heartbeat connection closed")
