@@ -30,6 +30,7 @@ from ray_graceful.tools.bench.kit import run_and_write
 
 from .fanout import add_fanout_parser
 from .host_loss import add_host_loss_parser
+from .host_watch_load import add_host_watch_load_parser
 from .host_watch_scale import add_host_watch_scale_parser
 from .keeper_memory import add_keeper_memory_parser
 from .replies import add_replies_parser
@@ -164,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     host_loss = add_host_loss_parser(names)
     keeper_memory = add_keeper_memory_parser(names)
     host_watch_scale = add_host_watch_scale_parser(names)
+    host_watch_load = add_host_watch_load_parser(names)
     harnesses = (
         release, save, plan, overhead, recovery, fanout, replies, restart, soak, watcher,
-        host_loss, keeper_memory, host_watch_scale,
+        host_loss, keeper_memory, host_watch_scale, host_watch_load,
     )  # fmt: skip
     for p in harnesses:
         add_json_argument(p)
