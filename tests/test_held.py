@@ -180,6 +180,23 @@ def test_the_step_is_committed_only_once_every_held_shards_copy_landed():
     assert held.at["on-disk"] == T0 + 5
 
 
+def test_a_cold_restart_waits_for_a_held_step_still_settling_not_the_step_before():
+    """Every survivor left after holding (Ray Train's full restart once they were SIGTERMed
+    too): their copies land as they go, and the new workers' loads must wait for the commit,
+    not resume from the step before it (``durability.loadable``)."""
+    steps = HeldSteps()
+    steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)
+    assert steps.settling("g/1") and steps.settling("g/0") and not steps.settling("h/0")
+    out = steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0 + 1)
+    assert steps.settling("g/1"), "committing in memory: not a checkpoint yet"
+    steps.committed(3, carry_out(out[1].request), T0 + 2)
+    assert not steps.settling("g/1"), "in the keepers: loadable as any checkpoint"
+    lost = HeldSteps()
+    lost.expect(request(record("g/1", "held")), T0 + 5, T0)
+    lost.due(3, T0 + 5)
+    assert not lost.settling("g/1"), "lost: the step before it is the checkpoint"
+
+
 def test_a_copy_that_is_not_what_was_held_loses_the_step():
     steps = HeldSteps()
     steps.expect(request(record("g/0", "memory"), record("g/1", "held", nbytes=100)), 9e9, T0)
@@ -295,6 +312,19 @@ def test_a_snapshot_over_the_memory_budget_is_not_held_and_the_save_says_so():
     assert isinstance(fallback, Fallback)
     assert "do not fit memory_budget_mb=1 for a snapshot; saving it now" in fallback.why
     assert save.held == [] and save.saved == []
+
+
+def test_a_snapshot_over_the_hosts_free_memory_is_not_taken_and_says_so():
+    """A warm restart holds by default: a shard larger than the host's free RAM (a GPU model
+    on a small host) must be saved, not copied into memory it would exhaust."""
+    from ray_graceful.memory.handoff import host_memory_available, take_snapshot
+
+    state = {"w": torch.zeros(1 << 10)}  # 4 KiB
+    why = take_snapshot(state, STEP, 1 << 30, available=lambda: 1024)
+    assert isinstance(why, str)
+    assert why.endswith("bytes do not fit the host's free memory (1024 bytes) for a snapshot")
+    assert not isinstance(take_snapshot(state, STEP, 1 << 30, available=lambda: None), str)
+    assert (host_memory_available() or 1) > 0
 
 
 # --- the late copy --------------------------------------------------------------------------------

@@ -35,7 +35,13 @@ async def loadable(
     ``step``: a warm restart's member loading that step, which may be held and not committed
     yet - a keeper's copy of its evicted shards is loadable already. A copy on its way (its
     holder left the group and copies it as it goes) is waited for, at most ``wait_s``, rather
-    than an older step offered."""
+    than an older step offered. Without ``step`` (a cold restart), a held step of the shard
+    still settling - its copies landing, its memory commit running - is waited for, at most
+    ``wait_s``, for the same reason: offered the step before it, the restart would lose it."""
+    if step is None:
+        until = time.monotonic() + wait_s
+        while held.settling(shard_key) and time.monotonic() < until:
+            await asyncio.sleep(COPY_POLL_S)
     if step is not None:
         until = time.monotonic() + wait_s
         while held.awaiting_copy(shard_key, step) and time.monotonic() < until:

@@ -249,6 +249,16 @@ class HeldSteps:
                 return True
         return False
 
+    def settling(self, shard_key: str) -> bool:
+        """Whether a held step of ``shard_key`` is on its way to a commit (its copies landing,
+        or its memory commit running): a cold restart's load waits for its verdict rather than
+        resume from the step before it - the survivors that held it may have left since."""
+        return any(
+            held.stage in (Stage.HELD, Stage.COMMITTING)
+            and any(r.shard == shard_key for r in held.request.records)
+            for held in self.steps.values()
+        )
+
     def describe(self, cycle: int) -> dict[str, Any] | None:
         held = self.steps.get(cycle)
         return held.describe() if held is not None else None

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -90,9 +91,15 @@ class Snapshot:
 
 
 def take_snapshot(
-    state: Any, step: int, max_bytes: int, background: bool = False
+    state: Any,
+    step: int,
+    max_bytes: int,
+    background: bool = False,
+    available: Callable[[], int | None] | None = None,
 ) -> Snapshot | str:
-    """``state`` at ``step`` as a ``Snapshot``, or why not (over ``max_bytes``).
+    """``state`` at ``step`` as a ``Snapshot``, or why not: over ``max_bytes``, or over the
+    host memory free now (``available()``, default ``/proc/meminfo``'s ``MemAvailable``; None
+    where it cannot be read) - a GPU model larger than the host's free RAM is saved instead.
 
     ``background``: inside Ray, the put runs on a thread of its own and the snapshot returns
     at once; the caller must not change ``state`` until ``settle`` said it is done."""
@@ -104,6 +111,9 @@ def take_snapshot(
     nbytes = tree_bytes(tree)
     if nbytes > max_bytes:
         return f"{nbytes} bytes do not fit memory_budget_mb={max_bytes >> 20} for a snapshot"
+    free = (available or host_memory_available)()
+    if free is not None and nbytes > free:
+        return f"{nbytes} bytes do not fit the host's free memory ({free} bytes) for a snapshot"
     if inside_ray and background:
         put: Future[Any] = Future()
 
@@ -118,6 +128,18 @@ def take_snapshot(
     if inside_ray:
         return Snapshot(step, nbytes, ref=ray.put(tree))
     return Snapshot(step, nbytes, tree=tree)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory free for new pages now (``MemAvailable``); None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def hand_off(
