@@ -38,14 +38,16 @@ async def loadable(
     than an older step offered. Without ``step`` (a cold restart), a held step of the shard
     still settling - its copies landing, its memory commit running - is waited for, at most
     ``wait_s``, for the same reason: offered the step before it, the restart would lose it."""
-    if step is None:
-        until = time.monotonic() + wait_s
-        while held.settling(shard_key) and time.monotonic() < until:
-            await asyncio.sleep(COPY_POLL_S)
+
+    def waiting() -> bool:
+        if step is None:
+            return held.settling(shard_key)
+        return held.awaiting_copy(shard_key, step)
+
+    until = time.monotonic() + wait_s
+    while waiting() and time.monotonic() < until:
+        await asyncio.sleep(COPY_POLL_S)
     if step is not None:
-        until = time.monotonic() + wait_s
-        while held.awaiting_copy(shard_key, step) and time.monotonic() < until:
-            await asyncio.sleep(COPY_POLL_S)
         copy = held.saved_copy(shard_key, step)
         if copy is not None:
             names = memory.names(copy.holders)
