@@ -170,18 +170,25 @@ def _config(tmp: str, tag: str, watch: bool) -> GracefulConfig:
     )
 
 
-class _Job:
-    """Two fresh hosts, a coordinator, four ranks training; ``end`` removes all of it."""
+def add_pair(hosts: Any) -> tuple[Any, Any, str]:
+    """Two fresh hosts for one ``_Job``, and the tag their resources are named with."""
+    tag = uuid.uuid4().hex[:8]
+    a = hosts.add_host(num_cpus=2, resources={f"A-{tag}": 1})
+    b = hosts.add_host(num_cpus=2, resources={f"B-{tag}": 1})
+    return a, b, tag
 
-    def __init__(self, hosts: Any, tmp: str, watch: bool) -> None:
+
+class _Job:
+    """Two fresh hosts (or ``pair``, from ``add_pair``), a coordinator, four ranks training;
+    ``end`` removes all of it."""
+
+    def __init__(self, hosts: Any, tmp: str, watch: bool, pair: Any = None) -> None:
         import ray
 
         from ray_graceful import Coordinator
 
-        tag = uuid.uuid4().hex[:8]
         self.hosts = hosts
-        self.a = hosts.add_host(num_cpus=2, resources={f"A-{tag}": 1})
-        self.b = hosts.add_host(num_cpus=2, resources={f"B-{tag}": 1})
+        self.a, self.b, tag = pair or add_pair(hosts)
         self.config = _config(tmp, tag, watch)
         self.coordinator = Coordinator.start(self.config)
         actor = ray.remote(num_cpus=0)(HostLossRank)
@@ -208,10 +215,10 @@ class _Job:
         self.hosts.remove_host(self.b)
 
 
-def _one(hosts: Any, tmp: str, fault: str, way: str) -> dict[str, Any]:
+def _one(hosts: Any, tmp: str, fault: str, way: str, pair: Any = None) -> dict[str, Any]:
     import ray
 
-    job = _Job(hosts, tmp, watch=way == "watch")
+    job = _Job(hosts, tmp, watch=way == "watch", pair=pair)
     try:
         started = time.monotonic()
         hosts.fail(job.a, fault)
