@@ -115,6 +115,29 @@ def _sample(coordinator: Any, training: list[Any]) -> dict[str, Any]:
     }
 
 
+def _why_stopped(coordinator: Any, training: list[Any]) -> dict[str, Any]:
+    """A rank's training ended before the stop file: what it returned, and the cycle (if any)
+    the plugin ran - its notices and result - so that the row says why, not only that."""
+    import ray
+
+    done, _ = ray.wait(training, num_returns=len(training), timeout=0)
+    ended: list[Any] = []
+    for ref in done:
+        try:
+            ended.append(ray.get(ref, timeout=5))
+        except Exception as exc:
+            ended.append(f"{type(exc).__name__}: {exc}"[:300])
+    outcome = coordinator.wait_outcome(timeout=1.0)
+    cycle = None
+    if outcome is not None:
+        cycle = {
+            "result": str(outcome.result),
+            "notices": [f"{n.get('source')}: {n.get('reason')}"[:120] for n in outcome.notices][:4],
+            "reason": outcome.reason[:200],
+        }
+    return {"ranks_ended": ended[:4], "cycle": cycle}
+
+
 def bench_host_watch_load(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
@@ -165,6 +188,9 @@ def bench_host_watch_load(args: argparse.Namespace) -> dict[str, Any]:
                 samples.append(sample)
                 if len(samples) % 12 == 0 or sample["lost"] or not sample["training"]:
                     print(f"  {sample}", flush=True)
+                if not sample["training"] and not any("stopped" in s for s in samples):
+                    sample["stopped"] = _why_stopped(coordinator, training)
+                    print(f"  training stopped: {sample['stopped']}", flush=True)
             for pair in pairs:
                 try:
                     run = _one(hosts, tmp, "crash", "watch", pair=pair)

@@ -7,6 +7,7 @@ and the survivor's snapshot (``EmergencySave``): its own copy, whatever the trai
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -15,7 +16,12 @@ import torch
 from ray_graceful import GracefulConfig
 from ray_graceful.checkpoint import ShardRecord, shard_file_name
 from ray_graceful.coordinator import events as ev
-from ray_graceful.coordinator.conclusion import CommitRequest, CommitResult, carry_out
+from ray_graceful.coordinator.conclusion import (
+    CommitRequest,
+    CommitResult,
+    carry_out,
+    written_through,
+)
 from ray_graceful.coordinator.held import HeldSteps, Stage
 from ray_graceful.coordinator.spare_pool import SpareRecord as Spare
 from ray_graceful.coordinator.warm_restarts import Survivor, WarmRestarts
@@ -235,6 +241,42 @@ def test_a_failed_memory_commit_loses_the_step():
     assert "the memory commit failed: keeper gone" in out[0].reason
 
 
+def test_a_held_step_whose_keepers_are_all_leaving_is_written_through_to_disk_not_lost():
+    """Every Ray Train worker SIGTERMed in turn: the survivors held the step, then left too,
+    copying it to keepers on nodes that all have notices. Not a memory checkpoint (it would
+    vanish with them): ``carry_out`` asks for a write-through, and once the keepers wrote it,
+    the step is on disk - or, where they could not, lost with both reasons."""
+    wrote_or_not = [
+        ({"path": "/ckpt/step-00000041"}, Stage.ON_DISK),
+        ({"error": "gone"}, Stage.LOST),
+    ]
+    for wrote, stage in wrote_or_not:
+        steps = HeldSteps()
+        leaving = dataclasses.replace(
+            request(record("g/0", "memory"), record("g/1", "held")),
+            evicted_nodes=frozenset({"keeper-node", "survivor-node"}),
+        )
+        steps.expect(leaving, 9e9, T0)
+        out = steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0 + 1)
+        landed = carry_out(out[1].request)
+        assert landed.result is Result.ABANDONED and landed.memory is None
+        assert "held by 0 node(s) not being evicted" in landed.reason
+        assert landed.write_through is not None and landed.write_through.step == STEP
+        assert steps.settling("g/1"), "a cold restart's load waits for the write-through"
+        out = steps.committed(3, written_through(landed, wrote), T0 + 2)
+        held = steps.steps[3]
+        assert held.stage is stage and not steps.settling("g/1")
+        if stage is Stage.ON_DISK:
+            assert kinds(out) == ["HeldChanged"], "no MakeDurable: it is on disk already"
+            assert held.durable_path == "/ckpt/step-00000041" and held.at["on-disk"] == T0 + 2
+        else:
+            assert kinds(out) == ["HeldLost", "HeldChanged"]
+            assert "not being evicted" in held.reason and "write-through" in held.reason
+    # Without a checkpoint_dir there is nowhere to write it through: abandoned, as before.
+    nowhere = dataclasses.replace(leaving, root=None, tier="memory")
+    assert carry_out(nowhere).write_through is None
+
+
 def test_a_held_steps_disk_copy_that_failed_every_try_is_said_never_left_in_the_keepers():
     """The checkpoint directory replaced by a file after a held restart: ``durability`` said
     "in-keepers" with no reason for ever after."""
@@ -355,6 +397,9 @@ def test_a_late_copy_waits_for_the_group_then_reports_what_did_not_land():
     [(cycle, saved, failed, why)] = told
     assert (cycle, [r.shard for r in saved], failed) == (3, ["g/2"], ["g/1"])
     assert why == "g/1: MemoryTierError: keeper gone"
+    # The ask to rejoin and a leave both hand a cycle's shards over: copied once.
+    late.take(3, shards, lambda *args: told.append(args), wait_s=30.0)
+    assert not late.pending() and len(told) == 1
 
 
 def test_a_spare_in_the_slot_of_a_holder_found_faulty_waits_for_its_copy_not_an_older_step():

@@ -448,3 +448,33 @@ def test_an_outcome_published_while_no_step_is_durable_says_so_in_its_summary():
     outcome = TerminationOutcome(1, "job", Result.COMMITTED, durable={"step": 4, "says": says})
     assert outcome.summary().endswith(f"; {says}")
     assert TerminationOutcome.from_dict(outcome.to_dict()).durable == outcome.durable
+
+
+def test_a_checkpoint_whose_keepers_are_all_leaving_is_written_through_to_disk(config):
+    """Every Ray Train worker SIGTERMed in turn: the step is whole in the keepers, but every
+    keeper's node has a notice. It is written to disk by those keepers while their nodes drain,
+    and never offered from memory; a keeper that died first leaves it not durable, saying why."""
+
+    async def scenario(dies: bool):
+        memory, keepers = tier(config, home="")
+        for node in ("a", "b"):
+            memory.ensure_keeper(node)
+            memory.leaving[node] = time.time() + 5
+        checkpoint = held_checkpoint(keepers, 7, {"g/0": "a", "g/1": "b"}, cycle=2)
+        keepers["b"].dead = dies
+        durable = await memory.write_through(checkpoint)
+        return memory, durable, await memory.wait_durable(2, 1), await memory.checkpoint_for("g/0")
+
+    memory, durable, waited, offered = run(scenario(dies=False))
+    latest = latest_committed(config.checkpoint_dir, verify_checksums=True)
+    assert latest is not None and latest.step == 7 and durable["path"] == latest.path
+    assert sorted(latest.shards) == ["g/0", "g/1"]
+    assert waited == durable and read_record(config, "durable-cycle-2")["path"] == latest.path
+    assert memory.durable_summary()["step"] == 7
+    assert offered is None and memory.record(2) is None, "never a memory checkpoint"
+
+    config = config.replace(checkpoint_dir=config.checkpoint_dir + "-second")
+    memory, durable, waited, offered = run(scenario(dies=True))
+    assert "keeper on b" in durable["error"] and waited == durable
+    assert latest_committed(config.checkpoint_dir) is None, "no manifest without every shard"
+    assert memory.durable_summary()["failing"]["step"] == 7

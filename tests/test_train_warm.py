@@ -192,7 +192,11 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
 @needs_replica_groups
 @pytest.mark.timeout(400)
 def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
-    config = _config(tmp_path)
+    """With the memory tier: the signals reach the coordinator one after the other, so the
+    first one's survivors may hold the step, then leave on their own signals, copying it to
+    keepers on nodes that all have workers leaving. That step is written through to disk by
+    those keepers, never lost, and Train's new workers all load it (or a later one)."""
+    config = _config(tmp_path, memory_replicas=1)
     fit, box, files = _start(tmp_path, config)
     first = _first_pids_past_step_5(files, fit)
     for pid in first.values():
@@ -211,6 +215,8 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
     assert sorted(restarted) == [0, 1, 2], attempts
     assert len(set(restarted.values())) == 1 and min(restarted.values()) >= 5, attempts
     _each_rank_ran_every_step_once(files, 30)
+    held = [json.loads(p.read_text()) for p in (tmp_path / "reports").rglob("held-cycle-*.json")]
+    assert all(h["stage"] == "on-disk" for h in held), held  # never lost with its holders
 
 
 @needs_replica_groups

@@ -8,20 +8,23 @@ state from a thread:
    keepers' memory - or why nothing is;
 2. ``carry_out`` (I/O, on a thread): writes the manifest (``checkpoint.commit``) or checks the
    memory commit, and reads back the newest committed checkpoint; returns a ``CommitResult``
-   and changes nothing else;
+   and changes nothing else. A memory commit whose keepers' nodes are all leaving is not
+   committed there: the actor has the keepers write it through to disk first
+   (``written_through``);
 3. ``outcome_of`` (pure, on the event loop): the cycle's ``TerminationOutcome``, an immutable
    record - written once, and what the API returns is what the file says.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import CheckpointError, ShardRecord, commit, latest_committed
 from ..config import GracefulConfig
-from ..memory.commit import MemoryCheckpoint, commit_in_memory
+from ..memory.commit import LeavingHolders, MemoryCheckpoint, commit_in_memory
 from ..outcome import TerminationOutcome
 from ..place import Place
 from ..protocol import PhaseStatus, Result, TeardownReport
@@ -61,6 +64,9 @@ class CommitResult:
     committed: dict[str, Any] | None = None
     memory: MemoryCheckpoint | None = None
     resume_from: dict[str, Any] | None = None
+    # Whole in the keepers, but their nodes are leaving (``LeavingHolders``): not committed
+    # yet - the actor writes it through to disk (``MemoryTier.write_through``), then it is.
+    write_through: MemoryCheckpoint | None = None
 
 
 def commit_request(
@@ -126,13 +132,17 @@ def trusted_records(
 def carry_out(request: CommitRequest) -> CommitResult:
     """Commit as requested (on a thread: it reads and writes ``checkpoint_dir``)."""
     result, reason = request.result or Result.ABANDONED, request.reason
-    committed, memory = None, None
+    committed, memory, write_through = None, None, None
     if request.tier is Place.HELD:
         result, reason, committed = _check_held(request)
     elif request.tier is Place.MEMORY:
         try:
             memory = _in_memory(request)
             result, committed = Result.COMMITTED, memory.describe()
+        except LeavingHolders as exc:
+            result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
+            if request.root is not None:
+                write_through = exc.checkpoint
         except CheckpointError as exc:
             result, reason = Result.ABANDONED, "; ".join([str(exc), *request.failures])
     elif request.tier is Place.DISK:
@@ -155,7 +165,20 @@ def carry_out(request: CommitRequest) -> CommitResult:
     resume_from = {"step": latest.step, "path": latest.path} if latest else None
     if memory is not None:
         resume_from = {"step": memory.step, "tier": "memory"}
-    return CommitResult(result, reason, committed, memory, resume_from)
+    return CommitResult(result, reason, committed, memory, resume_from, write_through)
+
+
+def written_through(landed: CommitResult, durable: dict[str, Any]) -> CommitResult:
+    """A commit whose keepers were leaving (``landed.write_through``), once the keepers wrote
+    it through to disk: committed where its manifest landed, else abandoned, saying both why."""
+    memory = landed.write_through
+    assert memory is not None
+    if "path" in durable:
+        where = {"step": memory.step, "path": durable["path"]}
+        reason = f"written through to disk by the keepers before their nodes go ({landed.reason})"
+        return CommitResult(Result.COMMITTED, reason[:500], where, None, dict(where))
+    why = f"{landed.reason}; the write-through to disk failed: {durable.get('error', '')}"
+    return dataclasses.replace(landed, reason=why[:500], write_through=None)
 
 
 def _in_memory(request: CommitRequest) -> MemoryCheckpoint:
@@ -176,6 +199,10 @@ def _check_held(request: CommitRequest) -> tuple[Result, str, dict[str, Any] | N
     land (``held.py``); a restart meanwhile loads the checkpoint before it."""
     try:
         checked = _in_memory(request)
+    except LeavingHolders as exc:
+        if request.root is None:
+            return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
+        checked = exc.checkpoint  # its commit, once the copies land, writes it through to disk
     except CheckpointError as exc:
         return Result.ABANDONED, "; ".join([str(exc), *request.failures]), None
     held = {k: list(r.holders) for k, r in sorted(checked.shards.items()) if r.tier is Place.HELD}

@@ -22,7 +22,7 @@ from ..protocol import Result
 from . import events as ev
 from . import gc_freeze, recovery
 from .backups import BackupTurns
-from .conclusion import CommitRequest, carry_out
+from .conclusion import CommitRequest, CommitResult, carry_out, written_through
 from .cycle import REPORT_GRACE_S
 from .fanout import Fanout
 from .machine import CycleMachine
@@ -87,7 +87,7 @@ class CycleTasks:
                 wait_s = max(last - time.time(), 0) + REPORT_GRACE_S
                 await self._until(self.event(cycle, "reported"), wait_s)  # missing: named
             [commit] = ev.of_kind(self.step(ev.ReportsClosed(cycle)), ev.Commit)
-            landed = await asyncio.to_thread(carry_out, commit.request)  # the disk, nothing else
+            landed = await self._carry_out(commit.request)
             self.step(ev.CommitDone(cycle, landed))
         except asyncio.CancelledError:
             raise
@@ -101,6 +101,21 @@ class CycleTasks:
             self.backups.forget_before(cycle + 1)
             self.fanout.forget_except(set(self.machine.registry.processes))
             await asyncio.to_thread(gc_freeze.give_back_freed)  # off the loop: see gc_freeze.py
+
+    async def _carry_out(self, request: CommitRequest) -> CommitResult:
+        """The commit, on a thread (the disk, nothing else). One whole in keepers whose nodes
+        are all leaving is written through to disk by them first: committed once it is."""
+        landed = await asyncio.to_thread(carry_out, request)
+        if landed.write_through is None:
+            return landed
+        logger.warning(
+            "ray_graceful coordinator: step %s of cycle %s is whole in the keepers, but their "
+            "nodes are leaving: writing it through to disk (%s)",
+            landed.write_through.step,
+            request.cycle,
+            landed.reason,
+        )
+        return written_through(landed, await self.memory.write_through(landed.write_through))
 
     @staticmethod
     async def _until(event: asyncio.Event, timeout_s: float) -> None:
@@ -128,9 +143,13 @@ class CycleTasks:
     # --- held steps: the machine decides (``held.py``); here, the commit and the disk copy ----
 
     async def commit_held(self, request: CommitRequest) -> None:
-        """Every copy landed: commit the step in memory, then (``MakeDurable``) on disk."""
-        landed = await asyncio.to_thread(carry_out, request)
-        self.step(ev.HeldCommitted(request.cycle, landed))
+        """Every copy landed: commit the step in memory, then (``MakeDurable``) on disk - or,
+        where its keepers are leaving, on disk through them at once."""
+        # Nodes that got notices since the cycle concluded (later cycles) leave too: a keeper
+        # there does not count, as a late notice's does not (``memory/commit.py``).
+        leaving = request.evicted_nodes | frozenset(self.memory.leaving)
+        request = dataclasses.replace(request, evicted_nodes=leaving)
+        self.step(ev.HeldCommitted(request.cycle, await self._carry_out(request)))
 
     async def when_durable(self, cycle: int) -> None:
         durable = await self.memory.wait_durable(cycle, REPORT_GRACE_S + 600.0)

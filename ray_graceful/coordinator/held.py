@@ -13,7 +13,8 @@ background (manifest last). Until then nothing marks it committed: ``load_latest
 restart see the step before it, and ``Coordinator.durability(cycle)`` says which stage it is in:
 
     held  ->  in the keepers  ->  on disk
-      |               \\-> durable-failed (every try of the disk copy failed: ``reason``)
+      |  |            \\-> durable-failed (every try of the disk copy failed: ``reason``)
+      |  \\-> on disk (the keepers' nodes are all leaving: written through by them at once)
       \\-> lost (a copy failed, or did not land by ``until``: the step is never committed)
 
 Ray-free and clock-free, and written by the cycle machine alone (``machine.py``): each event of
@@ -210,10 +211,14 @@ class HeldSteps:
         return _lost(held)
 
     def committed(self, cycle: int, landed: CommitResult, now: float) -> list[ev.Decision]:
-        """The memory commit of a held step landed: in the keepers, its disk copy next."""
+        """The memory commit of a held step landed: in the keepers, its disk copy next - or on
+        disk already, written through by keepers whose nodes are leaving."""
         held = self.steps.get(cycle)
         if held is None:
             return []
+        if landed.result is Result.COMMITTED and landed.memory is None and landed.committed:
+            held.reached(Stage.ON_DISK, now, durable_path=landed.committed["path"])
+            return [_changed(held)]
         if landed.result is not Result.COMMITTED or landed.memory is None:
             held.lose(f"the memory commit failed: {landed.reason}", now)
             return _lost(held)

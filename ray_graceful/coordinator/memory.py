@@ -268,9 +268,32 @@ class MemoryTier:
             )[:500]
         return summary
 
-    async def _write_durable(self, root: str, memory: MemoryCheckpoint) -> dict[str, Any]:
-        """The keepers write the shards, then the manifest; where it landed, or the error. A
-        step already on disk is kept as it is (``commit``), its shards reported reused."""
+    async def write_through(self, memory: MemoryCheckpoint) -> dict[str, Any]:
+        """A checkpoint whole in the keepers whose nodes are leaving (``LeavingHolders``): it
+        would vanish with them, so it is committed on disk instead - the keepers write their
+        shards now, while their nodes drain, and the manifest goes last. Never offered from
+        memory. The keepers' writes are bounded by the latest deadline of their nodes (or
+        ``teardown_timeout_s``): past it they are gone. The durable record, as ``wait_durable``
+        gives it to anyone waiting for this cycle's copy."""
+        root = self.config.checkpoint_dir
+        assert root is not None  # conclusion.carry_out asks for a write-through only with one
+        holders = {n for r in memory.shards.values() for n in r.holders}
+        deadlines = [self.leaving[n] for n in holders if n in self.leaving]
+        within = max(deadlines, default=time.time() + self.config.teardown_timeout_s)
+        async with self.writing.setdefault(memory.step, asyncio.Lock()):
+            durable = await self._write_durable(root, memory, max(within - time.time(), 1.0))
+        self._durable_ended(memory, durable)
+        self.durable[memory.cycle] = durable
+        self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
+        self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
+        return durable
+
+    async def _write_durable(
+        self, root: str, memory: MemoryCheckpoint, within: float | None = None
+    ) -> dict[str, Any]:
+        """The keepers write the shards (within ``within`` seconds, if given), then the
+        manifest; where it landed, or the error. A step already on disk is kept as it is
+        (``commit``), its shards reported reused."""
         try:
             records: list[ShardRecord] = []
             calls = {}
@@ -279,7 +302,8 @@ class MemoryTier:
                     records.append(record)
                     continue
                 calls[key] = self._persist_one(root, memory.step, key, record.holders)
-            for data in await asyncio.gather(*calls.values()):
+            written = asyncio.gather(*calls.values())
+            for data in await asyncio.wait_for(written, within):
                 records.append(ShardRecord.from_dict(data))
             path = await asyncio.to_thread(
                 commit,

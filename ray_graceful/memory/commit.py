@@ -78,6 +78,17 @@ class MemoryCheckpoint:
         return memory
 
 
+class LeavingHolders(CheckpointError):
+    """Every shard is whole in the keepers' memory, but too few of its holders stay: their
+    nodes have notices. Not a memory checkpoint - it would vanish with them - yet the keepers
+    still hold it while their nodes drain, so it can be written through to disk
+    (``MemoryTier.write_through``) and count as committed once its manifest lands."""
+
+    def __init__(self, reason: str, checkpoint: MemoryCheckpoint) -> None:
+        super().__init__(reason)
+        self.checkpoint = checkpoint  # every check passed but the holders'
+
+
 def commit_in_memory(
     job_id: str,
     cycle: int,
@@ -89,7 +100,8 @@ def commit_in_memory(
     """The memory checkpoint of these records, or CheckpointError saying what is missing.
 
     A holder on a node with a notice (a late one included: it came after the plan) does not
-    count: its keeper goes when the node goes.
+    count: its keeper goes when the node goes. Where that alone is amiss - each shard held by
+    ``replicas`` keepers, too few of them staying - the error is ``LeavingHolders``.
     """
     if not expected:
         raise CheckpointError("refusing to commit a checkpoint with no shards")
@@ -97,19 +109,26 @@ def commit_in_memory(
     if len(steps) > 1:
         raise CheckpointError(f"shards were saved at steps {sorted(steps)}: a checkpoint holds one")
     by_shard: dict[str, ShardRecord] = {}
+    leaving: list[str] = []
     for record in records:
         if record.shard in by_shard:
             raise CheckpointError(f"shard {record.shard!r} was saved twice")
         survivors = set(record.holders) - evicted_nodes
         if record.tier is Place.MEMORY and len(survivors) < replicas:
-            raise CheckpointError(
+            why = (
                 f"shard {record.shard!r} is held by {len(survivors)} node(s) not being "
                 f"evicted, memory_replicas is {replicas}; not committed"
             )
+            if len(set(record.holders)) < replicas:
+                raise CheckpointError(why)
+            leaving.append(why)
         by_shard[record.shard] = record
     check_shard_set(expected, by_shard)
     _check_dcp_coverage(by_shard)
-    return MemoryCheckpoint(job_id, cycle, steps.pop(), by_shard)
+    checkpoint = MemoryCheckpoint(job_id, cycle, steps.pop(), by_shard)
+    if leaving:
+        raise LeavingHolders("; ".join(leaving[:3]), checkpoint)
+    return checkpoint
 
 
 def _check_dcp_coverage(by_shard: dict[str, ShardRecord]) -> None:

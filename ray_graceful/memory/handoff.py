@@ -244,9 +244,6 @@ def load_shard(
     """
     import ray
 
-    # Manifests and sizes only: verifying every shard here would read the whole checkpoint
-    # in every rank; the shard loaded from disk is verified when it is loaded.
-    on_disk = latest_committed(checkpoint_dir, verify_checksums=False) if checkpoint_dir else None
     memory = None
     if coordinator is not None:
         try:
@@ -254,6 +251,11 @@ def load_shard(
             memory = ray.get(asked, timeout=timeout_s)
         except Exception as exc:
             logger.warning("ray_graceful: could not ask for the memory checkpoint: %r", exc)
+    # Read after the coordinator answered: it waits for a held step still settling, which may
+    # land on disk (written through by keepers whose nodes are leaving) while it waits.
+    # Manifests and sizes only: verifying every shard here would read the whole checkpoint
+    # in every rank; the shard loaded from disk is verified when it is loaded.
+    on_disk = latest_committed(checkpoint_dir, verify_checksums=False) if checkpoint_dir else None
     if memory is not None and (on_disk is None or memory["step"] >= on_disk.step):
         here = ray.get_runtime_context().get_node_id()
         holders = sorted(memory["holders"].items(), key=lambda item: item[0] != here)

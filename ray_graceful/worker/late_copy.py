@@ -46,12 +46,21 @@ class LateCopies:
         self._hand_off = hand_off
         self._go = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._taken = -1  # the newest cycle whose shards were taken
         self.waiting = False  # a copy waits for ``go()``: read on every ``should_stop``
 
     def take(self, cycle: int, shards: list[HeldShard], tell: Tell | None, wait_s: float) -> None:
-        """Copy ``shards`` once ``go()`` is called or ``wait_s`` passed; then ``tell``."""
-        if not shards:
-            return
+        """Copy ``shards`` once ``go()`` is called or ``wait_s`` passed; then ``tell``. Once per
+        cycle: the survivor's ask to rejoin and its leaving both hand them over, whichever
+        comes first (a leave that found nothing taken yet would otherwise not wait for it)."""
+        with self._lock:
+            if not shards or cycle <= self._taken:
+                return
+            self._taken = cycle
+            self._start(cycle, shards, tell, wait_s)
+
+    def _start(self, cycle: int, shards: list[HeldShard], tell: Tell | None, wait_s: float) -> None:
         self.finish(0.0)  # an earlier cycle's copy still running: it goes on, unwaited
         self._go = go = threading.Event()
         self.waiting = True

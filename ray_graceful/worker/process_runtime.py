@@ -218,8 +218,16 @@ class ProcessRuntime:
             case KeepAnswer(answer):
                 self.rendezvous = answer
             case Leave(reason):
-                # The step the group held must not vanish with this holder: its copy first.
+                # The step the group held must not vanish with this holder: its copy first -
+                # taken here if the leave came before the ask to rejoin took it.
+                self._hand_over_held()
                 self.late.finish(config.save_budget_s)
+                if self.replaced_by is Replacement.TRAIN_SLOT:
+                    # Ray Train ends this worker: ``carry_on`` raises out of the training
+                    # function. An exit of its own while Train replaces another worker's group
+                    # failed Train's controller (an ActorDiedError there is not retried).
+                    write_stderr(f"ray_graceful: leaving to Ray Train: {reason}\n")
+                    return
                 leave(config, reason, self.timers.call_at)
             case HardExit(code, why):
                 running = self.teardown
@@ -318,6 +326,16 @@ class ProcessRuntime:
             )
         return save_orders, skipped
 
+    def _hand_over_held(self) -> None:
+        """A survivor's held shards, once its teardown ended, to ``late`` (once per cycle):
+        from the ask to rejoin, or from a leave that came first - ``rejoin()`` goes on as soon
+        as the teardown is done, and may leave before the watchdog's thread asks."""
+        teardown, control, order = self.teardown, self.control, self.order
+        if teardown is None or control is None or order is None or not teardown.done.is_set():
+            return
+        wait_s = self.config_or_default().rejoin_timeout_s
+        self.late.take(order.cycle, list(teardown.saving.held), control.late_saved, wait_s)
+
     def _await_rejoin(self, order: TeardownOrder) -> None:
         """A survivor whose teardown ended in time (on the teardown watchdog's thread, which has
         nothing left to watch): ask the coordinator for its rendezvous - short long polls, and
@@ -327,10 +345,7 @@ class ProcessRuntime:
         assert teardown is not None and control is not None  # started; the order came through it
         threading.current_thread().name = "ray_graceful-rejoin-ask"
         # What it holds goes to the keepers once the group trains again (late_copy.py).
-        config = self.config_or_default()
-        self.late.take(
-            order.cycle, list(teardown.saving.held), control.late_saved, config.rejoin_timeout_s
-        )
+        self._hand_over_held()
         self.step(TeardownEnded(time.time()))
         answered_at = None
         while self.phase() is RankPhase.AWAITING_REJOIN:
