@@ -216,29 +216,34 @@ class _Job:
 
 
 def _one(hosts: Any, tmp: str, fault: str, way: str, pair: Any = None) -> dict[str, Any]:
-    import ray
-
     job = _Job(hosts, tmp, watch=way == "watch", pair=pair)
     try:
-        started = time.monotonic()
-        hosts.fail(job.a, fault)
-        released_s = None
-        done, _ = ray.wait(job.training[2:], num_returns=2, timeout=120)
-        if len(done) == 2:
-            released_s = time.monotonic() - started
-        outcome = job.coordinator.wait_outcome(timeout=120, cycle=0)
-        outcome_s = time.monotonic() - started
-        return {
-            "fault": fault,
-            "way": way,
-            "released_s": released_s,
-            "outcome_s": outcome_s if outcome is not None else None,
-            "result": outcome.result if outcome else None,
-            "step": (outcome.committed or {}).get("step") if outcome else None,
-            "source": outcome.notices[0]["source"] if outcome and outcome.notices else None,
-        }
+        return time_fault(job, fault, way)
     finally:
         job.end()
+
+
+def time_fault(job: _Job, fault: str, way: str) -> dict[str, Any]:
+    """Fail the job's host A now: seconds to the survivors' release and to the outcome."""
+    import ray
+
+    started = time.monotonic()
+    job.hosts.fail(job.a, fault)
+    released_s = None
+    done, _ = ray.wait(job.training[2:], num_returns=2, timeout=120)
+    if len(done) == 2:
+        released_s = time.monotonic() - started
+    outcome = job.coordinator.wait_outcome(timeout=120, cycle=0)
+    outcome_s = time.monotonic() - started
+    return {
+        "fault": fault,
+        "way": way,
+        "released_s": released_s,
+        "outcome_s": outcome_s if outcome is not None else None,
+        "result": outcome.result if outcome else None,
+        "step": (outcome.committed or {}).get("step") if outcome else None,
+        "source": outcome.notices[0]["source"] if outcome and outcome.notices else None,
+    }
 
 
 def _warm_one(hosts: Any, tmp: str, fault: str, rank_hosts: int) -> dict[str, Any]:

@@ -13,10 +13,12 @@ each with cores of its own.
 
 For ``--minutes``, every 5 s: the hosts the watch declared lost (each a false alarm: no host
 failed), the probes that found a suspected host alive, and whether every rank still trains.
-Then, with the load still on, ``--crashes`` times a pair of hosts (made before the load: a
-raylet does not start within Ray's bound on a machine this loaded) is trained on and one of
-them crashed (every process SIGKILLed, as ``host-loss --faults crash``): the seconds from the
-crash to the survivors' release and to the cycle's outcome, noticed by whom.
+Then, with the load still on, ``--crashes`` jobs - each a pair of hosts, a coordinator of its
+own and four ranks, set up and training from before the load (on a machine this loaded a new
+raylet does not start within Ray's bound, nor new ranks set up within 120 s) - have one host
+crashed in turn (every process SIGKILLed, as ``host-loss --faults crash``): the seconds from
+the crash to the survivors' release and to the cycle's outcome, noticed by whom. A training
+that stops before the stop file is said with why (what the ranks returned, the cycle's notices).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-from .host_loss import HostLossRank, _config, _one, add_pair, wait_watched
+from .host_loss import HostLossRank, _config, _Job, add_pair, time_fault, wait_watched
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 SAMPLE_S = 5.0
@@ -159,7 +161,10 @@ def bench_host_watch_load(args: argparse.Namespace) -> dict[str, Any]:
             made = [
                 hosts.add_host(num_cpus=1, resources={f"H{i}-{tag}": 1}) for i in range(args.hosts)
             ]
-            pairs = [add_pair(hosts) for _ in range(args.crashes)]
+            # Jobs to crash under the load, trained on from before it: under the load, new
+            # ranks (Ray's workers, at niceness 15 beside busy loops at 0) did not set up
+            # within 120 s, nor a new raylet start within Ray's bound.
+            jobs = [_Job(hosts, tmp, watch=True, pair=add_pair(hosts)) for _ in range(args.crashes)]
             config = _config(tmp, tag, watch=True)
             coordinator = Coordinator.start(config)
             actor = ray.remote(num_cpus=0)(LoadedRank)
@@ -191,11 +196,13 @@ def bench_host_watch_load(args: argparse.Namespace) -> dict[str, Any]:
                 if not sample["training"] and not any("stopped" in s for s in samples):
                     sample["stopped"] = _why_stopped(coordinator, training)
                     print(f"  training stopped: {sample['stopped']}", flush=True)
-            for pair in pairs:
+            for job in jobs:
                 try:
-                    run = _one(hosts, tmp, "crash", "watch", pair=pair)
+                    run = time_fault(job, "crash", "watch")
                 except Exception as exc:  # said in the row; the loaded run's samples stand
                     run = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+                finally:
+                    job.end()
                 print(f"  crash under load: {run}", flush=True)
                 crashes.append(run)
             samples.append({**_sample(coordinator, training), "at_s": "after the crashes"})
