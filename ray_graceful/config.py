@@ -29,7 +29,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
+from typing_extensions import Self
 
 from .config_sections import (  # noqa: F401 (the default XIDs: part of this API)
     DEFAULT_DEGRADED_XIDS,
@@ -91,6 +92,18 @@ class GracefulConfig(
         except ValidationError as error:
             raise _config_error(error, values) from None
 
+    @model_validator(mode="after")
+    def _held_path_with_warm_restart(self) -> Self:
+        """``memory_replicas`` not given: what ``warm_restart`` needs for its fast way back.
+
+        A warm restart's survivors hold their own shards only where keepers will make the
+        held step durable (``coordinator/held.py``); without them every survivor saves before
+        anyone trains again. So the warm restart alone brings one keeper replica; a given
+        ``memory_replicas`` (0 included) is kept as given."""
+        if "memory_replicas" not in self.model_fields_set:
+            object.__setattr__(self, "memory_replicas", default_memory_replicas(self.warm_restart))
+        return self
+
     def __setattr__(self, name: str, value: Any) -> None:
         # AttributeError, as a frozen dataclass raises (pydantic's own is a ValidationError).
         raise AttributeError(f"GracefulConfig is frozen: config.replace({name}=...) makes a copy")
@@ -117,12 +130,14 @@ class GracefulConfig(
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
-        """The variables that make ``from_env()`` rebuild this config (non-defaults only)."""
-        default = GracefulConfig()
+        """The variables that make ``from_env()`` rebuild this config (non-defaults only; a
+        setting derived from another, as ``memory_replicas`` from ``warm_restart``, is derived
+        again there)."""
+        default = dict(GracefulConfig(), memory_replicas=default_memory_replicas(self.warm_restart))
         return {
             ENV_PREFIX + name.upper(): env_text(value)
             for name, value in self
-            if value != getattr(default, name)
+            if name in self.model_fields_set and value != default[name]
         }
 
     @classmethod
@@ -144,8 +159,16 @@ class GracefulConfig(
             )
 
     def replace(self, **changes: Any) -> GracefulConfig:
-        """A copy with some fields changed (validated again)."""
-        return GracefulConfig(**{**dict(self), **changes})
+        """A copy with some fields changed (validated again). A setting that was not given
+        stays not given: ``memory_replicas`` follows ``warm_restart`` in the copy too."""
+        given = {name: value for name, value in self if name in self.model_fields_set}
+        return GracefulConfig(**{**given, **changes})
+
+
+def default_memory_replicas(warm_restart: bool) -> int:
+    """``memory_replicas`` when it is not given: one keeper replica for a warm restart's held
+    path, none otherwise (docs/configuration.md)."""
+    return 1 if warm_restart else 0
 
 
 def _hint(name: str, known: Mapping[str, str]) -> str:
@@ -202,6 +225,8 @@ def config_reference_markdown() -> str:
             shown = repr(value.value if isinstance(value, enum.Enum) else value)
             if name == "report_dir":
                 shown = "(system temp)/ray-graceful-reports"
+            if name == "memory_replicas":
+                shown = "1 with warm_restart, else 0"
             meaning = " ".join(str(field.description).split())
             lines.append(f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | `{shown}` | {meaning} |")
         lines.append("")

@@ -322,7 +322,9 @@ class MemorySettings(Section):
     memory_replicas: ReplicaCount = 0
     """Memory tier: how many nodes that are not being evicted hold each shard of an emergency
     checkpoint in memory (a keeper actor per node), persisted to checkpoint_dir in the
-    background. 0: no memory tier, saves go to checkpoint_dir as before."""
+    background. 0: no memory tier, saves go to checkpoint_dir. Not given: 1 with warm_restart
+    (the held path: survivors hold their shards and train on, the keepers make the step
+    durable behind the training), 0 without."""
 
     memory_budget_mb: Megabytes = 8192
     """Memory tier: the most one node's keeper holds; a shard that does not fit is saved to

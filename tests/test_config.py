@@ -67,6 +67,25 @@ def test_replace_validates_the_copy_and_leaves_the_original():
         config.replace(save_budget_s=0)
 
 
+def test_a_warm_restart_alone_brings_the_keepers_its_held_path_needs():
+    """docs/configuration.md: ``memory_replicas`` not given is 1 with ``warm_restart`` (the
+    held path) and 0 without; a given value, 0 included, is kept through copies and the
+    environment."""
+    assert GracefulConfig().memory_replicas == 0
+    warm = GracefulConfig(warm_restart=True)
+    assert warm.memory_replicas == 1
+    assert GracefulConfig.from_env({"RAY_GRACEFUL_WARM_RESTART": "1"}).memory_replicas == 1
+    assert GracefulConfig().replace(warm_restart=True).memory_replicas == 1
+    assert warm.replace(warm_restart=False).memory_replicas == 0
+    assert warm.to_env() == {"RAY_GRACEFUL_WARM_RESTART": "true"}
+    disk_only = GracefulConfig(warm_restart=True, memory_replicas=0)
+    assert disk_only.memory_replicas == 0
+    assert disk_only.replace(rejoin_timeout_s=5.0).memory_replicas == 0
+    assert GracefulConfig.from_env(disk_only.to_env()).memory_replicas == 0
+    assert GracefulConfig(memory_replicas=0).replace(warm_restart=True).memory_replicas == 0
+    assert GracefulConfig(warm_restart=True, memory_replicas=2).memory_replicas == 2
+
+
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"save_budget_s = 25\.0 does not fit"):
         GracefulConfig(save_budget_s=25)
