@@ -228,11 +228,7 @@ class MemoryTier:
             if "path" in durable:
                 break
             durable["tries"] = attempt + 1
-        self._durable_ended(memory, durable)
-        self.durable[memory.cycle] = durable
-        self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
-        self._changed(memory)
-        self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
+        self._copy_ended(memory, durable)
 
     def _durable_ended(self, memory: MemoryCheckpoint, durable: dict[str, Any]) -> None:
         """Keep ``durable_summary`` true: the newest durable step, and a newer one that failed."""
@@ -282,11 +278,21 @@ class MemoryTier:
         within = max(deadlines, default=time.time() + self.config.teardown_timeout_s)
         async with self.writing.setdefault(memory.step, asyncio.Lock()):
             durable = await self._write_durable(root, memory, max(within - time.time(), 1.0))
+        self._copy_ended(memory, durable, in_memory=False)
+        return durable
+
+    def _copy_ended(
+        self, memory: MemoryCheckpoint, durable: dict[str, Any], in_memory: bool = True
+    ) -> None:
+        """A disk copy ended (landed or failed): the summary, its record, the memory
+        checkpoint's own record (``in_memory``: not for a write-through, never one), and
+        whoever waits for it (``wait_durable``)."""
         self._durable_ended(memory, durable)
         self.durable[memory.cycle] = durable
         self.publish(f"durable-cycle-{memory.cycle}", {"cycle": memory.cycle, **durable})
+        if in_memory:
+            self._changed(memory)
         self.durable_events.setdefault(memory.cycle, asyncio.Event()).set()
-        return durable
 
     async def _write_durable(
         self, root: str, memory: MemoryCheckpoint, within: float | None = None
