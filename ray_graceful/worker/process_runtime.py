@@ -16,7 +16,6 @@ The public setup API that fills it is ``setup.py``.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -291,7 +290,7 @@ class ProcessRuntime:
             return
         save_orders, skipped = self._save_orders(order)
         skip_reason = "; ".join([order.skip_reason, *skipped]).strip("; ")
-        then = functools.partial(self._await_rejoin, action.then.order) if action.then else None
+        then = self._await_rejoin if action.then else None
         self.begin_teardown(
             trigger=action.trigger,
             deadline=order.deadline,
@@ -336,15 +335,16 @@ class ProcessRuntime:
         wait_s = self.config_or_default().rejoin_timeout_s
         self.late.take(order.cycle, list(teardown.saving.held), control.late_saved, wait_s)
 
-    def _await_rejoin(self, order: TeardownOrder) -> None:
+    def _await_rejoin(self) -> None:
         """A survivor whose teardown ended in time (on the teardown watchdog's thread, which has
         nothing left to watch): ask the coordinator for its rendezvous - short long polls, and
         every ``ASK_WAIT_S`` once answered, so that a coordinator lost while the driver has not
         called back yet is seen within that - until it rejoins or leaves."""
-        teardown, control = self.teardown, self.control
-        assert teardown is not None and control is not None  # started; the order came through it
+        control = self.control
+        assert control is not None  # the order came through it
         threading.current_thread().name = "ray_graceful-rejoin-ask"
-        # What it holds goes to the keepers once the group trains again (late_copy.py).
+        # What it holds (``self.order``'s cycle) goes to the keepers once the group trains
+        # again (late_copy.py).
         self._hand_over_held()
         self.step(TeardownEnded(time.time()))
         answered_at = None
