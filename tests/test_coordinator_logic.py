@@ -272,6 +272,23 @@ def test_malformed_notices_and_receipt_times_are_rejected_not_raised(config):
     assert not nan.accepted and "received_at nan" in nan.reason
 
 
+def test_a_sigterm_from_a_process_it_does_not_know_is_refused_for_now_only(config):
+    """A coordinator Ray restarted hears a SIGTERM through a node agent that reconnected first:
+    the process has not registered again yet. Refused for now (``retry``), so that the rank
+    reports again once registered instead of going alone; a stale cycle is refused for good."""
+
+    async def scenario():
+        coord, *_ = make(config)
+        await register(coord)
+        unknown = await coord.report_sigterm(SigtermSeen("p-new", 0, time.time()))
+        stale = await coord.report_sigterm(SigtermSeen("p0", 7, time.time()))
+        return unknown, stale
+
+    unknown, stale = run(scenario())
+    assert not unknown.accepted and unknown.retry and "not registered" in unknown.reason
+    assert not stale.accepted and not stale.retry and "stale" in stale.reason
+
+
 def test_outcome_is_published_where_the_config_says(config):
     async def scenario():
         coord, *_ = make(config)

@@ -193,8 +193,11 @@ def sigterm(state: CoordinatorState, message: SigtermSeen) -> list[ev.Decision]:
     process = state.member(message.process_id, message.cycle)
     if isinstance(process, Refusal):
         what = {"process": message.process_id, "cycle": message.cycle}
-        out += state.refuse(what, f"SIGTERM: {process.reason}")
-        return out
+        rejected = state.reject(what, f"SIGTERM: {process.reason}")
+        # Unknown: a coordinator Ray restarted, reached through a node agent that reconnected
+        # before the process registered again - refused for now only; reported again then.
+        reply = Reply.refused(rejected.reason, state.cycle.number, retry=process.unknown)
+        return [*out, rejected, ev.Replied(reply)]
     notices = [
         EvictionNotice(
             Source.SIGTERM, "SIGTERM", message.cycle, 0.0, rank=k, received_at=message.received_at

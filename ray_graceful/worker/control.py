@@ -386,6 +386,11 @@ class ControlChannel:
             self._lost(f"reporting SIGTERM: {answer}")
             return Told.UNREACHABLE
         self.sigterm_refusal = "" if answer.accepted else answer.reason
+        if not answer.accepted and answer.retry:
+            # Not registered with this coordinator yet: Ray restarted it and the node agent's
+            # relay reached the new one first. The channel registers again (the agent answers
+            # its poll AWAY), and the rank's machine reports again once it is back.
+            return Told.RESTARTING
         return Told.ACCEPTED if answer.accepted else Told.REFUSED
 
     def wait_rejoined(self, cycle: int, wait_s: float) -> NoAnswer | None:

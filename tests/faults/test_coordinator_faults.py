@@ -120,16 +120,19 @@ def test_killed_while_gathering(rep, fault_log, coordinator_with, config, exit_r
     record(fault_log, exit_recorder, name, config, outcome, pids, ranks)
 
 
+@pytest.mark.parametrize("watch", [False, True], ids=["direct", "through-agents"])
 def test_a_sigterm_while_it_restarts_is_planned_by_the_new_one(
-    rep, fault_log, coordinator_with, config, exit_recorder
+    rep, fault_log, coordinator_with, config, exit_recorder, watch
 ):
     """A SIGTERM that reaches a rank while Ray restarts the coordinator waits for the new one
     (for as long as going alone would still leave its own save): its control channel reports
     it again, and the new coordinator plans the cycle - a replica saves each shard, committed.
-    Going alone at once, the cycle was abandoned (and unseen: nobody was left registered)."""
+    Going alone at once, the cycle was abandoned (and unseen: nobody was left registered).
+    Through the node agents (the host watch on), the agent may reach the new coordinator
+    before the rank registered again: the report is refused for now only, and made again."""
     # The default 25 s of teardown: the wait may last until 25 - 1 - 2 - 6 = 16 s after the
     # signal, far more than a restart needs even on a loaded machine.
-    config = config.replace(teardown_timeout_s=25.0)
+    config = config.replace(teardown_timeout_s=25.0, host_watch=watch)
     coordinator = coordinator_with(config)
     ranks, pids = start(config, exit_recorder)
     kill_coordinator(coordinator)
