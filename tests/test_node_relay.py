@@ -188,6 +188,26 @@ def test_an_unreachable_coordinator_sends_every_process_to_register_again():
     asyncio.run(scenario())
 
 
+def test_a_process_between_polls_when_the_coordinator_went_away_is_told_it_is_unknown():
+    """The relay forgets every process when its poll finds the coordinator away; one that held
+    no poll then hears it on its next poll - "not registered" - and registers again (the control
+    channel reconnects on UNKNOWN as on AWAY; it once took UNKNOWN for the end of the link)."""
+
+    async def scenario():
+        coordinator = FakeCoordinator()
+        relay = NodeRelay("node-a-1", coordinator, wait_s=30.0)
+        await asyncio.gather(*(relay.register(register(i)) for i in range(2)))
+        held = asyncio.ensure_future(relay.poll("p0", 0, PollState(), 30.0))  # p1: between polls
+        await until(lambda: coordinator.fanout.pending() == 2)  # the relay's poll, for both
+        coordinator.unreachable = Unreachable("ActorUnavailableError: restarting", True)
+        coordinator.fanout.forget_except(set())
+        assert (await asyncio.wait_for(held, 5)).kind is PollKind.AWAY
+        late = await asyncio.wait_for(relay.poll("p1", 0, PollState(), 30.0), 5)
+        assert late.kind is PollKind.UNKNOWN and "not registered" in late.reason
+
+    asyncio.run(scenario())
+
+
 def test_a_nodes_reports_go_up_in_one_call_and_an_unreachable_coordinator_says_retry():
     async def scenario():
         coordinator = FakeCoordinator()

@@ -302,7 +302,11 @@ class ControlChannel:
                 return
             if answer.kind is PollKind.IDLE:
                 continue
-            if answer.kind is PollKind.AWAY:  # the agent found the coordinator restarting or gone
+            if answer.kind in (PollKind.AWAY, PollKind.UNKNOWN):
+                # AWAY: the agent found the coordinator restarting or gone. UNKNOWN: whoever
+                # answered does not know this process - a coordinator Ray restarted between two
+                # polls, or the agent, which forgot it when its own poll found the coordinator
+                # away while this process was between polls. Either way: register again.
                 if self._reconnect(answer.reason):
                     continue
                 return
