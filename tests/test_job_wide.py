@@ -129,21 +129,21 @@ def check_actor_group(result: dict) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_actor_group_with_the_anyscale_option(ray_cluster, tmp_path, kind):
-    """The sync group also switches the host watch on, as docs/configuration.md says:
-    ``RAY_GRACEFUL_HOST_WATCH=1`` job-wide, nothing in any config object - the ranks' node agent
+    """The async group leaves the host watch as it is by default: on - the ranks' node agent
     beats to the coordinator's watch, and an eviction with a notice ends as it does without it.
-    The async group leaves it as it is: off."""
+    The sync group switches it off job-wide, as docs/configuration.md says:
+    ``RAY_GRACEFUL_HOST_WATCH=0``, nothing in any config object."""
     env = anyscale_env(tmp_path)
     if kind == "sync":
-        env["RAY_GRACEFUL_HOST_WATCH"] = "1"
+        env["RAY_GRACEFUL_HOST_WATCH"] = "0"
     result = run_driver(ray_cluster, tmp_path, kind, env, "sigterm")
     check_actor_group(result)
     assert result["outcome"]["notices"][0]["source"] == "sigterm"
     watch = result["host_watch"]
-    if kind == "async":
-        assert watch is None, "off unless the job switches it on"
+    if kind == "sync":
+        assert watch is None, "the job's env did not switch the host watch off"
     else:
-        assert watch is not None, "the job's env did not switch the host watch on"
+        assert watch is not None, "the host watch is on by default"
         assert len(watch["hosts"]) == 1 and watch["lost"] == {}, watch
 
 
