@@ -508,6 +508,40 @@ def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"p1"}
 
 
+def test_a_member_lost_on_its_way_in_ends_the_warm_restart_with_its_cycle_not_the_next(tmp_path):
+    """The spare registered and died in its load (Ray Train's new worker, killed there): its
+    death is a notice of the new group's cycle, which concludes. The warm restart into that
+    cycle is over then - failed, superseded by the cycle's own plan, its waiters woken - and its
+    join deadline, later, no longer ends the ranks of the group after it."""
+    config = fast_config(tmp_path, warm_restart=True, rejoin_timeout_s=5.0)
+    m = machine(config)
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "0", True), "n1", 101)}
+    spare = SpareRecord("spare-x", "spare", "n2", 9)
+    record = m.warm.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}), now=time.time()
+    )
+    cycle = record.cycle
+    m.state.cycle = Cycle(cycle)
+    m.step(Register("p1", "n1", 101, "h", "job-a", (RankSpec("g", 1, 2, "0", True),)), time.time())
+    m.step(Register("x", "n2", 9, "h", "job-a", (RankSpec("g", 0, 2, "0", True),)), time.time())
+    m.step(Rejoined("joined", "p1", "g", 1, 2, 7, cycle, loaded_from="own state"), time.time())
+    lost = EvictionNotice("lost", "its actor died", cycle, rank=("g", 0))
+    m.step(ev.NoticesIn((lost,)), time.time())
+    m.step(ev.GatheringClosed(cycle), time.time())
+    saved = write_shard(
+        config.checkpoint_dir, 7, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
+    )
+    report(m, "p1", [saved])
+    (commit,) = of(m.step(ev.ReportsClosed(cycle), time.time()), ev.Commit)
+    concluded = m.step(ev.CommitDone(cycle, carry_out(commit.request)), time.time())
+
+    assert of(concluded, ev.Concluded) and ev.WarmFinished(cycle) in concluded
+    assert record.result == "failed" and "ended before 1 member(s) joined" in record.reason
+    m.step(Register("p1", "n1", 101, "h", "job-a", (RankSpec("g", 1, 2, "0", True),)), time.time())
+    after = m.step(ev.JoinDeadline(cycle), record.join_by)
+    assert of(after, ev.CycleOpened) == [], "the next group's ranks are not ended by it"
+
+
 def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(config):
     """'/' separates a group from its shard in a checkpoint's keys: "team/actor" and
     "team/critic" were committed as one DCP checkpoint "team". Refused where it enters, with

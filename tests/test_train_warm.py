@@ -252,19 +252,7 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
     "dies",
     [
         "as-it-begins",
-        pytest.param(
-            "in-its-load",
-            marks=[
-                pytest.mark.long,
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="known defect (issue 61): the survivors return from carry_on once they "
-                    "sent the step, before every member of the new group loaded it; their next "
-                    "collective meets the dead member, gloo raises out of the training function, "
-                    "and Train restarts the whole group",
-                ),
-            ],
-        ),
+        pytest.param("in-its-load", marks=pytest.mark.long),
     ],
 )
 def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tmp_path, dies):
@@ -272,7 +260,10 @@ def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tm
     ``as-it-begins``, SIGKILLed as its training function begins; ``in-its-load``, held path,
     it SIGKILLs itself in its ``load_state_dict``, the step received over the new group from
     a survivor. Train replaces that one too; the survivors keep their processes and take the
-    next new worker in, and no step is lost or run twice."""
+    next new worker in, and no step is lost or run twice. As it begins, the next worker joins
+    the same warm restart; in its load, the dead worker had joined the new group: the survivors
+    wait in ``carry_on`` until every member loaded, its death ends that group's cycle, and a
+    second warm restart takes the next worker in."""
     config = _config(tmp_path, memory_replicas=1 if dies == "in-its-load" else 0)
     die_in_load = str(tmp_path / "die-in-load")
     fit, box, files = _start(tmp_path, config, die_in_load=die_in_load)
@@ -290,7 +281,9 @@ def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tm
         os.kill(new_workers()[0], signal.SIGKILL)
     _wait_until("a second new worker began", lambda: len(new_workers()) >= 2, fit, 180)
     killed = new_workers()[0]
-    rejoined = coordinator.wait_rejoined(1, timeout=180)
+    into = 1 if dies == "as-it-begins" else 2
+    rejoined = coordinator.wait_rejoined(into, timeout=180)
+    superseded = coordinator.wait_rejoined(1, timeout=5) if into == 2 else None
     fit.join(240)
     assert not fit.is_alive(), "the run did not finish"
     assert box["result"].error is None, box["result"].error
@@ -300,8 +293,11 @@ def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tm
     joined = _lines(files["attempts"])[3:]
     assert [int(a[0]) for a in joined] == [1], joined
     assert int(joined[0][4]) not in (first[1], killed), "a third process for rank 1 joined"
-    # One warm restart, which the slot's next process joined
+    # The warm restart the slot's next process joined
     assert rejoined is not None and rejoined["result"] == "rejoined", rejoined
+    if superseded is not None:  # the warm restart the dead worker joined: ended with its cycle
+        assert superseded["result"] == "failed", superseded
+        assert "ended before 1 member(s) joined" in superseded["reason"], superseded
     pids = {m["member"]: m["pid"] for m in rejoined["members"]}
     assert pids["ray-train:train/1"] == int(joined[0][4]), rejoined
     progress = _lines(files["progress"])

@@ -271,6 +271,7 @@ class CycleMachine:
         step = (landed.committed or {}).get("step") if committed else None
         now = self.state.now
         spares = list(self.spares.spares.values())
+        superseded = self.warm.supersede(cycle.number, now)
         record, told = self.warm.after_cycle(cycle, step, committed, self.registry, spares, now)
         warm = record.to_dict() if record is not None else None
         if landed is None or cycle.plan is None:
@@ -290,7 +291,7 @@ class CycleMachine:
         self._commit = None
         cycle.move(Phase.CONCLUDED, self.state.now)
         out.append(ev.Concluded(outcome, memory, record))
-        out += self._if_warm_finished(record)
+        out += self._if_warm_finished(superseded) + self._if_warm_finished(record)
         for spare, word in told:
             self.spares.tell(spare, word)
             out.append(ev.SpareTold(spare.spare_id))

@@ -527,6 +527,24 @@ class WarmRestarts:
 
     # --- 4. what each member did -------------------------------------------------------------
 
+    def supersede(self, cycle: int, now: float) -> WarmRecord | None:
+        """The warm restart into ``cycle``, which just concluded, if a member of it never said
+        what it did: over, failed - the cycle's own plan has taken its place (a member that
+        died on its way in, Ray Train's new worker killed in its load, is such a cycle's
+        notice). Left open, its ``join_by`` would end the members of the group after it.
+        Returns the record if it was superseded here."""
+        record = self.records.get(cycle)
+        if record is None or record.result is not WarmResult.REJOINING:
+            return None
+        silent = [record.members[m].was for m in record.members if m not in record.results]
+        record.result = WarmResult.FAILED
+        record.reason = (
+            f"its cycle {cycle} ended before {len(silent)} member(s) joined "
+            f"({', '.join(silent[:3])})"
+        )
+        record.finished_at = now
+        return record
+
     def overdue(self, cycle: int, now: float) -> WarmRecord | None:
         """At the record's ``join_by``: fail the warm restart into ``cycle`` if a member has not
         said what it did - it died or hangs where nothing watches it (a spare killed between its

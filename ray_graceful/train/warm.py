@@ -32,12 +32,14 @@ time, every worker was evicted...), the survivors leave too, and Train restarts 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol import Replacement
+from ..config import GracefulConfig
+from ..protocol import Replacement, WarmResult
 from ..worker.process_groups import SetupError
-from ..worker.process_runtime import process_runtime
+from ..worker.process_runtime import ProcessRuntime, process_runtime
 from ..worker.rejoin import join_train_slot, rejoin
 from ..worker.restore import load_latest
 from ..worker.setup import after_init_process_group
@@ -47,6 +49,8 @@ from .loop import GROUP, EmergencyStop, train_shard
 from .reports import report_joined
 
 logger = logging.getLogger(__name__)
+
+JOINED_POLL_S = 0.25  # each ask for the new group's record: an order meanwhile is seen this soon
 
 
 def setup(
@@ -142,14 +146,45 @@ def carry_on(step: int) -> int:
     config = runtime.config_or_default()
     # A peer saw the stop first (should_stop agreed on it): this rank's order is on its way.
     runtime.stop_event.wait(config.order_wait_s)
-    rank_should_stop(step)  # parks at the boundary until this rank's save is done
-    order, teardown = runtime.order, runtime.teardown
-    if order is not None and order.rejoin:
+    while True:
+        rank_should_stop(step)  # parks at the boundary until this rank's save is done
+        order, teardown = runtime.order, runtime.teardown
+        if order is None or not order.rejoin:
+            break
         joined = rejoin(config=config)
-        if joined.joined:
+        if not joined.joined:
+            raise EmergencyStop(f"ray_graceful: the warm restart did not go ahead: {joined.reason}")
+        if _every_member_joined(runtime, joined.cycle, config):
             report_joined(joined.step, joined.cycle, config.checkpoint_dir)
             return joined.step
-        raise EmergencyStop(f"ray_graceful: the warm restart did not go ahead: {joined.reason}")
+        # A member died on its way in, and its death ended the new group's cycle: this
+        # survivor's order for it came instead. It parks at the step it holds, and re-forms
+        # with the worker Train puts in that slot next.
+        step = joined.step
     if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
     raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")
+
+
+def _every_member_joined(runtime: ProcessRuntime, cycle: int, config: GracefulConfig) -> bool:
+    """Whether every member of the new group (``cycle``) joined: asked before this survivor
+    trains in it, and True once the coordinator's record says so.
+
+    Trained in at once, its first collective could meet a member that died on its way in (Ray
+    Train's new worker, killed while it loaded the step): gloo raises out of the training
+    function, and Train restarts every worker. Such a death is a notice of the new group's own
+    cycle: this survivor's order for it comes instead, and the answer is False. A coordinator
+    that cannot be asked, or no word by the join's own bound: True (the survivor trains on, and
+    its collective tells). Where every member joined, the ask costs one round trip: the
+    survivor's first collective would have waited for the last member's load all the same."""
+    control = runtime.control
+    until = time.monotonic() + 2 * config.rejoin_timeout_s
+    while control is not None and time.monotonic() < until:
+        if runtime.stop_event.is_set():
+            return False
+        result = control.wait_rejoined(cycle, JOINED_POLL_S)
+        if result is WarmResult.REJOINED or not isinstance(result, WarmResult):
+            return True
+        # REJOINING: not every member yet. FAILED: the coordinator ends the members that
+        # joined (``rejoin`` notices), so this one's order is on its way.
+    return not runtime.stop_event.is_set()

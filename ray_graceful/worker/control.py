@@ -48,6 +48,7 @@ from ..protocol import (
     TeardownOrder,
     TeardownReport,
     TurnAnswer,
+    WarmResult,
     coordinator_name,
 )
 from ..word import Word
@@ -397,11 +398,17 @@ class ControlChannel:
             return Told.RESTARTING
         return Told.ACCEPTED if answer.accepted else Told.REFUSED
 
-    def wait_rejoined(self, cycle: int, wait_s: float) -> NoAnswer | None:
+    def wait_rejoined(self, cycle: int, wait_s: float) -> WarmResult | NoAnswer | None:
         """Until every member of the warm restart into ``cycle`` has said what it did (or
-        ``wait_s``); a ``NoAnswer`` if the coordinator could not be asked."""
+        ``wait_s``): how it stands then (``REJOINING``: not yet); None: no such warm restart;
+        a ``NoAnswer`` if the coordinator could not be asked."""
         answer = call(self.handle.wait_rejoined, cycle, wait_s, timeout=wait_s + REPORT_TIMEOUT_S)
-        return answer if isinstance(answer, NoAnswer) else None
+        if isinstance(answer, NoAnswer) or not isinstance(answer, dict):
+            return answer if isinstance(answer, NoAnswer) else None
+        try:
+            return WarmResult(answer.get("result"))
+        except ValueError:
+            return None
 
     def save_result(self, saved: list[str], failed: list[str], reason: str) -> None:
         """Tell the coordinator how this process's own saves went (its backups wait on it)."""

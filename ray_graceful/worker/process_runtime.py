@@ -267,7 +267,7 @@ class ProcessRuntime:
         )
         if wait_s > 0 and self.control is not None:
             failed = self.control.wait_rejoined(cycle, wait_s)
-            if failed is not None:  # the notice goes out all the same
+            if isinstance(failed, NoAnswer):  # the notice goes out all the same
                 write_stderr(
                     f"ray_graceful: the new group's record could not be awaited: {failed}\n"
                 )
