@@ -114,6 +114,33 @@ class RestartRank(GracefulWorkerMixin, BenchRank):
         self.should_stop()  # a step ends at its boundary: a held shard's copy starts there
         return {**self.marks, "stepped_at": stepped_at}
 
+    def raw_barrier(self) -> None:
+        """A rank outside the raw transfer's pair: in its barrier, as every rank must be."""
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def raw_transfer(self, peer: int, sending: bool) -> float:
+        """The same bytes as this rank's state, sent to (or received from) ``peer`` over the
+        group with nothing of the plugin's around it: the floor a spare's receive is held to.
+        Seconds, from the first byte posted to the last received (the receiver's clock)."""
+        import torch
+        import torch.distributed as dist
+
+        total = sum(t.numel() for t in self.state.values())
+        buffer = torch.empty(
+            total, dtype=torch.float32, device=next(iter(self.state.values())).device
+        )
+        dist.barrier()
+        began = time.perf_counter()
+        if sending:
+            dist.send(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+        if buffer.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
     # --- cold: a new group ---------------------------------------------------------------------
 
     def start_cold(
@@ -298,6 +325,7 @@ def _restart_once(
             if restart.step != step or restart.world_size != n:
                 raise RuntimeError(f"rejoined at step {restart.step} of {restart.world_size}")
             result = _warm_times(t0, committed_at, restart.members, marks)
+            result["raw_s"] = _raw_transfer(ray, group.workers, restart.members, n, args.replicas)
         else:
             if way == "cold-disk":
                 _drop_from_page_cache(outcome.committed.get("path") or "")
@@ -351,6 +379,20 @@ def _wait_training(coordinator: Any, n: int, timeout: float = 120.0) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"the group of {n} did not start training within {timeout}s")
+
+
+def _raw_transfer(ray: Any, workers: list[Any], members: Any, n: int, replicas: int) -> Any:
+    """One shard's bytes from a spare's surviving replica to that spare, over the new group,
+    bare (``RestartRank.raw_transfer``); None where no spare received its shard so."""
+    receiver = next((m.rank for m in members if m.loaded_from == "group-peer"), None)
+    if receiver is None or replicas < 2:
+        return None
+    sender = (receiver + n // replicas) % n  # rank r holds shard r mod N/2, as its replica
+    others = [w.raw_barrier.remote() for i, w in enumerate(workers) if i not in (sender, receiver)]
+    sent = workers[sender].raw_transfer.remote(receiver, True)
+    received = workers[receiver].raw_transfer.remote(sender, False)
+    ray.get([sent, *others], timeout=120)
+    return float(ray.get(received, timeout=120))
 
 
 def _warm_times(
@@ -411,19 +453,19 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
             cell = [r for r in runs if r["n"] == n and r["mb"] == mb]
             skipped = next((r["skipped"] for r in cell if "skipped" in r), None)
             if skipped:
-                rows.append([n, mb, "skipped", *["-"] * 10, skipped])
+                rows.append([n, mb, "skipped", *["-"] * 11, skipped])
                 continue
             warm = [r["back_s"] for r in cell if r["way"] == "warm" and "error" not in r]
             for way in ways:
                 done = [r for r in cell if r["way"] == way and "error" not in r]
                 failed = sum(1 for r in cell if r["way"] == way and "error" in r)
                 if not done:
-                    rows.append([n, mb, way, *["-"] * 9, failed, "-"])
+                    rows.append([n, mb, way, *["-"] * 10, failed, "-"])
                     continue
                 back = [r["back_s"] for r in done]
 
                 def med(key: str, runs: list[dict[str, Any]] = done) -> Any:
-                    values = [r[key] for r in runs if key in r]
+                    values = [r[key] for r in runs if r.get(key) is not None]
                     return statistics.median(values) if values else "-"
 
                 tiers: collections.Counter[str] = collections.Counter()
@@ -444,6 +486,7 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
                         med("start_s"),
                         med("rendezvous_s"),
                         med("load_s"),
+                        med("raw_s"),
                         med("first_step_s"),
                         failed,
                         ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())),
@@ -462,6 +505,7 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
             "new processes s",
             "rendezvous s",
             "load s",
+            "raw transfer s",
             "first step s",
             "failed",
             "loaded from (ranks)",
@@ -478,7 +522,9 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
         "held by the warm survivors); durable = the drain call -> the step's manifest on disk; "
         "new processes = outcome -> the last new actor constructed (imports, state "
         "allocated); rendezvous = the new process group formed; load = the committed shard in "
-        "the rank's tensors; first step = an all-reduce over a sum of the whole state. Warm: "
+        "the rank's tensors; raw transfer = one shard's bytes sent bare between the same two "
+        "processes over the new group (warm, --replicas 2: a spare and its shard's survivor); "
+        "first step = an all-reduce over a sum of the whole state. Warm: "
         "survivors keep their processes, spares (started ahead, on node A) take the slots."
     )
 
