@@ -28,7 +28,7 @@ Its life in one cycle:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,6 +93,13 @@ class WarmRecord:
     def finished(self) -> bool:
         """Every member said what it did, or the warm restart failed or never began."""
         return self.finished_at is not None
+
+    def fail_silent(self, why: Callable[[int], str], now: float) -> None:
+        """Failed for the members that never said what they did: ``why(how many)``, and what
+        the first of them were."""
+        silent = [self.members[m].was for m in self.members if m not in self.results]
+        self.result, self.finished_at = WarmResult.FAILED, now
+        self.reason = f"{why(len(silent))} ({', '.join(silent[:3])})"
 
     def to_dict(self) -> dict[str, Any]:
         """What the outcome and ``Coordinator.wait_rejoined`` show: who, from where, how long."""
@@ -536,13 +543,7 @@ class WarmRestarts:
         record = self.records.get(cycle)
         if record is None or record.result is not WarmResult.REJOINING:
             return None
-        silent = [record.members[m].was for m in record.members if m not in record.results]
-        record.result = WarmResult.FAILED
-        record.reason = (
-            f"its cycle {cycle} ended before {len(silent)} member(s) joined "
-            f"({', '.join(silent[:3])})"
-        )
-        record.finished_at = now
+        record.fail_silent(lambda n: f"its cycle {cycle} ended before {n} member(s) joined", now)
         return record
 
     def overdue(self, cycle: int, now: float) -> WarmRecord | None:
@@ -552,13 +553,13 @@ class WarmRestarts:
         record = self.records.get(cycle)
         if record is None or record.result is not WarmResult.REJOINING or now < record.join_by:
             return None
-        silent = [record.members[m].was for m in record.members if m not in record.results]
-        record.result = WarmResult.FAILED
-        record.reason = (
-            f"{len(silent)} member(s) did not join within 2 x rejoin_timeout_s="
-            f"{self.config.rejoin_timeout_s} of the decision ({', '.join(silent[:3])})"
+        limit = self.config.rejoin_timeout_s
+        record.fail_silent(
+            lambda n: (
+                f"{n} member(s) did not join within 2 x rejoin_timeout_s={limit} of the decision"
+            ),
+            now,
         )
-        record.finished_at = now
         return record
 
     def joined(self, result: Rejoined, now: float) -> WarmRecord | None:
