@@ -403,8 +403,10 @@ class ControlChannel:
         ``wait_s``): how it stands then (``REJOINING``: not yet); None: no such warm restart;
         a ``NoAnswer`` if the coordinator could not be asked."""
         answer = call(self.handle.wait_rejoined, cycle, wait_s, timeout=wait_s + REPORT_TIMEOUT_S)
-        if isinstance(answer, NoAnswer) or not isinstance(answer, dict):
-            return answer if isinstance(answer, NoAnswer) else None
+        if isinstance(answer, NoAnswer):
+            return answer
+        if not isinstance(answer, dict):  # None: the coordinator has no such record
+            return None
         try:
             return WarmResult(answer.get("result"))
         except ValueError:

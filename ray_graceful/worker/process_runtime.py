@@ -266,10 +266,10 @@ class ProcessRuntime:
             - (time.time() - received_at),
         )
         if wait_s > 0 and self.control is not None:
-            failed = self.control.wait_rejoined(cycle, wait_s)
-            if isinstance(failed, NoAnswer):  # the notice goes out all the same
+            answer = self.control.wait_rejoined(cycle, wait_s)
+            if isinstance(answer, NoAnswer):  # the notice goes out all the same
                 write_stderr(
-                    f"ray_graceful: the new group's record could not be awaited: {failed}\n"
+                    f"ray_graceful: the new group's record could not be awaited: {answer}\n"
                 )
         self._report_sigterm(received_at)
 
