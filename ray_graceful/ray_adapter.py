@@ -210,6 +210,16 @@ def live_actors() -> int:
     return sum(info.get("State") == "ALIVE" for info in _actor_table()(None).values())
 
 
+def live_actor_pids(class_name: str) -> list[int]:
+    """Diagnostics: the processes of the live actors of class ``class_name`` (tests find Ray
+    Train's controller with it; the state API needs the dashboard)."""
+    return [
+        int(info["Pid"])
+        for info in _actor_table()(None).values()
+        if info.get("State") == "ALIVE" and info.get("ActorClassName") == class_name
+    ]
+
+
 # --- diagnostics: how worker processes ended (tests and benchmarks count crashes with it) -----
 
 

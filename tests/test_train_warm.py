@@ -20,7 +20,7 @@ from ray.train.torch import TorchTrainer
 
 from benchmarks.train_job import warm_train_func
 from ray_graceful import Coordinator, GracefulConfig
-from ray_graceful.ray_adapter import worker_exits
+from ray_graceful.ray_adapter import live_actor_pids, worker_exits
 from ray_graceful.train import GracefulTorchConfig, GracefulTrainCallback
 from ray_graceful.train.backend import ray_has_replica_groups
 
@@ -304,6 +304,90 @@ def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tm
     for rank in (0, 2):
         assert {int(p[3]) for p in progress if int(p[0]) == rank} == {first[rank]}
     _each_rank_ran_every_step_once(files, 30)
+
+
+def _remove_train_placement_groups() -> None:
+    """Every placement group still created that reserves a ``train_slot`` (Ray Train's)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for pg_id, info in ray.util.placement_group_table().items():
+        bundles = info.get("bundles", {}).values()
+        if info.get("state") == "CREATED" and any("train_slot" in b for b in bundles):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_replica_groups
+@pytest.mark.long
+@pytest.mark.timeout(400)
+def test_the_train_controller_killed_ends_the_run_and_the_next_fit_resumes_committed(
+    three_nodes, tmp_path
+):
+    """Ray Train's controller is not restarted by Ray (2.60 starts it without
+    ``max_restarts``), and the run's coordinator and workers share its fate. After a warm
+    restart (step S committed), the controller is SIGKILLed: ``fit`` raises, every worker
+    process is gone within the teardown's bound, and nothing hangs. The user's next ``fit`` of
+    the same run starts from S - the committed step, not a later step any worker had reached -
+    and every rank ends with the same model and optimizer."""
+    config = _config(tmp_path, memory_replicas=0)
+    fit, box, files = _start(tmp_path, config, total=60)
+    first = _first_pids_past_step_5(files, fit)
+    coordinator = Coordinator.connect(config)
+    os.kill(first[1], signal.SIGTERM)
+    outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+    assert outcome is not None and outcome.result == "committed", outcome
+    committed = int(outcome.committed["step"])
+    rejoined = coordinator.wait_rejoined(1, timeout=120)
+    assert rejoined is not None and rejoined["result"] == "rejoined", rejoined
+    _wait_until(
+        "every rank 3 steps past the committed one",
+        lambda: (
+            {int(p[0]) for p in _lines(files["progress"]) if int(p[1]) >= committed + 3}
+            == {0, 1, 2}
+        ),
+        fit,
+        120,
+    )
+    workers = {int(a[4]) for a in _lines(files["attempts"])}
+    (controller,) = live_actor_pids("TrainController")
+    os.kill(controller, signal.SIGKILL)
+    fit.join(120)
+    assert not fit.is_alive(), "fit() did not return after its controller died"
+    assert "result" not in box, "fit() returned as if the run had finished"
+    deadline = time.monotonic() + config.teardown_timeout_s + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if _alive(pid)], "a worker outlived its run"
+
+    # Train's PlacementGroupCleaner removes a dead controller's placement group, but it asks
+    # the state API, which needs the dashboard: this cluster has none, so the group would hold
+    # every train_slot and the next fit would wait forever. Removed here, as the cleaner would.
+    _remove_train_placement_groups()
+    reached = max(int(p[1]) for p in _lines(files["progress"]))
+    assert reached > committed
+    before = len(_lines(files["attempts"]))
+    progress_before = len(_lines(files["progress"]))
+    again, box_again, _ = _start(tmp_path, config, total=60)
+    again.join(300)
+    assert not again.is_alive(), "the second fit did not finish"
+    assert box_again["result"].error is None, box_again["result"].error
+    starts = _lines(files["attempts"])[before:]
+    assert sorted((int(a[0]), int(a[2])) for a in starts) == [(r, committed) for r in (0, 1, 2)]
+    resumed = _lines(files["progress"])[progress_before:]
+    for rank in (0, 1, 2):
+        steps = sorted(int(p[1]) for p in resumed if int(p[0]) == rank)
+        assert steps == list(range(committed + 1, 61)), (rank, steps)
+    final = _lines(files["final"])
+    assert sorted(int(f[0]) for f in final) == [0, 1, 2]
+    assert {(int(f[1]), f[2]) for f in final} == {(60, final[0][2])}, final
 
 
 @pytest.mark.long
