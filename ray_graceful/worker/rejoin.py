@@ -243,9 +243,11 @@ def _ask(
     SIGTERM came (each ask is a long poll of at most ``RENDEZVOUS_POLL_S``)."""
     until = time.monotonic() + config.rejoin_timeout_s
     while time.monotonic() < until:
-        if signalled():
-            return Rendezvous(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
-        wait_s = min(RENDEZVOUS_POLL_S, max(until - time.monotonic(), 0.1))
+        # Signalled: asked once more, not held - a warm restart already decided for this member
+        # is its answer (it finishes joining, and the signal is the new group's first notice:
+        # the others wait for it, and under Ray Train nobody else could take its slot).
+        last = signalled()
+        wait_s = 0.1 if last else min(RENDEZVOUS_POLL_S, max(until - time.monotonic(), 0.1))
         answer = call(coordinator.rendezvous, member, wait_s, timeout=wait_s + 30)
         if isinstance(answer, NoAnswer):
             return Rendezvous(
@@ -253,6 +255,8 @@ def _ask(
             )
         if isinstance(answer, Rendezvous):
             return answer
+        if last:
+            return Rendezvous(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
     return Rendezvous(
         RendezvousAction.LEAVE, f"no rendezvous within rejoin_timeout_s={config.rejoin_timeout_s}"
     )
