@@ -161,6 +161,21 @@ def _die_if_marked(marker: str | None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _slow_if_marked(marker: str | None, rank: int, seconds: float = 3.0) -> None:
+    """A fault test's: the first process to find ``marker`` takes it away, writes its rank
+    and pid into ``marker + ".who"`` and takes ``seconds`` more (a slow save holds its cycle
+    open: the moment before the warm restart is decided)."""
+    if marker is None:
+        return
+    try:
+        os.rename(marker, marker + ".taken")  # one process wins it
+    except FileNotFoundError:
+        return
+    with open(marker + ".who", "w") as f:
+        f.write(f"{rank} {os.getpid()}\n")
+    time.sleep(seconds)
+
+
 def warm_train_func(config: dict) -> None:
     """The same job on the warm path (``GracefulTorchConfig``): ``setup`` and ``carry_on``.
 
@@ -186,6 +201,7 @@ def warm_train_func(config: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def state() -> dict:
+        _slow_if_marked(config.get("slow_save"), rank)
         return {"model": model.state_dict(), "opt": opt.state_dict()}
 
     def load(loaded: dict) -> None:

@@ -642,6 +642,56 @@ def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(t
     assert {(int(late[1:]), "spare"), (2, "spare")} <= was, was
 
 
+def test_a_survivor_that_left_before_the_decision_is_no_member_and_a_spare_takes_its_slot(
+    tmp_path,
+):
+    """Three replicas of g/0; n2 is drained. The survivor on n1 leaves before the cycle
+    concluded (SIGTERMed in its teardown: its machine holds the signal and says it left, as it
+    has no answer yet). The decision counts it out: a spare takes its rank, and it is told to
+    leave - never is a member named that will not come."""
+    config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0)
+    m = registered(config, ranks=3)
+    m.spares.add("spare-x", "spare", "n3", 9)
+    m.spares.add("spare-y", "spare", "n3", 10)
+    drain = EvictionNotice("drain", "Ray is draining the node", 0, time.time() + 30, node_id="n2")
+    m.step(ev.NoticesIn((drain,)), time.time())
+    out = {
+        d.process_id: d.answer.order
+        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    }
+    saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
+    gone = "p1" if saver != "p1" else "p0"
+    assert out[gone].rejoin
+    said = m.step(Rejoined("left", gone, reason="signal 15 before its rejoin"), time.time())
+    assert ev.reply_of(said).accepted and not of(said, ev.WarmFinished)
+    done = _saved_and_concluded(m, config, saver)
+
+    warm = done.outcome.warm
+    assert "left before it had its rendezvous: signal 15" in warm["told_to_leave"][gone]
+    was = {(m["rank"], m["was"].split(" ")[0]) for m in warm["members"]}
+    assert {(int(gone[1:]), "spare"), (2, "spare")} <= was, was
+
+
+def test_a_survivor_that_left_after_the_decision_ends_the_warm_restart_and_its_waiters_hear(
+    tmp_path,
+):
+    """A hand-built group's survivor leaves once the warm restart was decided, before it had
+    its answer (its word names no cycle): the record fails now, and the actor's waiters hear
+    that the warm restart is over - they would have waited until its join deadline."""
+    m = machine(fast_config(tmp_path, warm_restart=True))
+    m.warm.survivors = {
+        f"p{r}": Survivor(f"p{r}", RankSpec("g", r, 3, "0", True), "n1", 100 + r) for r in (1, 2)
+    }
+    spare = SpareRecord("spare-x", "spare", "n2", 9)
+    record = m.warm.decide(
+        0, 7, True, {"p1": True, "p2": True}, {"g": {0: "0"}}, [spare], frozenset({"n0"}),
+        now=time.time(),
+    )  # fmt: skip
+    said = m.step(Rejoined("left", "p2", reason="SIGTERM while waiting to rejoin"), time.time())
+    assert record.result == "failed" and "survivor of rank 2: it left" in record.reason
+    assert ev.WarmFinished(record.cycle) in said
+
+
 def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_register(config):
     m = machine(config)
     m.step(ev.SpareArrived("s1", "spare", "n3", 9), time.time())

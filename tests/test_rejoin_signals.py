@@ -121,3 +121,38 @@ def test_the_held_sigterm_is_the_new_groups_notice_with_its_deadline_from_the_si
     assert control.waited == [3], "reported once every member of the new group joined"
     assert control.reported == [received], "its deadline counts from the signal"
     assert runtime.machine.phase is RankPhase.SIGNALLED
+
+
+class LeftControl(JoinedControl):
+    """A survivor's control channel: records the word that it left before it joined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left: list[str] = []
+
+    def left_unanswered(self, reason: str) -> None:
+        self.left.append(reason)
+
+
+def test_a_survivor_that_leaves_before_it_joined_says_so_and_a_spare_does_not(runtime, left):
+    """A survivor SIGTERMed before its answer came leaves - and tells the coordinator first,
+    which hands its slot out (under Ray Train, to the worker Train starts there next) or ends
+    the warm restart: the others would wait for it in the rendezvous. A spare has no slot of
+    its own to give back."""
+    from types import SimpleNamespace
+
+    control = LeftControl()
+    runtime.control = control  # type: ignore[assignment]
+    runtime.order = SimpleNamespace(rejoin=True, cycle=0)  # type: ignore[assignment]
+    runtime.step(RejoinBegun(time.time()))
+    assert runtime.on_sigterm(signal.SIGTERM, 1) is True
+    why = "SIGTERM while it waited for its rendezvous"
+    runtime.step(RejoinEnded(False, time.time(), reason=why))
+    assert runtime.machine.phase is RankPhase.LEAVING
+    assert control.left == [why] and left == [why]
+
+    spare = ProcessRuntime(config=GracefulConfig(teardown_timeout_s=30.0))
+    spare.control = spare_control = LeftControl()  # type: ignore[assignment]
+    spare.step(RejoinBegun(time.time()))
+    spare.step(RejoinEnded(False, time.time(), reason="no slot"))
+    assert spare_control.left == [] and left[-1] == "no slot"

@@ -402,3 +402,52 @@ def test_a_train_slot_on_a_node_drained_until_a_later_deadline_is_not_waited_for
     late = decide_with(30)
     assert late.result == "cold"
     assert "drained until its deadline in 30s" in late.reason and "full restart" in late.reason
+
+
+def left(member: str, why: str = "SIGTERM while waiting to rejoin") -> Rejoined:
+    """A survivor's word that it left before it had its rendezvous: it names no cycle."""
+    return Rejoined(RejoinResult.LEFT, member, reason=why, pid=1)
+
+
+def test_a_train_survivor_that_left_before_its_rendezvous_hands_its_slot_to_train():
+    """Survivor p2 of a Train group is SIGTERMed after the decision, before it fetched its
+    answer: Train refills its slot, so the worker it starts there is the member at rank 2 -
+    the others wait for that rank in the rendezvous - and p2 is told to leave."""
+    part = train_warm({0: "model", 2: "model", 3: "model"})
+    record = decide(part, {1: "model"})
+    assert part.joined(left("p2"), NOW + 1) is None, "the warm restart goes on"
+    assert record.result == "rejoining" and "p2" not in record.members
+    slot = record.members[train_slot_member("g", 2)]
+    assert (slot.rank, slot.world_size, slot.prefix) == (2, 4, "ray_graceful/cycle1/g")
+    assert slot.was == "Ray Train's new worker for rank 2 (its survivor left)"
+    assert part.answer(train_slot_member("g", 2)) == slot
+    told = part.answer("p2")
+    assert told.action == "leave" and "SIGTERM while waiting to rejoin" in told.reason
+
+
+def test_a_survivor_that_left_after_the_decision_fails_it_now_where_nobody_takes_its_slot():
+    """In a hand-built group nobody takes a slot after the decision, and under Train a slot
+    whose shard only a survivor holds could not be loaded by Train's next worker: the warm
+    restart fails at once with the reason, where the others would wait for the member in the
+    rendezvous until its timeout."""
+    plain = warm({0: "model", 2: "model", 3: "model"})
+    record = decide(plain, {1: "model"}, [Spare("s1", "spare", "n2", 9)])
+    failed = plain.joined(left("p2"), NOW + 1)
+    assert failed is record and record.result == "failed" and record.finished
+    assert record.reason.startswith("survivor of rank 2: it left before it had its rendezvous")
+
+    held = train_warm({0: "model", 2: "model", 3: "model"}, memory_replicas=1)
+    record = held.decide(
+        0, 7, True, {pid: True for pid in held.survivors}, {"g": {1: "model"}}, [],
+        frozenset({"gone"}), {"g/model": ("p0", 64)}, now=NOW,
+    )  # fmt: skip
+    assert held.joined(left("p2"), NOW + 1) is record and record.result == "failed"
+
+
+def test_a_member_that_left_once_it_had_spoken_or_was_told_to_leave_changes_nothing():
+    part = train_warm({0: "model", 2: "model", 3: "model"})
+    record = decide(part, {1: "model"})
+    joined = Rejoined(RejoinResult.JOINED, "p2", "g", 2, 4, 7, 1, loaded_from=LoadedFrom.OWN_STATE)
+    part.joined(joined, NOW + 1)
+    assert part.joined(left("p2"), NOW + 2) is None and "p2" in record.members
+    assert part.joined(left("nobody"), NOW + 2) is None and record.result == "rejoining"

@@ -300,8 +300,10 @@ class CycleMachine:
         return out
 
     def _rejoined(self, result: Rejoined) -> list[ev.Decision]:
-        ended = self._end_the_members(self.warm.joined(result, self.state.now))
-        finished = self._if_warm_finished(self.warm.records.get(result.cycle))
+        failed_now = self.warm.joined(result, self.state.now)
+        ended = self._end_the_members(failed_now)
+        # A survivor that left before its answer names no cycle: the record it failed does
+        finished = self._if_warm_finished(failed_now or self.warm.records.get(result.cycle))
         return [*ended, *finished, ev.Replied(Reply.ok(self.cycle.number))]
 
     def _join_deadline(self, cycle: int, now: float) -> list[ev.Decision]:

@@ -88,6 +88,10 @@ class WarmRecord:
     started_at: float = 0.0  # when it was decided (the event's time)
     finished_at: float | None = None
     join_by: float = float("inf")  # every member has said what it did by then, or it failed
+    # The groups Ray Train refills by slot, and the shards a survivor holds with no copy yet:
+    # where a survivor leaves before its rendezvous, whether Train's next worker can take it
+    train_groups: frozenset[str] = frozenset()
+    held_shards: frozenset[str] = frozenset()
 
     @property
     def finished(self) -> bool:
@@ -152,6 +156,9 @@ class WarmRestarts:
         # Of the cycle in flight, from its plan until ``decide`` consumed them: a member found
         # here is waiting for a decision not made yet.
         self.survivors: dict[str, Survivor] = {}
+        # Survivors that left before the decision (``left_unanswered``): member -> why. Their
+        # ranks are handed out as the evicted ones are.
+        self.withdrawn: dict[str, str] = {}
         self.current: WarmRecord | None = None
         self.records: dict[int, WarmRecord] = {}  # by the new cycle's number
 
@@ -165,7 +172,7 @@ class WarmRestarts:
         self, plan: TerminationPlan, processes: Iterable[Process], train_fn_saves: bool
     ) -> set[str]:
         """The processes whose order says ``rejoin``; remembered for ``decide``."""
-        self.survivors = {}
+        self.survivors, self.withdrawn = {}, {}
         if not self.enabled or train_fn_saves or plan.abandoned:
             return set()
         staying = {(o.group, o.rank) for o in plan.orders if not o.evicted and o.health != FAULTY}
@@ -264,7 +271,8 @@ class WarmRestarts:
             return None
         record = WarmRecord(
             from_cycle, from_cycle + 1, step if step is not None else -1, WarmResult.COLD,
-            started_at=now,
+            started_at=now, train_groups=frozenset(self._train_groups()),
+            held_shards=frozenset(held or {}),
         )  # fmt: skip
         why = self._why_not(step, committed, reported)
         if why is None:
@@ -422,9 +430,10 @@ class WarmRestarts:
     ) -> tuple[WarmRecord | None, list[tuple[SpareRecord, SpareAnswer]]]:
         """``decide`` from what the concluded ``cycle`` left: the record, and each spare handed a
         slot with its word (marked ``assigned``; the caller tells it)."""
-        going = self._going_after_the_plan(cycle)
+        going = {**self._going_after_the_plan(cycle), **self.withdrawn}
         for pid in going:
-            del self.survivors[pid]
+            self.survivors.pop(pid, None)
+        self.withdrawn = {}
         if not self.survivors:
             return None, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
@@ -564,6 +573,8 @@ class WarmRestarts:
 
     def joined(self, result: Rejoined, now: float) -> WarmRecord | None:
         """Record one member's result; returns the record if the warm restart just failed."""
+        if not result.joined and not result.cycle:
+            return self.left_unanswered(result.member, result.reason, now)
         record = self.records.get(result.cycle)
         if record is None or result.member not in record.members:
             return None
@@ -577,3 +588,44 @@ class WarmRestarts:
                 record.result = WarmResult.REJOINED
             record.finished_at = now
         return record if failed_now else None
+
+    def left_unanswered(self, member: str, reason: str, now: float) -> WarmRecord | None:
+        """A survivor left before it had its rendezvous (a SIGTERM in its teardown or while it
+        waited, no word in time): its slot is handed out as an evicted rank's, or the warm
+        restart fails now - never does a record keep a member that is gone. Returns the record
+        if it just failed.
+
+        - Before the decision: it is no survivor any more; ``decide`` hands its rank to a spare,
+          or to Ray Train's next worker in that slot.
+        - After it, in a group Ray Train refills by slot, where the slot's shard is on disk or
+          with a keeper (not held by a survivor alone): the slot's next worker is the member
+          in its place. Train starts that worker once this process ended, and it joins the
+          same rendezvous, which the others are waiting in.
+        - Else the record fails now (the others are ended cleanly): they would have waited for
+          it in the rendezvous until its timeout.
+        """
+        why = f"it left before it had its rendezvous: {reason}"[:300]
+        if member in self.survivors:
+            del self.survivors[member]
+            self.withdrawn[member] = why
+            return None
+        record = self.current
+        if (
+            record is None
+            or record.result is not WarmResult.REJOINING
+            or member not in record.members
+            or member in record.results
+        ):
+            return None  # told to leave, joined already, or no warm restart of its own
+        answer = record.members[member]
+        key = shard_key(answer.group, answer.shard)
+        if answer.group in record.train_groups and key not in record.held_shards:
+            slot = train_slot_member(answer.group, answer.rank)
+            was = f"Ray Train's new worker for rank {answer.rank} (its survivor left)"
+            del record.members[member]
+            record.members[slot] = replace(answer, was=was)
+            record.told_to_leave[member] = why
+            return None
+        record.result, record.finished_at = WarmResult.FAILED, now
+        record.reason = f"{answer.was}: {why}"[:500]
+        return record

@@ -40,6 +40,8 @@ from ..protocol import (
     PollState,
     RankSpec,
     Register,
+    Rejoined,
+    RejoinResult,
     Rendezvous,
     Reply,
     SaveResult,
@@ -441,6 +443,15 @@ class ControlChannel:
         if not isinstance(answer, TurnAnswer):
             return False, f"the coordinator answered a {type(answer).__name__}, not a TurnAnswer"
         return answer.save and answer.accepted, answer.why
+
+    def left_unanswered(self, reason: str) -> None:
+        """As a survivor ordered to rejoin: this process leaves before it joined (a SIGTERM, no
+        word in time). The coordinator hands its slot out, or ends the warm restart now: the
+        others would wait for it in the rendezvous (``WarmRestarts.left_unanswered``)."""
+        left = Rejoined(RejoinResult.LEFT, self.process_id, reason=reason[:300], pid=os.getpid())
+        reply = call(self.handle.rejoined, left, timeout=REPORT_TIMEOUT_S)
+        if isinstance(reply, NoAnswer):
+            logger.warning("ray_graceful: could not tell the coordinator it left: %s", reply)
 
     def rendezvous(self, wait_s: float) -> Rendezvous | NoAnswer | None:
         """Warm restart: this process's answer (join as what, or leave); None: not yet."""

@@ -217,6 +217,10 @@ class ProcessRuntime:
             case KeepAnswer(answer):
                 self.rendezvous = answer
             case Leave(reason):
+                ordered, control = self.order, self.control
+                if ordered is not None and ordered.rejoin and control and control.connected:
+                    # A survivor that has not rejoined: its slot must not wait for it
+                    control.left_unanswered(reason)
                 # The step the group held must not vanish with this holder: its copy first -
                 # taken here if the leave came before the ask to rejoin took it.
                 self._hand_over_held()
