@@ -189,7 +189,7 @@ def warm_train_func(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from ray_graceful.train import carry_on, setup, should_stop
+    from ray_graceful.train import carry_on, setup, should_stop, step_guard
 
     began = time.time()  # the training function started (a new worker: before it joined)
     rank = ray.train.get_context().get_world_rank()
@@ -214,16 +214,17 @@ def warm_train_func(config: dict) -> None:
         node = ray.get_runtime_context().get_node_id()
         f.write(f"{rank} start {step} {time.time()} {os.getpid()} {node} {began}\n")
     while step < config["total"] and not _stop_agreed(config.get("stop_file")):
-        x = torch.full((4, 8), float(step % 7))
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
-        opt.step()
-        step += 1
-        with open(config["progress"], "a") as f:
-            f.write(f"{rank} {step} {time.time()} {os.getpid()}\n")
+        with step_guard():  # a peer that crashed mid-step ends the step here, not the run
+            x = torch.full((4, 8), float(step % 7))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            opt.step()
+            step += 1
+            with open(config["progress"], "a") as f:
+                f.write(f"{rank} {step} {time.time()} {os.getpid()}\n")
         time.sleep(config["step_s"])
         if should_stop(step):
             step = carry_on(step)

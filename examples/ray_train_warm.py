@@ -31,6 +31,7 @@ from ray_graceful.train import (
     carry_on,
     setup,
     should_stop,
+    step_guard,
 )
 
 
@@ -50,11 +51,12 @@ def train_func(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     print(f"rank {rank} starts at step {step} (pid {os.getpid()})")
     while step < config["steps"]:
-        optimizer.zero_grad()
-        model(torch.ones(8, 16)).sum().backward()
-        optimizer.step()
+        with step_guard():  # a peer that crashed mid-step ends the step here, not the run
+            optimizer.zero_grad()
+            model(torch.ones(8, 16)).sum().backward()
+            optimizer.step()
+            step += 1
         time.sleep(0.2)
-        step += 1
         if should_stop(step):  # agreed by all ranks
             step = carry_on(step)  # back in the new group, at the step every member holds
             model = DistributedDataParallel(net)  # DDP holds the group it was built with

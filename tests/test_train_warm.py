@@ -191,6 +191,45 @@ def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
 
 @needs_replica_groups
 @pytest.mark.timeout(400)
+def test_a_worker_that_crashes_is_replaced_alone_and_the_survivors_train_on(three_nodes, tmp_path):
+    """Rank 1's process is SIGKILLed mid-run: no notice. The survivors' all-reduce fails inside
+    their step; ``step_guard`` holds the error until the coordinator's order (its lost-rank
+    watch saw the worker die) and ends the step there. The survivors stop at their last
+    completed step and keep their processes; Train replaces the crashed worker alone, and it
+    joins at rank 1 with the committed step. Without the guard, the survivors' error ends their
+    training functions and Train restarts every worker."""
+    config = _config(tmp_path)
+    fit, box, files = _start(tmp_path, config, total=40)
+    first = _first_pids_past_step_5(files, fit)
+    coordinator = Coordinator.connect(config)
+    os.kill(first[1], signal.SIGKILL)
+    outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+    rejoined = coordinator.wait_rejoined(1, timeout=120)
+    fit.join(300)
+    assert not fit.is_alive(), "the run did not finish"
+    assert box["result"].error is None, box["result"].error
+
+    assert outcome is not None and {n["source"] for n in outcome.notices} == {"lost"}, outcome
+    assert rejoined is not None and rejoined["result"] == "rejoined", rejoined
+    committed = rejoined["resume_step"]
+    attempts = _lines(files["attempts"])
+    assert [(int(a[0]), int(a[2])) for a in attempts[3:]] == [(1, committed)], attempts
+    progress = _lines(files["progress"])
+    for rank in (0, 2):  # kept, and every step once
+        assert {int(p[3]) for p in progress if int(p[0]) == rank} == {first[rank]}
+        assert sorted(int(p[1]) for p in progress if int(p[0]) == rank) == list(range(1, 41))
+    # The crashed process's steps, then the new worker's from the committed step on: at most
+    # the step it died in is run again (the group had not completed it)
+    old = [int(p[1]) for p in progress if int(p[0]) == 1 and int(p[3]) == first[1]]
+    new = [int(p[1]) for p in progress if int(p[0]) == 1 and int(p[3]) != first[1]]
+    assert old in (list(range(1, committed + 1)), list(range(1, committed + 2))), (old, committed)
+    assert new == list(range(committed + 1, 41)), new
+    final = _lines(files["final"])
+    assert {(int(f[1]), f[2]) for f in final} == {(40, final[0][2])}, final
+
+
+@needs_replica_groups
+@pytest.mark.timeout(400)
 def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_nodes, tmp_path):
     """With the memory tier: the signals reach the coordinator one after the other, so the
     first one's survivors may hold the step, then leave on their own signals, copying it to

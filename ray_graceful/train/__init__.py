@@ -17,7 +17,7 @@ The cold path - Train restarts the whole worker group from the emergency checkpo
 
 The warm path - the survivors keep their processes, Train replaces only the evicted workers
 (Ray >= 2.56): ``torch_config=GracefulTorchConfig()``, and ``setup``/``carry_on`` in the
-training function (``warm.py``).
+training function (``warm.py``), and ``step_guard`` around each step where a worker may crash.
 
 The callback (also loadable with ``RAY_TRAIN_CALLBACKS=ray_graceful.train.GracefulTrainCallback``)
 starts the run's coordinator on the controller, installs the SIGTERM listener on each Train
@@ -35,7 +35,7 @@ from .backend import GracefulTorchConfig
 from .callback import GracefulTrainCallback
 from .emergency import emergency_checkpoint, resume_step, shard_dir
 from .loop import EmergencyStop, should_stop
-from .warm import carry_on, setup
+from .warm import carry_on, setup, step_guard
 
 __all__ = [
     "EmergencyStop",
@@ -47,4 +47,5 @@ __all__ = [
     "setup",
     "shard_dir",
     "should_stop",
+    "step_guard",
 ]

@@ -15,6 +15,11 @@ from .reports import NOT_YET, held_report
 
 GROUP = "train"  # the group name every Train worker registers under
 
+# How long a warm-path rank whose step raised waits for the coordinator's order before the
+# error goes on to Ray Train: the lost-rank watch sees a dead worker within a poll (0.25 s) and
+# the host watch a silent host within about a second; the plan and its order follow at once.
+FAILED_STEP_ORDER_WAIT_S = 10.0
+
 
 class EmergencyStop(RuntimeError):
     """Raised once this worker's part of an eviction is done: its checkpoint was reported to
@@ -62,11 +67,37 @@ def should_stop(step: int, every: int = 1) -> bool:
     agreed = torch.tensor(
         [1 if local else 0, held_report.on_disk(rank)], dtype=torch.int64, device=device
     )
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    except RuntimeError as exc:  # a peer is gone: its eviction's order says stop here
+        if ordered_after_failure(exc):
+            return True
+        raise
     stop, on_disk = (int(v) for v in agreed.tolist())
     if on_disk != NOT_YET and not stop:
         held_report.report(on_disk, rank)
     return bool(stop)
+
+
+def ordered_after_failure(exc: BaseException) -> bool:
+    """Whether a warm-path step that raised ``exc`` was ended by an eviction, not a bug.
+
+    A collective fails when a peer is gone: it crashed (gloo: "Connection closed by peer"), or
+    its host was lost and the plugin released this rank from the hung collective. Either is a
+    notice: the coordinator's order for this rank follows, and the rank then stops at its last
+    step (``should_stop`` says so, ``carry_on`` re-forms the group) instead of raising out of the
+    training function, which would make Ray Train restart every worker. True once that order
+    came (within ``FAILED_STEP_ORDER_WAIT_S``); False - the error goes on - for anything that is
+    not a ``RuntimeError`` (torch's collective errors are), off the warm path, or with no order.
+    The step's update never applied where every collective precedes ``optimizer.step()``, the
+    rule ``should_stop`` already relies on (docs/worker.md, "Step boundaries and saving").
+    """
+    runtime = process_runtime()
+    if not isinstance(exc, RuntimeError) or not runtime.loop.peers_reach_boundary:
+        return False
+    if runtime.control is None:
+        return False
+    return runtime.stop_event.wait(FAILED_STEP_ORDER_WAIT_S)
 
 
 def train_shard(config: GracefulConfig, rank: int) -> str:

@@ -2,14 +2,15 @@
 
 ::
 
-    from ray_graceful.train import carry_on, setup, should_stop
+    from ray_graceful.train import carry_on, setup, should_stop, step_guard
 
     def train_func(config):
         model, opt = build()
         step = setup(state_dict=state, load_state_dict=load) or 0  # a new worker: its step
         while step < total:
-            train_one_step(model, opt)  # gradients all-reduced on the default group
-            step += 1
+            with step_guard():  # a peer lost mid-step ends the step here, not the function
+                train_one_step(model, opt)  # gradients all-reduced on the default group
+                step += 1
             if should_stop(step):
                 step = carry_on(step)  # a survivor: back in the group, at this step
 
@@ -24,6 +25,12 @@ process; ``carry_on`` then re-forms the group with the new workers (``worker/rej
 returns the step every member holds. A new worker's ``setup`` joins at the evicted rank and
 loads that step: from a survivor over the new group, a keeper or disk.
 
+A worker that crashes, or whose host is lost without a word, gives no notice first: its peers'
+collectives fail inside their step. ``step_guard`` holds such a failure until the coordinator's
+order (it noticed the loss) and ends the step there; the step's update never applied, so the
+next ``should_stop(step)`` stops at the last step and ``carry_on`` goes on as above. Without the
+guard the error leaves the training function and Train restarts every worker.
+
 Where the warm restart does not go ahead (no committed step, the new worker is not placed in
 time, every worker was evicted...), the survivors leave too, and Train restarts the whole group:
 ``setup`` then loads the newest committed step in every worker, the cold ending of before.
@@ -33,7 +40,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..config import GracefulConfig
@@ -45,7 +53,7 @@ from ..worker.restore import load_latest
 from ..worker.setup import after_init_process_group
 from ..worker.setup import should_stop as rank_should_stop
 from .backend import ray_has_replica_groups
-from .loop import GROUP, EmergencyStop, train_shard
+from .loop import GROUP, EmergencyStop, ordered_after_failure, train_shard
 from .reports import report_joined
 
 logger = logging.getLogger(__name__)
@@ -164,6 +172,39 @@ def carry_on(step: int) -> int:
     if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
     raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")
+
+
+@contextmanager
+def step_guard() -> Iterator[None]:
+    """Around one training step: a failure because a peer is gone ends the step, not the run.
+
+    ::
+
+        with step_guard():
+            train_one_step(model, opt)
+            step += 1
+        if should_stop(step):
+            step = carry_on(step)
+
+    A peer that crashed, or whose host was lost, gives no notice before its peers' collectives
+    fail. The guard holds the ``RuntimeError`` until the coordinator's order for this rank
+    comes (``loop.ordered_after_failure``: at most ``FAILED_STEP_ORDER_WAIT_S``) and swallows
+    it then: ``step`` still counts the completed steps, so ``should_stop(step)`` stops there and
+    ``carry_on`` re-forms the group with the worker Train starts in the lost one's slot. Any
+    other error, or no order, goes on out of the training function as before. Keep every
+    collective of the step before ``optimizer.step()`` (docs/worker.md, "Step boundaries and
+    saving"): the step's update then never applied when the guard swallows its failure.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if not ordered_after_failure(exc):
+            raise
+        logger.warning(
+            "ray_graceful: the step ended in a failed collective (%s); the coordinator's order "
+            "came, so this rank stops at its last completed step",
+            str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+        )
 
 
 def _every_member_joined(runtime: ProcessRuntime, cycle: int, config: GracefulConfig) -> bool:
