@@ -162,10 +162,16 @@ def _die_if_marked(marker: str | None) -> None:
 
 
 def _slow_if_marked(marker: str | None, rank: int, seconds: float = 3.0) -> None:
-    """A fault test's: the first process to find ``marker`` takes it away, writes its rank
-    and pid into ``marker + ".who"`` and takes ``seconds`` more (a slow save holds its cycle
-    open: the moment before the warm restart is decided)."""
+    """A fault test's: the rank written in ``marker`` takes the marker away when it next saves,
+    writes its rank and pid into ``marker + ".who"`` and takes ``seconds`` more - a slow save
+    that holds its cycle open: the moment before the warm restart is decided."""
     if marker is None:
+        return
+    try:
+        with open(marker) as f:
+            if int(f.read().strip() or -1) != rank:
+                return
+    except (FileNotFoundError, ValueError):
         return
     try:
         os.rename(marker, marker + ".taken")  # one process wins it

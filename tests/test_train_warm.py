@@ -291,23 +291,30 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
 def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_to_train(
     three_nodes, tmp_path
 ):
-    """Rank 1 is SIGTERMed, and its cycle's save is slow (held open three seconds). Inside
-    that time a survivor is SIGTERMed too, before the warm restart is decided: it has no answer
-    yet, so it leaves - and says so, and the decision counts it out. Train replaces both slots;
-    the third worker keeps its process, and no step is lost or run twice. (Unsaid, the decision
-    named the gone survivor, and Train's next worker in its slot was "not a member" until
-    ``max_failures`` was spent.)"""
-    config = _config(tmp_path)
+    """Rank 1 is SIGTERMed, and its save of its own shard is slow (three seconds), which holds
+    the cycle open. Inside that time survivor rank 2, its own teardown done, is SIGTERMed while
+    it waits for its rendezvous: it has no answer yet, so it leaves - and says so, and the
+    decision counts it out. Train replaces both slots; rank 0 keeps its process, and no step is
+    lost or run twice. (Unsaid, the decision named the gone survivor, and Train's next worker
+    in its slot was "not a member" until ``max_failures`` was spent.)"""
+    # Each rank's own shard, on disk (a shard only the gone survivor held keeps it cold)
+    config = _config(tmp_path, memory_replicas=0).replace(train_shards="per_rank")
     slow = str(tmp_path / "slow-save")
     fit, box, files = _start(tmp_path, config, total=40, slow_save=slow)
     first = _first_pids_past_step_5(files, fit)
     coordinator = Coordinator.connect(config)
-    open(slow, "w").close()  # the cycle's first save takes it and holds the cycle open
+    with open(slow, "w") as f:
+        f.write("1")  # rank 1's next save takes it and holds the cycle open
     os.kill(first[1], signal.SIGTERM)
-    _wait_until("the slow save began", lambda: os.path.exists(slow + ".who"), fit, 60)
-    saver = int(_lines(slow + ".who")[0][0])
-    signalled = 2 if saver != 2 else 0
-    os.kill(first[signalled], signal.SIGTERM)  # a survivor, before the decision
+    _wait_until("rank 1's slow save began", lambda: os.path.exists(slow + ".who"), fit, 60)
+    _wait_until(  # its report written: it waits to rejoin, the cycle held open by rank 1
+        "rank 2's teardown ended",
+        lambda: any((tmp_path / "reports").rglob(f"teardown-*-{first[2]}.json")),
+        fit,
+        30,
+    )
+    assert not os.path.exists(slow + ".taken") or _lines(slow + ".who")[0][0] == "1"
+    os.kill(first[2], signal.SIGTERM)
     outcome = coordinator.wait_outcome(timeout=60, cycle=0)
     fit.join(300)
     assert not fit.is_alive(), "the run did not finish"
@@ -315,13 +322,14 @@ def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_
 
     assert outcome is not None and outcome.warm is not None, outcome
     told = outcome.warm["told_to_leave"]
-    assert any("left before it had its rendezvous" in why for why in told.values()), told
-    kept = ({0, 1, 2} - {1, signalled}).pop()
+    assert "left before it had its rendezvous" in " ".join(told.values()), told
+    members = {m["member"]: m["was"] for m in outcome.warm["members"]}
+    assert members["ray-train:train/2"] == "Ray Train's new worker for rank 2", members
     attempts = _lines(files["attempts"])
-    assert sorted(int(a[0]) for a in attempts[3:]) == sorted([1, signalled]), attempts
+    assert sorted(int(a[0]) for a in attempts[3:]) == [1, 2], attempts
     assert all(int(a[4]) not in first.values() for a in attempts[3:])
     progress = _lines(files["progress"])
-    assert {int(p[3]) for p in progress if int(p[0]) == kept} == {first[kept]}, "kept"
+    assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
     _each_rank_ran_every_step_once(files, 40)
 
 

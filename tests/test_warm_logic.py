@@ -451,3 +451,17 @@ def test_a_member_that_left_once_it_had_spoken_or_was_told_to_leave_changes_noth
     part.joined(joined, NOW + 1)
     assert part.joined(left("p2"), NOW + 2) is None and "p2" in record.members
     assert part.joined(left("nobody"), NOW + 2) is None and record.result == "rejoining"
+
+
+def test_a_shard_held_only_by_a_survivor_that_left_before_the_decision_keeps_it_cold():
+    """Survivor p2 holds its own shard (no copy anywhere yet) and leaves before the decision:
+    whoever took its slot could not load that step, so the warm restart does not go ahead -
+    with the reason, at once, instead of a member that fails in its load."""
+    part = train_warm({0: "0", 2: "2", 3: "3"}, memory_replicas=1)
+    assert part.joined(left("p2"), NOW) is None and "p2" not in part.survivors
+    record = part.decide(
+        0, 7, True, {pid: True for pid in part.survivors}, {"g": {1: "1", 2: "2"}}, [],
+        frozenset({"gone"}), {"g/2": ("p2", 64), "g/0": ("p0", 64)}, now=NOW,
+    )  # fmt: skip
+    assert record.result == "cold", record.reason
+    assert "shard(s) g/2 held only by a survivor that is going" in record.reason

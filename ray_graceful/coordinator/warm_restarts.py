@@ -274,7 +274,7 @@ class WarmRestarts:
             started_at=now, train_groups=frozenset(self._train_groups()),
             held_shards=frozenset(held or {}),
         )  # fmt: skip
-        why = self._why_not(step, committed, reported)
+        why = self._why_not(step, committed, reported) or self._held_by_one_gone(held or {})
         if why is None:
             why = self._plan_members(
                 record, evicted_ranks, spares, evicted_nodes, slots_free_at or {}, now
@@ -307,6 +307,18 @@ class WarmRestarts:
             names = ", ".join(f"pid {self.survivors[p].pid}" for p in silent[:3])
             return f"{len(silent)} survivor(s) sent no teardown report ({names})"
         return None
+
+    def _held_by_one_gone(self, held: dict[str, tuple[str, int]]) -> str | None:
+        """A shard whose only copy a survivor holds that is going after all (it left before
+        the decision, or a notice named it after the plan): whoever takes its slot could not
+        load that step before the holder's copy lands, so the warm restart does not go ahead."""
+        orphaned = sorted(key for key, (holder, _) in held.items() if holder not in self.survivors)
+        if not orphaned:
+            return None
+        return (
+            f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that is going: no "
+            "member could load that step yet"
+        )
 
     def _plan_members(
         self,
