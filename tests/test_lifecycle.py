@@ -324,7 +324,7 @@ def test_a_survivors_teardown_ends_without_an_exit_and_waits_to_rejoin(config):
 def test_a_survivor_not_called_back_in_time_leaves(config):
     machine, _ = _awaiting_rejoin(config)
     assert machine.step(Due(Timer.REJOIN, T0 + 31)) == [
-        Leave("not asked to rejoin within rejoin_timeout_s=30.0")
+        Leave("not asked to rejoin within rejoin_timeout_s=30.0", unanswered=True)
     ]
     assert machine.phase is RankPhase.LEAVING
 
@@ -337,6 +337,7 @@ def test_a_survivor_keeps_its_answer_but_never_a_stale_one(config):
 
 
 def test_a_survivor_told_to_leave_or_losing_its_coordinator_leaves(config):
+    """The coordinator's own word (or none to be had): nothing to tell it back."""
     machine, _ = _awaiting_rejoin(config)
     leave = Rendezvous(RendezvousAction.LEAVE, "no spare free", 1)
     assert machine.step(RendezvousIn(leave, T0 + 2)) == [Leave("no spare free")]
@@ -348,7 +349,9 @@ def test_a_survivor_told_to_leave_or_losing_its_coordinator_leaves(config):
 
 def test_a_sigterm_while_waiting_to_rejoin_leaves(config):
     machine, _ = _awaiting_rejoin(config)
-    assert machine.step(Signal(15, 1, T0 + 2)) == [Leave("SIGTERM while waiting to rejoin")]
+    assert machine.step(Signal(15, 1, T0 + 2)) == [
+        Leave("SIGTERM while waiting to rejoin", unanswered=True)
+    ], "gone before its answer: it says so, and the coordinator hands its slot out"
 
 
 def test_a_sigterm_during_the_rejoin_is_held_and_is_the_new_groups_first_notice(config):
@@ -369,7 +372,7 @@ def test_a_sigterm_during_a_survivors_teardown_is_never_dropped_the_survivor_lea
     assert machine.step(Signal(15, 1, T0 + 0.5)) == [ArmKernelDeadline(T0 + 0.5 + 24.5)]
     assert machine.phase is RankPhase.TEARING_DOWN, "the teardown runs on"
     assert machine.step(TeardownEnded(T0 + 1)) == [
-        Leave("signal 15 before its rejoin: its process is going")
+        Leave("signal 15 before its rejoin: its process is going", unanswered=True)
     ]
     # rejoin() called before the teardown ended: it begins holding the signal (and leaves
     # without an answer, ``rejoin._ask``)
@@ -388,7 +391,7 @@ def test_a_rank_signalled_before_its_order_said_rejoin_does_not_stay(config):
     assert kinds(actions) == [StartTeardown]
     assert isinstance(actions[0].then, AwaitRejoin)
     assert machine.step(TeardownEnded(T0 + 1)) == [
-        Leave("signal 15 before its rejoin: its process is going")
+        Leave("signal 15 before its rejoin: its process is going", unanswered=True)
     ]
 
 

@@ -134,25 +134,24 @@ class LeftControl(JoinedControl):
         self.left.append(reason)
 
 
-def test_a_survivor_that_leaves_before_it_joined_says_so_and_a_spare_does_not(runtime, left):
+def test_a_survivor_that_leaves_before_its_answer_says_so_and_a_spare_does_not(runtime, left):
     """A survivor SIGTERMed before its answer came leaves - and tells the coordinator first,
     which hands its slot out (under Ray Train, to the worker Train starts there next) or ends
-    the warm restart: the others would wait for it in the rendezvous. A spare has no slot of
-    its own to give back."""
+    the warm restart: the others would wait for it in the rendezvous. One told to leave by the
+    coordinator, and a spare (no slot of its own), have nothing to tell it."""
     from types import SimpleNamespace
+
+    from ray_graceful.worker.rank_events import Leave
 
     control = LeftControl()
     runtime.control = control  # type: ignore[assignment]
     runtime.order = SimpleNamespace(rejoin=True, cycle=0)  # type: ignore[assignment]
-    runtime.step(RejoinBegun(time.time()))
-    assert runtime.on_sigterm(signal.SIGTERM, 1) is True
-    why = "SIGTERM while it waited for its rendezvous"
-    runtime.step(RejoinEnded(False, time.time(), reason=why))
-    assert runtime.machine.phase is RankPhase.LEAVING
-    assert control.left == [why] and left == [why]
+    why = "SIGTERM while waiting to rejoin"
+    runtime._carry_out(Leave(why, unanswered=True))
+    runtime._carry_out(Leave("no spare free"))  # the coordinator's own word
+    assert control.left == [why] and left == [why, "no spare free"]
 
     spare = ProcessRuntime(config=GracefulConfig(teardown_timeout_s=30.0))
     spare.control = spare_control = LeftControl()  # type: ignore[assignment]
-    spare.step(RejoinBegun(time.time()))
-    spare.step(RejoinEnded(False, time.time(), reason="no slot"))
-    assert spare_control.left == [] and left[-1] == "no slot"
+    spare._carry_out(Leave("SIGTERM while waiting as a spare", unanswered=True))
+    assert spare_control.left == []

@@ -146,7 +146,7 @@ class RankMachine:
             self._move(RankPhase.REJOINING, Rejoining((event.signum, event.at)))
             return [kernel]
         if self.phase is RankPhase.AWAITING_REJOIN:
-            return self._leave("SIGTERM while waiting to rejoin")
+            return self._leave("SIGTERM while waiting to rejoin", unanswered=True)
         if isinstance(self.data, TearingDown) and self.data.survivor:
             # A survivor's own process is going now: never dropped - it does not stay
             if self.data.held is None:
@@ -299,7 +299,8 @@ class RankMachine:
             self._move(RankPhase.LEAVING, Leaving(data.trigger))
             return []
         if data.held is not None:
-            return self._leave(f"signal {data.held[0]} before its rejoin: its process is going")
+            why = f"signal {data.held[0]} before its rejoin: its process is going"
+            return self._leave(why, unanswered=True)
         assert data.order_cycle is not None  # a survivor's
         until = event.at + self.config.rejoin_timeout_s
         self._move(RankPhase.AWAITING_REJOIN, AwaitingRejoin(data.order_cycle, until))
@@ -323,7 +324,8 @@ class RankMachine:
             return self._leave(f"the coordinator could not be asked ({event.why})")
         if isinstance(event, Due) and event.timer is Timer.REJOIN:
             return self._leave(
-                f"not asked to rejoin within rejoin_timeout_s={self.config.rejoin_timeout_s}"
+                f"not asked to rejoin within rejoin_timeout_s={self.config.rejoin_timeout_s}",
+                unanswered=True,
             )
         return []
 
@@ -384,9 +386,9 @@ class RankMachine:
         self._move(RankPhase.TEARING_DOWN, TearingDown(trigger, True))
         return [StartTeardown(trigger, deadline)]
 
-    def _leave(self, reason: str) -> list[Action]:
+    def _leave(self, reason: str, unanswered: bool = False) -> list[Action]:
         self._move(RankPhase.LEAVING, Leaving(reason))
-        return [Leave(reason)]
+        return [Leave(reason, unanswered)]
 
     def _signalled(self, signum: int, at: float, train_fn_saves: bool = False) -> Signalled:
         """Its wait for an order never so long that the release and the exit no longer fit."""

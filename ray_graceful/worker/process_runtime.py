@@ -216,11 +216,9 @@ class ProcessRuntime:
                 self._watch_loop(since)
             case KeepAnswer(answer):
                 self.rendezvous = answer
-            case Leave(reason):
-                ordered, control = self.order, self.control
-                if ordered is not None and ordered.rejoin and control and control.connected:
-                    # A survivor that has not rejoined: its slot must not wait for it
-                    control.left_unanswered(reason)
+            case Leave(reason, unanswered):
+                if unanswered:  # a survivor gone before its answer: its slot must not wait
+                    self.left_unanswered(reason)
                 # The step the group held must not vanish with this holder: its copy first -
                 # taken here if the leave came before the ask to rejoin took it.
                 self._hand_over_held()
@@ -328,6 +326,13 @@ class ProcessRuntime:
                 )
             )
         return save_orders, skipped
+
+    def left_unanswered(self, reason: str) -> None:
+        """As a survivor ordered to rejoin, leaving before the coordinator's answer: say so
+        (``ControlChannel.left_unanswered``); nothing to say once rejoined or for a spare."""
+        order, control = self.order, self.control
+        if order is not None and order.rejoin and control is not None and control.connected:
+            control.left_unanswered(reason)
 
     def _hand_over_held(self) -> None:
         """A survivor's held shards, once its teardown ended, to ``late`` (once per cycle):

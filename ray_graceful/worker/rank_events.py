@@ -327,9 +327,14 @@ class KeepAnswer:
 
 @dataclass(frozen=True)
 class Leave:
-    """Leave as a torn-down rank does: Ray's intended exit, a hard exit if that never ends it."""
+    """Leave as a torn-down rank does: Ray's intended exit, a hard exit if that never ends it.
+
+    ``unanswered``: a survivor leaving of its own accord before the coordinator's answer (a
+    SIGTERM, no call to rejoin in time) - it says so first (``left_unanswered``), so that no
+    warm restart keeps it as a member."""
 
     reason: str
+    unanswered: bool = False
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,8 @@ def _rejoin(
         backend = backend or _default_backend()
     answer = runtime.rendezvous if survivor is not None else None
     answer = answer or _ask(coordinator, member, config, runtime.machine.held_signal)
+    if isinstance(answer, Unanswered):
+        runtime.left_unanswered(answer.reason)  # a survivor's slot must not wait for it
     if answer.action != RendezvousAction.JOIN:
         return Rejoined(RejoinResult.LEFT, member, reason=answer.reason, pid=os.getpid())
     return _join_or_report(
@@ -236,6 +238,10 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+class Unanswered(Rendezvous):
+    """ "Leave", decided here before the coordinator answered: a SIGTERM, or no answer in time."""
+
+
 def _ask(
     coordinator: Any, member: str, config: GracefulConfig, signalled: Callable[[], object]
 ) -> Rendezvous:
@@ -256,8 +262,8 @@ def _ask(
         if isinstance(answer, Rendezvous):
             return answer
         if last:
-            return Rendezvous(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
-    return Rendezvous(
+            return Unanswered(RendezvousAction.LEAVE, "SIGTERM while it waited for its rendezvous")
+    return Unanswered(
         RendezvousAction.LEAVE, f"no rendezvous within rejoin_timeout_s={config.rejoin_timeout_s}"
     )
 
