@@ -614,10 +614,9 @@ def test_a_survivor_found_faulty_after_a_drain_was_planned_leaves_and_a_spare_ta
     assert {(faulty_rank, "spare"), (drained_rank, "spare")} <= was, was
 
 
-def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(tmp_path):
-    """Three replicas of g/0; n2 is drained and the plan goes out at once. Then the rank on n1
-    is SIGTERMed (its report arrives after the plan: the order already says rejoin). Its process
-    is going too: the warm restart tells it to leave and hands its slot to a spare."""
+def _n2_drained_with_two_spares(tmp_path):
+    """Three replicas of g/0, two spares on n3; n2 is drained and the plan goes out at once.
+    The machine, its config, the saver, and a survivor that is not the saver."""
     config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0)
     m = registered(config, ranks=3)
     m.spares.add("spare-x", "spare", "n3", 9)
@@ -629,8 +628,16 @@ def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(t
         for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
     }
     saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
-    late = "p1" if saver != "p1" else "p0"
-    assert out[late].rejoin
+    survivor = "p1" if saver != "p1" else "p0"
+    assert out[survivor].rejoin
+    return m, config, saver, survivor
+
+
+def test_a_survivor_signalled_after_the_plan_leaves_and_a_spare_takes_its_slot(tmp_path):
+    """Three replicas of g/0; n2 is drained and the plan goes out at once. Then the rank on n1
+    is SIGTERMed (its report arrives after the plan: the order already says rejoin). Its process
+    is going too: the warm restart tells it to leave and hands its slot to a spare."""
+    m, config, saver, late = _n2_drained_with_two_spares(tmp_path)
     sigterm = EvictionNotice("sigterm", "SIGTERM", 0, time.time() + 30, rank=("g", int(late[1:])))
     m.step(ev.NoticesIn((sigterm,)), time.time())
     assert [n.source for n in m.cycle.late_notices] == ["sigterm"]
@@ -649,19 +656,7 @@ def test_a_survivor_that_left_before_the_decision_is_no_member_and_a_spare_takes
     concluded (SIGTERMed in its teardown: its machine holds the signal and says it left, as it
     has no answer yet). The decision counts it out: a spare takes its rank, and it is told to
     leave - never is a member named that will not come."""
-    config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0)
-    m = registered(config, ranks=3)
-    m.spares.add("spare-x", "spare", "n3", 9)
-    m.spares.add("spare-y", "spare", "n3", 10)
-    drain = EvictionNotice("drain", "Ray is draining the node", 0, time.time() + 30, node_id="n2")
-    m.step(ev.NoticesIn((drain,)), time.time())
-    out = {
-        d.process_id: d.answer.order
-        for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
-    }
-    saver = next(pid for pid, order in out.items() if order.saves and not order.saves[0].is_backup)
-    gone = "p1" if saver != "p1" else "p0"
-    assert out[gone].rejoin
+    m, config, saver, gone = _n2_drained_with_two_spares(tmp_path)
     said = m.step(Rejoined("left", gone, reason="signal 15 before its rejoin"), time.time())
     assert ev.reply_of(said).accepted and not of(said, ev.WarmFinished)
     done = _saved_and_concluded(m, config, saver)

@@ -119,6 +119,17 @@ def _each_rank_ran_every_step_once(files, total: int) -> None:
     assert {(int(f[1]), f[2]) for f in final} == {(total, final[0][2])}, final
 
 
+def _ranks_1_and_2_replaced_and_rank_0_kept(files, first: dict[int, int]) -> None:
+    """Train started new workers for ranks 1 and 2 alone; rank 0 trained in its first process
+    throughout; no step lost or run twice (40 steps)."""
+    attempts = _lines(files["attempts"])
+    assert sorted(int(a[0]) for a in attempts[3:]) == [1, 2], attempts
+    assert all(int(a[4]) not in first.values() for a in attempts[3:])
+    progress = _lines(files["progress"])
+    assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
+    _each_rank_ran_every_step_once(files, 40)
+
+
 @needs_replica_groups
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
@@ -277,12 +288,7 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
     assert not fit.is_alive(), "the run did not finish"
     assert box["result"].error is None, box["result"].error
 
-    attempts = _lines(files["attempts"])
-    assert sorted(int(a[0]) for a in attempts[3:]) == [1, 2], attempts
-    assert all(int(a[4]) not in first.values() for a in attempts[3:])
-    progress = _lines(files["progress"])
-    assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
-    _each_rank_ran_every_step_once(files, 40)
+    _ranks_1_and_2_replaced_and_rank_0_kept(files, first)
 
 
 @needs_replica_groups
@@ -325,12 +331,7 @@ def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_
     assert "left before it had its rendezvous" in " ".join(told.values()), told
     members = {m["member"]: m["was"] for m in outcome.warm["members"]}
     assert members["ray-train:train/2"] == "Ray Train's new worker for rank 2", members
-    attempts = _lines(files["attempts"])
-    assert sorted(int(a[0]) for a in attempts[3:]) == [1, 2], attempts
-    assert all(int(a[4]) not in first.values() for a in attempts[3:])
-    progress = _lines(files["progress"])
-    assert {int(p[3]) for p in progress if int(p[0]) == 0} == {first[0]}, "rank 0 was kept"
-    _each_rank_ran_every_step_once(files, 40)
+    _ranks_1_and_2_replaced_and_rank_0_kept(files, first)
 
 
 @needs_replica_groups
