@@ -33,6 +33,7 @@ from ray_graceful.protocol import (
     Rejoined,
     ReportedRank,
     TeardownPhase,
+    train_slot_member,
 )
 from ray_graceful.worker.report_file import write_report_file
 from tests.helpers import fast_config
@@ -685,6 +686,59 @@ def test_a_survivor_that_left_after_the_decision_ends_the_warm_restart_and_its_w
     said = m.step(Rejoined("left", "p2", reason="SIGTERM while waiting to rejoin"), time.time())
     assert record.result == "failed" and "survivor of rank 2: it left" in record.reason
     assert ev.WarmFinished(record.cycle) in said
+
+
+def test_every_train_worker_gone_hands_every_slot_to_trains_next_workers(tmp_path):
+    """Every worker of a Ray Train group is SIGTERMed at once: nobody survives, but Train may
+    see their failures one poll at a time and replace them one by one. Its new workers join a
+    record that names every slot and loads the committed step - asked during the cycle, they
+    wait for it. Where Train restarted the whole group instead (its workers register without
+    asking), the record ends nobody at its join deadline."""
+    config = fast_config(tmp_path, warm_restart=True)
+    m = machine(config)
+    for rank in range(2):
+        spec = RankSpec("g", rank, 2, "0", True, replaced_by="ray-train-slot")
+        m.step(Register(f"p{rank}", f"n{rank}", rank, "h", "job-a", (spec,)), time.time())
+    sigterms = tuple(EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", r)) for r in range(2))
+    m.step(ev.NoticesIn(sigterms), time.time())
+    orders = of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    assert not any(o.answer.order.rejoin for o in orders), "nobody survives"
+    slot = train_slot_member("g", 1)
+    assert m.warm.answer(slot) is None, "asked during the cycle: it waits for the decision"
+    saver = next(o.process_id for o in orders if o.answer.order.saves)
+    concluded = of(_saved_and_concluded_by(m, config, saver, ("p0", "p1")), ev.Concluded)
+    record = concluded[0].warm
+    assert record.result == "rejoining" and record.anew, record
+    assert sorted(record.members) == [train_slot_member("g", 0), slot]
+    answer = m.warm.answer(slot)
+    assert (answer.action, answer.rank, answer.world_size, answer.step) == ("join", 1, 2, 5)
+    # Train restarted the whole group instead: its workers register, nobody joins the record
+    for rank in range(2):
+        spec = RankSpec("g", rank, 2, "0", True, replaced_by="ray-train-slot")
+        m.step(Register(f"q{rank}", f"n{rank}", 10 + rank, "h", "job-a", (spec,)), time.time())
+    after = m.step(ev.JoinDeadline(record.cycle), record.join_by)
+    assert record.result == "failed" and of(after, ev.CycleOpened) == [], "nobody is ended"
+
+
+def test_a_hand_built_group_whose_every_rank_left_gets_no_record(config):
+    m = registered(config.replace(warm_restart=True), ranks=2)
+    sigterms = tuple(EvictionNotice("sigterm", "SIGTERM", 0, rank=("g", r)) for r in range(2))
+    m.step(ev.NoticesIn(sigterms), time.time())
+    orders = of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
+    saver = next(o.process_id for o in orders if o.answer.order.saves)
+    concluded = of(_saved_and_concluded_by(m, m.state.config, saver, ("p0", "p1")), ev.Concluded)
+    assert concluded[0].warm is None, "no spare comes, and Ray Train refills no slot"
+
+
+def _saved_and_concluded_by(m, config, saver: str, reporters) -> list:
+    """Cycle 0: ``saver`` saved step 5 of shard g/0, every reporter reported, the commit ran."""
+    record = write_shard(
+        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
+    )
+    for pid in reporters:
+        report(m, pid, [record] if pid == saver else [])
+    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
+    return m.step(ev.CommitDone(0, carry_out(commit.request)), time.time())
 
 
 def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_register(config):

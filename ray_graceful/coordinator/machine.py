@@ -322,8 +322,8 @@ class CycleMachine:
         """A warm restart that just failed: the members that joined are ended through a cycle
         of their new group (source "rejoin"); the others leave by themselves."""
         out: list[ev.Decision] = []
-        if failed_record is None:
-            return out
+        if failed_record is None or (failed_record.anew and not failed_record.results):
+            return out  # nobody joined a group started anew: Train restarted it whole instead
         keys = self._registered_slots(failed_record)
         reason = f"warm restart failed: {failed_record.reason}"[:500]
         number, now = self.cycle.number, self.state.now

@@ -92,6 +92,10 @@ class WarmRecord:
     # where a survivor leaves before its rendezvous, whether Train's next worker can take it
     train_groups: frozenset[str] = frozenset()
     held_shards: frozenset[str] = frozenset()
+    # Every slot handed to Ray Train's next worker (``WarmRestarts._every_slot_anew``): where
+    # Train restarted the whole group instead, its workers registered at those slots without
+    # joining this record, so its failure ends only members that said they joined.
+    anew: bool = False
 
     @property
     def finished(self) -> bool:
@@ -159,6 +163,10 @@ class WarmRestarts:
         # Survivors that left before the decision (``left_unanswered``): member -> why. Their
         # ranks are handed out as the evicted ones are.
         self.withdrawn: dict[str, str] = {}
+        # The groups of the cycle in flight whose slots Ray Train refills one by one (its
+        # replica groups): should every worker of one go, Train may still replace them one at a
+        # time, and its new workers then start the group anew (``_every_slot_anew``).
+        self.train_slot_groups: set[str] = set()
         self.current: WarmRecord | None = None
         self.records: dict[int, WarmRecord] = {}  # by the new cycle's number
 
@@ -172,9 +180,15 @@ class WarmRestarts:
         self, plan: TerminationPlan, processes: Iterable[Process], train_fn_saves: bool
     ) -> set[str]:
         """The processes whose order says ``rejoin``; remembered for ``decide``."""
-        self.survivors, self.withdrawn = {}, {}
+        self.survivors, self.withdrawn, self.train_slot_groups = {}, {}, set()
         if not self.enabled or train_fn_saves or plan.abandoned:
             return set()
+        self.train_slot_groups = {
+            spec.group
+            for process in processes
+            for spec in process.registration.ranks
+            if spec.replaced_by is Replacement.TRAIN_SLOT and spec.group not in plan.incomplete
+        }
         staying = {(o.group, o.rank) for o in plan.orders if not o.evicted and o.health != FAULTY}
         for process in processes:
             specs = [s for s in process.registration.ranks if s.key in process.keys]
@@ -446,8 +460,12 @@ class WarmRestarts:
         for pid in going:
             self.survivors.pop(pid, None)
         self.withdrawn = {}
+        train_slot_groups, self.train_slot_groups = self.train_slot_groups, set()
         if not self.survivors:
-            return None, []
+            anew = self._every_slot_anew(cycle, step, committed, registry, train_slot_groups, now)
+            if anew is not None:
+                anew.told_to_leave.update(going)
+            return anew, []
         involved = [p for p in registry.active(cycle.number) if p.order is not None]
         held = {
             record.shard: (p.process_id, record.bytes)
@@ -495,6 +513,50 @@ class WarmRestarts:
                 )
         return record, told
 
+    def _every_slot_anew(
+        self,
+        cycle: Cycle,
+        step: int | None,
+        committed: bool,
+        registry: Registry,
+        groups: set[str],
+        now: float,
+    ) -> WarmRecord | None:
+        """Every worker of a Ray Train group left in this cycle (all evicted, or the survivors
+        went too): the workers Train starts in its slots form the group anew, each loading the
+        committed step - the record names every slot.
+
+        Train restarts the whole group when every replica group fails at once, and its new
+        workers then form Train's process group and load the step themselves (``train.setup``:
+        they never ask). But it sees failures one poll at a time: one worker's exit seen before
+        the others left is replaced alone, and its new worker - and then the others' - would
+        find no warm restart to join, and fail in turn until ``max_failures`` is spent. With
+        this record they join. One nobody joins fails at its ``join_by`` and ends no one (only
+        members that said they joined are ever ended)."""
+        if not groups or not committed or step is None or step < 0:
+            return None
+        evicted, _ = self._evicted_slots(cycle, registry)
+        worlds = {spec.group: spec.world_size for spec, _ in registry.ranks_of(cycle.number)}
+        record = WarmRecord(
+            cycle.number, cycle.number + 1, step, WarmResult.REJOINING, started_at=now,
+            train_groups=frozenset(groups), join_by=now + 2 * self.config.rejoin_timeout_s,
+            anew=True,
+        )  # fmt: skip
+        for group in sorted(groups):
+            ranks = evicted.get(group, {})
+            if not ranks or len(ranks) != worlds.get(group):
+                continue  # not every slot of it left: not a group to start anew
+            for rank, shard in sorted(ranks.items()):
+                was = f"Ray Train's new worker for rank {rank} (every worker of the group left)"
+                record.members[train_slot_member(group, rank)] = self._rendezvous(
+                    record, group, rank, len(ranks), shard, was
+                )
+        if not record.members:
+            return None
+        self.current = record
+        self.records[record.cycle] = record
+        return record
+
     def _evicted_slots(
         self, cycle: Cycle, registry: Registry
     ) -> tuple[dict[str, dict[int, str]], dict[RankKey, float]]:
@@ -540,7 +602,7 @@ class WarmRestarts:
             # the last one, which named the cycle this member is leaving now.
             return None
         slot = member.partition(":")[2] if member.startswith(TRAIN_SLOT_PREFIX) else ""
-        if slot and slot.partition("/")[0] in self._train_groups():
+        if slot and slot.partition("/")[0] in self._train_groups() | self.train_slot_groups:
             return None  # Ray Train's new worker for a slot of the cycle in flight: it waits too
         record = self.current
         if record is not None and member in record.members:
