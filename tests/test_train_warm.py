@@ -270,6 +270,48 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
 
 
 @needs_replica_groups
+@pytest.mark.long
+@pytest.mark.timeout(400)
+@pytest.mark.xfail(
+    reason="known defect: an evicted worker's own exit while Train replaces another worker's "
+    "group fails Ray 2.60's controller (ActorDiedError there is not retried); the plugin's part, "
+    "every slot handed to Train's new workers, is test_machine's",
+    strict=False,
+)
+def test_every_worker_evicted_and_replaced_one_by_one_forms_the_group_anew(three_nodes, tmp_path):
+    """Every worker SIGTERMed at once, rank 0's save slow (three seconds): ranks 1 and 2 leave
+    first, so Train sees their failures apart from rank 0's and replaces the workers one by
+    one instead of restarting the group. Its new workers join a record that names every slot,
+    form the group anew and load the committed step; the run finishes. (Before, each found no
+    warm restart to join - "not a member" - and failed until ``max_failures`` was spent.)"""
+    config = _config(tmp_path, memory_replicas=0).replace(train_shards="per_rank")
+    slow = str(tmp_path / "slow-save")
+    fit, box, files = _start(tmp_path, config, slow_save=slow)
+    first = _first_pids_past_step_5(files, fit)
+    coordinator = Coordinator.connect(config)
+    with open(slow, "w") as f:
+        f.write("0")  # rank 0's save takes three seconds: it leaves last
+    for pid in first.values():
+        os.kill(pid, signal.SIGTERM)
+    outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+    fit.join(300)
+    assert not fit.is_alive(), "the run did not finish"
+    assert box["result"].error is None, box["result"].error
+
+    assert outcome is not None and outcome.warm is not None, outcome
+    members = {m["member"]: m["was"] for m in outcome.warm["members"]}
+    assert sorted(members) == [f"ray-train:train/{r}" for r in range(3)], members
+    assert all("every worker of the group left" in was for was in members.values()), members
+    committed = outcome.warm["resume_step"]
+    attempts = _lines(files["attempts"])
+    assert sorted((int(a[0]), int(a[2])) for a in attempts[3:]) == [
+        (r, committed) for r in range(3)
+    ]
+    assert all(int(a[4]) not in first.values() for a in attempts[3:])
+    _each_rank_ran_every_step_once(files, 30)
+
+
+@needs_replica_groups
 @pytest.mark.timeout(400)
 def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_nodes, tmp_path):
     """Rank 1 is SIGTERMed; while Train starts its new worker, survivor rank 2 is SIGTERMed too.

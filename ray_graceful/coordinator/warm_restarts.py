@@ -109,6 +109,40 @@ class WarmRecord:
         self.result, self.finished_at = WarmResult.FAILED, now
         self.reason = f"{why(len(silent))} ({', '.join(silent[:3])})"
 
+    def take(self, result: Rejoined, now: float) -> bool:
+        """One member's result (``result.member`` is a member); whether it failed the record
+        just now. Complete once every member has spoken."""
+        self.results[result.member] = result
+        failed_now = not result.joined and self.result is WarmResult.REJOINING
+        if failed_now:
+            self.result = WarmResult.FAILED
+            self.reason = f"{self.members[result.member].was}: {result.reason}"[:500]
+        if set(self.results) >= set(self.members) or failed_now:
+            if self.result is WarmResult.REJOINING:
+                self.result = WarmResult.REJOINED
+            self.finished_at = now
+        return failed_now
+
+    def member_left(self, member: str, why: str, now: float) -> bool:
+        """A member gone before it had its answer (``WarmRestarts.left_unanswered``): in a group
+        Ray Train refills by slot, where the slot's shard is not one only a survivor held, the
+        slot's next worker takes its place; else the record fails now. Whether it failed."""
+        if self.result is not WarmResult.REJOINING or member not in self.members:
+            return False  # over already, or told to leave
+        if member in self.results:
+            return False  # it joined already
+        answer = self.members[member]
+        key = shard_key(answer.group, answer.shard)
+        if answer.group in self.train_groups and key not in self.held_shards:
+            was = f"Ray Train's new worker for rank {answer.rank} (its survivor left)"
+            del self.members[member]
+            self.members[train_slot_member(answer.group, answer.rank)] = replace(answer, was=was)
+            self.told_to_leave[member] = why
+            return False
+        self.result, self.finished_at = WarmResult.FAILED, now
+        self.reason = f"{answer.was}: {why}"[:500]
+        return True
+
     def to_dict(self) -> dict[str, Any]:
         """What the outcome and ``Coordinator.wait_rejoined`` show: who, from where, how long."""
         return {
@@ -288,7 +322,9 @@ class WarmRestarts:
             started_at=now, train_groups=frozenset(self._train_groups()),
             held_shards=frozenset(held or {}),
         )  # fmt: skip
-        why = self._why_not(step, committed, reported) or self._held_by_one_gone(held or {})
+        why = self._why_not(step, committed, reported) or held_by_one_gone(
+            held or {}, set(self.survivors)
+        )
         if why is None:
             why = self._plan_members(
                 record, evicted_ranks, spares, evicted_nodes, slots_free_at or {}, now
@@ -321,18 +357,6 @@ class WarmRestarts:
             names = ", ".join(f"pid {self.survivors[p].pid}" for p in silent[:3])
             return f"{len(silent)} survivor(s) sent no teardown report ({names})"
         return None
-
-    def _held_by_one_gone(self, held: dict[str, tuple[str, int]]) -> str | None:
-        """A shard whose only copy a survivor holds that is going after all (it left before
-        the decision, or a notice named it after the plan): whoever takes its slot could not
-        load that step before the holder's copy lands, so the warm restart does not go ahead."""
-        orphaned = sorted(key for key, (holder, _) in held.items() if holder not in self.survivors)
-        if not orphaned:
-            return None
-        return (
-            f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that is going: no "
-            "member could load that step yet"
-        )
 
     def _plan_members(
         self,
@@ -371,7 +395,9 @@ class WarmRestarts:
                     slots.append((rank, member, shard, f"Ray Train's new worker for rank {rank}"))
             slots.sort()
             if len(slots) < world:
-                why = self._why_not_smaller(group, world, slots, evicted_ranks.get(group, {}))
+                why = why_not_smaller(
+                    group, world, slots, evicted_ranks.get(group, {}), self.config.min_world_size
+                )
                 if why is not None:
                     return why
                 slots = [(i, *slot[1:]) for i, slot in enumerate(slots)]  # renumbered, in order
@@ -406,24 +432,6 @@ class WarmRestarts:
             for s in self.survivors.values()
             if s.spec.replaced_by is Replacement.TRAIN_SLOT
         }
-
-    def _why_not_smaller(
-        self, group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str]
-    ) -> str | None:
-        floor = self.config.min_world_size
-        short = f"group {group!r}: {world - len(slots)} evicted slot(s) and no spare free"
-        if floor <= 0:
-            return f"{short}; min_world_size is 0, so the group does not continue smaller"
-        if len(slots) < floor:
-            return f"{short}; {len(slots)} rank(s) left, below min_world_size {floor}"
-        held = {slot[2] for slot in slots}
-        lost = sorted(set(evicted.values()) - held)
-        if lost:
-            return (
-                f"{short}; shard(s) {', '.join(lost[:3])} would have no holder in a smaller "
-                "group (each rank holds its own state: shrinking needs replicas)"
-            )
-        return None
 
     def _rendezvous(
         self, record: WarmRecord, group: str, rank: int, world: int, shard: str, was: str
@@ -652,54 +660,50 @@ class WarmRestarts:
         record = self.records.get(result.cycle)
         if record is None or result.member not in record.members:
             return None
-        record.results[result.member] = result
-        failed_now = not result.joined and record.result is WarmResult.REJOINING
-        if failed_now:
-            record.result = WarmResult.FAILED
-            record.reason = f"{record.members[result.member].was}: {result.reason}"[:500]
-        if set(record.results) >= set(record.members) or failed_now:
-            if record.result is WarmResult.REJOINING:
-                record.result = WarmResult.REJOINED
-            record.finished_at = now
-        return record if failed_now else None
+        return record if record.take(result, now) else None
 
     def left_unanswered(self, member: str, reason: str, now: float) -> WarmRecord | None:
         """A survivor left before it had its rendezvous (a SIGTERM in its teardown or while it
-        waited, no word in time): its slot is handed out as an evicted rank's, or the warm
-        restart fails now - never does a record keep a member that is gone. Returns the record
-        if it just failed.
-
-        - Before the decision: it is no survivor any more; ``decide`` hands its rank to a spare,
-          or to Ray Train's next worker in that slot.
-        - After it, in a group Ray Train refills by slot, where the slot's shard is on disk or
-          with a keeper (not held by a survivor alone): the slot's next worker is the member
-          in its place. Train starts that worker once this process ended, and it joins the
-          same rendezvous, which the others are waiting in.
-        - Else the record fails now (the others are ended cleanly): they would have waited for
-          it in the rendezvous until its timeout.
-        """
+        waited, no word in time): never does a record keep a member that is gone. Before the
+        decision it is no survivor any more (``decide`` hands its rank out as an evicted one's);
+        after it, ``WarmRecord.member_left``. Returns the record if it just failed."""
         why = f"it left before it had its rendezvous: {reason}"[:300]
         if member in self.survivors:
             del self.survivors[member]
             self.withdrawn[member] = why
             return None
         record = self.current
-        if (
-            record is None
-            or record.result is not WarmResult.REJOINING
-            or member not in record.members
-            or member in record.results
-        ):
-            return None  # told to leave, joined already, or no warm restart of its own
-        answer = record.members[member]
-        key = shard_key(answer.group, answer.shard)
-        if answer.group in record.train_groups and key not in record.held_shards:
-            slot = train_slot_member(answer.group, answer.rank)
-            was = f"Ray Train's new worker for rank {answer.rank} (its survivor left)"
-            del record.members[member]
-            record.members[slot] = replace(answer, was=was)
-            record.told_to_leave[member] = why
-            return None
-        record.result, record.finished_at = WarmResult.FAILED, now
-        record.reason = f"{answer.was}: {why}"[:500]
-        return record
+        return record if record is not None and record.member_left(member, why, now) else None
+
+
+def held_by_one_gone(held: dict[str, tuple[str, int]], staying: set[str]) -> str | None:
+    """Why not, for a shard whose only copy a survivor holds that is going after all (it left
+    before the decision, or a notice named it after the plan): whoever took its slot could not
+    load that step before the holder's copy lands, so the warm restart does not go ahead."""
+    orphaned = sorted(key for key, (holder, _) in held.items() if holder not in staying)
+    if not orphaned:
+        return None
+    return (
+        f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that is going: no member "
+        "could load that step yet"
+    )
+
+
+def why_not_smaller(
+    group: str, world: int, slots: list[tuple[Any, ...]], evicted: dict[int, str], floor: int
+) -> str | None:
+    """Why ``group`` cannot continue with only ``slots`` (no spare for its evicted ranks): its
+    ``min_world_size`` ``floor``, or a shard that would have no holder left; None if it can."""
+    short = f"group {group!r}: {world - len(slots)} evicted slot(s) and no spare free"
+    if floor <= 0:
+        return f"{short}; min_world_size is 0, so the group does not continue smaller"
+    if len(slots) < floor:
+        return f"{short}; {len(slots)} rank(s) left, below min_world_size {floor}"
+    held = {slot[2] for slot in slots}
+    lost = sorted(set(evicted.values()) - held)
+    if lost:
+        return (
+            f"{short}; shard(s) {', '.join(lost[:3])} would have no holder in a smaller "
+            "group (each rank holds its own state: shrinking needs replicas)"
+        )
+    return None

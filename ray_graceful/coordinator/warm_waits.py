@@ -47,9 +47,12 @@ class WarmWaits:
         return self.over.setdefault(cycle, asyncio.Event())
 
     async def rejoin_done(self, cycle: int) -> None:
-        """Until the warm restart out of ``cycle`` (if any) heard from every member."""
+        """Until the warm restart out of ``cycle`` (if any) heard from every member - not for
+        a group started anew (``WarmRecord.anew``): no survivor trains there whose reads the
+        copy could sit in the way of, and where Train restarted the group whole nobody ever
+        joins it."""
         record = self.warm.records.get(cycle + 1)
-        if record is not None and not record.finished:
+        if record is not None and not record.finished and not record.anew:
             await self.finished(cycle + 1).wait()
 
     async def record(self, cycle: int, timeout: float) -> dict[str, Any] | None:
