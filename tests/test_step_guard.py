@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from ray_graceful.train import EmergencyStop, step_guard
 from ray_graceful.train import loop as loop_module
-from ray_graceful.train import step_guard
 from ray_graceful.worker import process_runtime as runtime_module
 from ray_graceful.worker.process_runtime import ProcessRuntime
 
@@ -50,11 +50,17 @@ def test_without_an_order_the_error_goes_on_after_the_wait(runtime):
     assert time.monotonic() - began >= 0.5, "it waited for an order first"
 
 
-@pytest.mark.parametrize("where", ["not-a-runtime-error", "off-the-warm-path", "unregistered"])
+@pytest.mark.parametrize(
+    "where", ["not-a-runtime-error", "evicted", "off-the-warm-path", "unregistered"]
+)
 def test_any_other_error_goes_on_at_once(runtime, where):
-    """A bug in the step is no eviction: never held, never swallowed."""
+    """A bug in the step is no eviction, and an evicted worker's ``EmergencyStop`` (a guard
+    around ``carry_on``) is the plugin's own word to leave: never held, never swallowed."""
     runtime.stop_event.set()  # even with an order in
-    error: Exception = ValueError("shape mismatch") if where == "not-a-runtime-error" else None
+    error: Exception | None = {
+        "not-a-runtime-error": ValueError("shape mismatch"),
+        "evicted": EmergencyStop("ray_graceful: this worker was evicted at step 7"),
+    }.get(where)
     if where == "off-the-warm-path":
         runtime.loop.peers_reach_boundary = False
     if where == "unregistered":

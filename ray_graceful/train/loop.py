@@ -88,12 +88,16 @@ def ordered_after_failure(exc: BaseException) -> bool:
     step (``should_stop`` says so, ``carry_on`` re-forms the group) instead of raising out of the
     training function, which would make Ray Train restart every worker. True once that order
     came (within ``FAILED_STEP_ORDER_WAIT_S``); False - the error goes on - for anything that is
-    not a ``RuntimeError`` (torch's collective errors are), off the warm path, or with no order.
+    not a ``RuntimeError`` (torch's collective errors are), for ``EmergencyStop`` (an evicted
+    worker leaving: a guard around ``carry_on`` must not keep it), off the warm path, or with
+    no order.
     The step's update never applied where every collective precedes ``optimizer.step()``, the
     rule ``should_stop`` already relies on (docs/worker.md, "Step boundaries and saving").
     """
     runtime = process_runtime()
-    if not isinstance(exc, RuntimeError) or not runtime.loop.peers_reach_boundary:
+    if not isinstance(exc, RuntimeError) or isinstance(exc, EmergencyStop):
+        return False  # not a collective's error, or the plugin's own word to leave
+    if not runtime.loop.peers_reach_boundary:
         return False
     if runtime.control is None:
         return False
