@@ -464,4 +464,4 @@ def test_a_shard_held_only_by_a_survivor_that_left_before_the_decision_keeps_it_
         frozenset({"gone"}), {"g/2": ("p2", 64), "g/0": ("p0", 64)}, now=NOW,
     )  # fmt: skip
     assert record.result == "cold", record.reason
-    assert "shard(s) g/2 held only by a survivor that is going" in record.reason
+    assert "shard(s) g/2 held only by a survivor that left before the decision" in record.reason

@@ -323,7 +323,7 @@ class WarmRestarts:
             held_shards=frozenset(held or {}),
         )  # fmt: skip
         why = self._why_not(step, committed, reported) or held_by_one_gone(
-            held or {}, set(self.survivors)
+            held or {}, set(self.withdrawn)
         )
         if why is None:
             why = self._plan_members(
@@ -467,9 +467,9 @@ class WarmRestarts:
         going = {**self._going_after_the_plan(cycle), **self.withdrawn}
         for pid in going:
             self.survivors.pop(pid, None)
-        self.withdrawn = {}
         train_slot_groups, self.train_slot_groups = self.train_slot_groups, set()
         if not self.survivors:
+            self.withdrawn = {}
             anew = self._every_slot_anew(cycle, step, committed, registry, train_slot_groups, now)
             if anew is not None:
                 anew.told_to_leave.update(going)
@@ -502,6 +502,7 @@ class WarmRestarts:
             slots_free_at,
             now=now,
         )
+        self.withdrawn = {}
         if record is not None:  # its slot went to a spare (or Train's new worker) instead
             record.told_to_leave.update(going)
         by_id = {s.spare_id: s for s in spares}
@@ -676,16 +677,20 @@ class WarmRestarts:
         return record if record is not None and record.member_left(member, why, now) else None
 
 
-def held_by_one_gone(held: dict[str, tuple[str, int]], staying: set[str]) -> str | None:
-    """Why not, for a shard whose only copy a survivor holds that is going after all (it left
-    before the decision, or a notice named it after the plan): whoever took its slot could not
-    load that step before the holder's copy lands, so the warm restart does not go ahead."""
-    orphaned = sorted(key for key, (holder, _) in held.items() if holder not in staying)
+def held_by_one_gone(held: dict[str, tuple[str, int]], withdrawn: set[str]) -> str | None:
+    """Why not, for a shard whose only copy a survivor holds that left before the decision.
+
+    Its copy to the keepers went out as it left, before the cycle concluded, and the
+    coordinator takes a held step's copies only once it expects them (at the conclusion): the
+    member taking its slot would wait for a copy already dropped. So the warm restart does not
+    go ahead. (A holder that goes after the decision - found FAULTY after the plan - copies
+    once the step is expected, and its slot's taker waits for that copy: ``held.py``.)"""
+    orphaned = sorted(key for key, (holder, _) in held.items() if holder in withdrawn)
     if not orphaned:
         return None
     return (
-        f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that is going: no member "
-        "could load that step yet"
+        f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that left before the "
+        "decision: its copy came before the step was expected"
     )
 
 
