@@ -239,7 +239,7 @@ def _default_backend() -> str:
 
 
 class Unanswered(Rendezvous):
-    """ "Leave", decided here before the coordinator answered: a SIGTERM, or no answer in time."""
+    """A leave decided here before the coordinator answered: a SIGTERM, or no answer in time."""
 
 
 def _ask(
