@@ -560,13 +560,13 @@ def test_a_group_name_with_a_slash_is_refused_at_registration_and_at_setup(confi
         resolve_group("team/actor")
 
 
-def _saved_and_concluded(m, config, saver: str):
-    """Cycle 0 of three replicas of g/0: ``saver`` saved step 5, every rank reported, the
-    commit ran - the machine's ``Concluded``."""
+def _saved_and_concluded(m, config, saver: str, reporters=("p0", "p1", "p2")):
+    """Cycle 0 of replicas of g/0: ``saver`` saved step 5, every one of ``reporters`` (default
+    three) reported, the commit ran - the machine's ``Concluded``."""
     record = write_shard(
         config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
     )
-    for pid in ("p0", "p1", "p2"):
+    for pid in reporters:
         report(m, pid, [record] if pid == saver else [])
     (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
     (done,) = of(m.step(ev.CommitDone(0, carry_out(commit.request)), time.time()), ev.Concluded)
@@ -706,8 +706,7 @@ def test_every_train_worker_gone_hands_every_slot_to_trains_next_workers(tmp_pat
     slot = train_slot_member("g", 1)
     assert m.warm.answer(slot) is None, "asked during the cycle: it waits for the decision"
     saver = next(o.process_id for o in orders if o.answer.order.saves)
-    concluded = of(_saved_and_concluded_by(m, config, saver, ("p0", "p1")), ev.Concluded)
-    record = concluded[0].warm
+    record = _saved_and_concluded(m, config, saver, ("p0", "p1")).warm
     assert record.result == "rejoining" and record.anew, record
     assert sorted(record.members) == [train_slot_member("g", 0), slot]
     answer = m.warm.answer(slot)
@@ -726,19 +725,8 @@ def test_a_hand_built_group_whose_every_rank_left_gets_no_record(config):
     m.step(ev.NoticesIn(sigterms), time.time())
     orders = of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)
     saver = next(o.process_id for o in orders if o.answer.order.saves)
-    concluded = of(_saved_and_concluded_by(m, m.state.config, saver, ("p0", "p1")), ev.Concluded)
-    assert concluded[0].warm is None, "no spare comes, and Ray Train refills no slot"
-
-
-def _saved_and_concluded_by(m, config, saver: str, reporters) -> list:
-    """Cycle 0: ``saver`` saved step 5 of shard g/0, every reporter reported, the commit ran."""
-    record = write_shard(
-        config.checkpoint_dir, 5, "g/0", lambda p, s: save_state_dict({"s": s}, p), group="g"
-    )
-    for pid in reporters:
-        report(m, pid, [record] if pid == saver else [])
-    (commit,) = of(m.step(ev.ReportsClosed(0), time.time()), ev.Commit)
-    return m.step(ev.CommitDone(0, carry_out(commit.request)), time.time())
+    concluded = _saved_and_concluded(m, m.state.config, saver, ("p0", "p1"))
+    assert concluded.warm is None, "no spare comes, and Ray Train refills no slot"
 
 
 def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_register(config):
