@@ -306,6 +306,31 @@ def test_late_saves_for_no_held_step_or_a_shard_not_held_are_refused():
     assert "was not held" in refused[1].answer.reason
 
 
+def test_a_copy_that_lands_before_its_cycle_concluded_is_taken_when_the_step_is_expected():
+    """A survivor that left before its warm restart was decided copies its held shard as it
+    goes - before the cycle concluded. That copy is kept (answered ok) and counted once the
+    step is expected: the step commits, and a member taking that slot loads the copy."""
+    steps = HeldSteps()
+    early = LateSave("p1", 3, (record("g/1", "memory"),))
+    assert kinds(steps.late(early, T0, open_cycle=3)) == ["Replied"]
+    assert steps.late(early, T0, open_cycle=3)[0].answer.accepted
+    steps.early[3].pop()  # the same copy once
+    decisions = steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0 + 1)
+    assert kinds(decisions) == ["HeldChanged", "HeldTimer", "CommitHeld"]
+    assert steps.saved_copy("g/1", STEP).holders == ("keeper-node",)
+    assert not steps.awaiting_copy("g/1", STEP) and steps.early == {}
+
+
+def test_an_early_copy_whose_cycle_concluded_without_a_held_step_is_refused_with_the_reason():
+    steps = HeldSteps()
+    steps.late(LateSave("p1", 3, (record("g/1", "memory"),)), T0, open_cycle=3)
+    refused = steps.not_held(3)
+    assert [(d.summary, d.reason) for d in refused] == [
+        ("late save of cycle 3 from p1", "cycle 3 concluded without a held step")
+    ]
+    assert steps.early == {} and steps.not_held(3) == []
+
+
 def test_a_spare_may_load_an_evicted_shard_of_the_held_step_a_cold_restart_may_not():
     steps = HeldSteps()
     steps.expect(request(record("g/0", "memory"), record("g/1", "held")), 9e9, T0)

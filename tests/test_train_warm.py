@@ -336,17 +336,20 @@ def test_a_second_notice_during_the_replacement_is_the_next_warm_restart(three_n
 @needs_replica_groups
 @pytest.mark.long
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
 def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_to_train(
-    three_nodes, tmp_path
+    three_nodes, tmp_path, memory_replicas
 ):
     """Rank 1 is SIGTERMed, and its save of its own shard is slow (three seconds), which holds
     the cycle open. Inside that time survivor rank 2, its own teardown done, is SIGTERMed while
     it waits for its rendezvous: it has no answer yet, so it leaves - and says so, and the
     decision counts it out. Train replaces both slots; rank 0 keeps its process, and no step is
     lost or run twice. (Unsaid, the decision named the gone survivor, and Train's next worker
-    in its slot was "not a member" until ``max_failures`` was spent.)"""
-    # Each rank's own shard, on disk (a shard only the gone survivor held keeps it cold)
-    config = _config(tmp_path, memory_replicas=0).replace(train_shards="per_rank")
+    in its slot was "not a member" until ``max_failures`` was spent.) ``held``: rank 2 held its
+    own shard, and copied it to the keepers as it left - before the cycle concluded; that early
+    copy counts, and Train's new worker in its slot loads it from there."""
+    # Each rank's own shard: on disk, or held by the survivors (the memory tier)
+    config = _config(tmp_path, memory_replicas=memory_replicas).replace(train_shards="per_rank")
     slow = str(tmp_path / "slow-save")
     fit, box, files = _start(tmp_path, config, total=40, slow_save=slow)
     first = _first_pids_past_step_5(files, fit)
@@ -364,6 +367,14 @@ def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_
     assert not os.path.exists(slow + ".taken") or _lines(slow + ".who")[0][0] == "1"
     os.kill(first[2], signal.SIGTERM)
     outcome = coordinator.wait_outcome(timeout=60, cycle=0)
+    rejoined = coordinator.wait_rejoined(1, timeout=180)
+    if memory_replicas:  # every held shard's copy landed - rank 2's before the step was expected
+        _wait_until(
+            "the held step committed in the keepers",
+            lambda: (coordinator.durability(0) or {}).get("stage") in ("in-keepers", "on-disk"),
+            fit,
+            60,
+        )
     fit.join(300)
     assert not fit.is_alive(), "the run did not finish"
     assert box["result"].error is None, box["result"].error
@@ -374,6 +385,10 @@ def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_
     members = {m["member"]: m["was"] for m in outcome.warm["members"]}
     assert members["ray-train:train/2"] == "Ray Train's new worker for rank 2", members
     _ranks_1_and_2_replaced_and_rank_0_kept(files, first)
+    loaded = {m["member"]: m["loaded_from"] for m in rejoined["members"]}
+    assert rejoined["result"] == "rejoined" and "own state" in loaded.values(), rejoined
+    if memory_replicas:  # rank 2's copy, landed before the step was expected, is the one loaded
+        assert loaded["ray-train:train/2"] in ("memory-local", "memory-peer"), rejoined
 
 
 @needs_replica_groups

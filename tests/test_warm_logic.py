@@ -453,15 +453,18 @@ def test_a_member_that_left_once_it_had_spoken_or_was_told_to_leave_changes_noth
     assert part.joined(left("nobody"), NOW + 2) is None and record.result == "rejoining"
 
 
-def test_a_shard_held_only_by_a_survivor_that_left_before_the_decision_keeps_it_cold():
-    """Survivor p2 holds its own shard (no copy anywhere yet) and leaves before the decision:
-    whoever took its slot could not load that step, so the warm restart does not go ahead -
-    with the reason, at once, instead of a member that fails in its load."""
+def test_a_shard_held_only_by_a_survivor_that_left_before_the_decision_is_loaded_from_its_copy():
+    """Survivor p2 holds its own shard (no copy anywhere yet) and leaves before the decision,
+    copying the shard to the keepers as it goes: the warm restart goes ahead, and the worker
+    Train starts in p2's slot loads that copy (no peer: p2 is not in the new group) while p0,
+    parked at the step, keeps its own."""
     part = train_warm({0: "0", 2: "2", 3: "3"}, memory_replicas=1)
     assert part.joined(left("p2"), NOW) is None and "p2" not in part.survivors
     record = part.decide(
         0, 7, True, {pid: True for pid in part.survivors}, {"g": {1: "1", 2: "2"}}, [],
-        frozenset({"gone"}), {"g/2": ("p2", 64), "g/0": ("p0", 64)}, now=NOW,
+        frozenset({"gone"}), {"g/2": ("p2", 64), "g/0": ("p0", 64)}, frozenset({"p0"}), now=NOW,
     )  # fmt: skip
-    assert record.result == "cold", record.reason
-    assert "shard(s) g/2 held only by a survivor that left before the decision" in record.reason
+    assert record.result == "rejoining", record.reason
+    taker = record.members[train_slot_member("g", 2)]
+    assert (taker.rank, taker.shard, taker.peer) == (2, "2", -1)
+    assert record.members["p0"].send_to == ()

@@ -179,27 +179,53 @@ class HeldSteps:
 
     def __init__(self) -> None:
         self.steps: dict[int, HeldStep] = {}
+        # open cycle -> copies that landed before it concluded: a survivor that left the group
+        # before its warm restart was decided copies its held shard as it goes
+        self.early: dict[int, list[LateSave]] = {}
 
     def expect(self, request: CommitRequest, until: float, now: float) -> list[ev.Decision]:
-        """The cycle concluded held: its copies are due by ``until``."""
+        """The cycle concluded held: its copies are due by ``until`` - those that came early are
+        taken now, as if they had landed this moment."""
         held = self.steps[request.cycle] = HeldStep(request, until, held_at=now)
         for old in sorted(self.steps)[:-KEEP_HELD]:
             del self.steps[old]
-        return [_changed(held), ev.HeldTimer(held.cycle, until)]
-
-    def late(self, late: LateSave, now: float) -> list[ev.Decision]:
-        """A survivor's copies landed (or could not): the step commits once all are in."""
-        held = self.steps.get(late.cycle)
-        why = f"no held step for cycle {late.cycle}" if held is None else held.take(late, now)
-        if held is None or why is not None:
-            summary = f"late save of cycle {late.cycle} from {late.process_id}"
-            return [ev.Rejected(summary, why or ""), ev.Replied(Reply.refused(why or ""))]
-        out: list[ev.Decision] = [ev.Replied(Reply.ok())]
-        if held.stage is Stage.LOST:
-            out += _lost(held)
-        elif held.complete():
-            out.append(ev.CommitHeld(held.commit_request(now)))
+        out: list[ev.Decision] = [_changed(held), ev.HeldTimer(held.cycle, until)]
+        for late in self.early.pop(request.cycle, []):
+            out += self._landed(held, late, now)
         return out
+
+    def not_held(self, cycle: int) -> list[ev.Decision]:
+        """The open cycle concluded without a held step: the copies that came early for it
+        are refused now, each with the reason (never dropped without a word)."""
+        why = f"cycle {cycle} concluded without a held step"
+        return [ev.Rejected(_summary(late), why) for late in self.early.pop(cycle, [])]
+
+    def late(self, late: LateSave, now: float, open_cycle: int | None = None) -> list[ev.Decision]:
+        """A survivor's copies landed (or could not): the step commits once all are in. A copy
+        for ``open_cycle`` (not concluded yet) is kept until it concludes."""
+        held = self.steps.get(late.cycle)
+        if held is None and late.cycle == open_cycle:
+            self.early.setdefault(late.cycle, []).append(late)
+            return [ev.Replied(Reply.ok())]
+        if held is None:
+            why = f"no held step for cycle {late.cycle}"
+            return [ev.Rejected(_summary(late), why), ev.Replied(Reply.refused(why))]
+        out = self._landed(held, late, now)
+        refused = [d.reason for d in out if isinstance(d, ev.Rejected)]
+        if refused:
+            return [*out, ev.Replied(Reply.refused(refused[0]))]
+        return [ev.Replied(Reply.ok()), *out]
+
+    @staticmethod
+    def _landed(held: HeldStep, late: LateSave, now: float) -> list[ev.Decision]:
+        why = held.take(late, now)
+        if why is not None:
+            return [ev.Rejected(_summary(late), why)]
+        if held.stage is Stage.LOST:
+            return _lost(held)
+        if held.complete():
+            return [ev.CommitHeld(held.commit_request(now))]
+        return []
 
     def due(self, cycle: int, now: float) -> list[ev.Decision]:
         """Lose the held step of ``cycle`` if its copies are not all in by its ``until``."""
@@ -267,6 +293,10 @@ class HeldSteps:
     def describe(self, cycle: int) -> dict[str, Any] | None:
         held = self.steps.get(cycle)
         return held.describe() if held is not None else None
+
+
+def _summary(late: LateSave) -> str:
+    return f"late save of cycle {late.cycle} from {late.process_id}"
 
 
 def _changed(held: HeldStep) -> ev.HeldChanged:

@@ -168,7 +168,7 @@ class CycleMachine:
             case ev.SpareLeaving(spare_id, reason):
                 return [ev.Replied(Reply(self.spares.leave(spare_id), reason))]
             case LateSave() as message:
-                return self.held.late(message, now)
+                return self.held.late(message, now, open_cycle=self.cycle.number)
             case ev.HeldDue(cycle):
                 return self.held.due(cycle, now)
             case ev.HeldCommitted(cycle, landed):
@@ -288,6 +288,8 @@ class CycleMachine:
             until = now + config.rejoin_timeout_s + config.save_budget_s + REPORT_GRACE_S
             out += self.held.expect(self._commit, until, now)
             outcome = dataclasses.replace(outcome, held=self.held.describe(cycle.number))
+        else:
+            out += self.held.not_held(cycle.number)
         self._commit = None
         cycle.move(Phase.CONCLUDED, self.state.now)
         out.append(ev.Concluded(outcome, memory, record))

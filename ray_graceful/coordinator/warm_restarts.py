@@ -307,7 +307,9 @@ class WarmRestarts:
         ``held``: shard key -> (the survivor's process id, bytes) for each shard a survivor
         holds without a copy anywhere yet; a member that takes such a shard and cannot prove it
         (a spare, or a survivor not in ``parked``: its training thread was not parked at the
-        step) receives it from that survivor over the new group.
+        step) receives it from that survivor over the new group. A holder that left before
+        the decision copied its shard to the keepers as it went (``held.py`` keeps that early
+        copy): its slot's taker loads it from there.
 
         ``reported``: survivor process id -> whether its teardown reported in time (one that did
         not cannot be trusted to be out of its collective). ``evicted_ranks``: group -> the
@@ -322,9 +324,7 @@ class WarmRestarts:
             started_at=now, train_groups=frozenset(self._train_groups()),
             held_shards=frozenset(held or {}),
         )  # fmt: skip
-        why = self._why_not(step, committed, reported) or held_by_one_gone(
-            held or {}, set(self.withdrawn)
-        )
+        why = self._why_not(step, committed, reported)
         if why is None:
             why = self._plan_members(
                 record, evicted_ranks, spares, evicted_nodes, slots_free_at or {}, now
@@ -675,23 +675,6 @@ class WarmRestarts:
             return None
         record = self.current
         return record if record is not None and record.member_left(member, why, now) else None
-
-
-def held_by_one_gone(held: dict[str, tuple[str, int]], withdrawn: set[str]) -> str | None:
-    """Why not, for a shard whose only copy a survivor holds that left before the decision.
-
-    Its copy to the keepers went out as it left, before the cycle concluded, and the
-    coordinator takes a held step's copies only once it expects them (at the conclusion): the
-    member taking its slot would wait for a copy already dropped. So the warm restart does not
-    go ahead. (A holder that goes after the decision - found FAULTY after the plan - copies
-    once the step is expected, and its slot's taker waits for that copy: ``held.py``.)"""
-    orphaned = sorted(key for key, (holder, _) in held.items() if holder in withdrawn)
-    if not orphaned:
-        return None
-    return (
-        f"shard(s) {', '.join(orphaned[:3])} held only by a survivor that left before the "
-        "decision: its copy came before the step was expected"
-    )
 
 
 def why_not_smaller(
