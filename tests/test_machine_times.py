@@ -95,17 +95,24 @@ def test_a_cycle_and_its_held_step_run_on_the_events_times(tmp_path, no_clock):
     assert m.step(ev.HeldDue(0), due) == [], "committing: no longer due"
 
 
-def test_a_copy_that_came_before_the_cycle_concluded_commits_the_step_at_its_conclusion(
-    tmp_path, no_clock
-):
-    """A holder that left before the decision copies its shard as it goes: its ``LateSave``
-    comes while the cycle is still open. It is kept, and taken at the conclusion."""
+def one_rank_held_at_t0_plus_2(tmp_path) -> CycleMachine:
+    """One rank of one group, evicted at T0 and planned at T0+1; at T0+2 it reported its shard
+    of step 9 held: the cycle is open, its reports not closed yet."""
     m = machine(tmp_path)
     m.step(Register("p0", "n0", 0, "h", "job-a", (RankSpec("g", 0, 1, "0", True),)), T0)
     m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, T0 + 31, "n0", received_at=T0),)), T0)
     m.step(ev.GatheringClosed(0), T0 + 1)
     held = ShardRecord("g/0", 9, "f0", 10, 0, "g", 0, tier="held", holders=("n0",))
     m.step(ev.ReportIn("p0", report(0, T0 + 2, held)), T0 + 2)
+    return m
+
+
+def test_a_copy_that_came_before_the_cycle_concluded_commits_the_step_at_its_conclusion(
+    tmp_path, no_clock
+):
+    """A holder that left before the decision copies its shard as it goes: its ``LateSave``
+    comes while the cycle is still open. It is kept, and taken at the conclusion."""
+    m = one_rank_held_at_t0_plus_2(tmp_path)
     copy = ShardRecord("g/0", 9, "f0", 10, 0, "g", 0, tier="memory", holders=("n1",))
     (kept,) = of(m.step(LateSave("p0", 0, (copy,)), T0 + 2.5), ev.Replied)
     assert kept.answer.accepted
@@ -115,12 +122,7 @@ def test_a_copy_that_came_before_the_cycle_concluded_commits_the_step_at_its_con
 
 
 def test_a_held_step_whose_copy_never_came_is_lost_at_its_due_time(tmp_path, no_clock):
-    m = machine(tmp_path)
-    m.step(Register("p0", "n0", 0, "h", "job-a", (RankSpec("g", 0, 1, "0", True),)), T0)
-    m.step(ev.NoticesIn((EvictionNotice("api", "x", 0, T0 + 31, "n0", received_at=T0),)), T0)
-    m.step(ev.GatheringClosed(0), T0 + 1)
-    held = ShardRecord("g/0", 9, "f0", 10, 0, "g", 0, tier="held", holders=("n0",))
-    m.step(ev.ReportIn("p0", report(0, T0 + 2, held)), T0 + 2)
+    m = one_rank_held_at_t0_plus_2(tmp_path)
     m.step(ev.ReportsClosed(0), T0 + 3)
     concluded = m.step(ev.CommitDone(0, CommitResult(Result.HELD, "held")), T0 + 4)
     (timer,) = of(concluded, ev.HeldTimer)
