@@ -407,6 +407,14 @@ def train_callback_bases() -> tuple[type, ...]:
     return (WorkerGroupCallback, WorkerCallback, ControllerCallback)
 
 
+def train_worker_nodes(workers: list[Any]) -> tuple[set[str], int]:
+    """The nodes of Ray Train V2's ``Worker``s (``before_init_train_context``'s, DeveloperAPI:
+    ``metadata.node_id``, ``distributed_context.world_size``) and their group's world size."""
+    nodes = {str(w.metadata.node_id) for w in workers}
+    sizes = [w.distributed_context.world_size for w in workers if w.distributed_context]
+    return nodes, max(sizes, default=len(workers))
+
+
 def train_torch_backend() -> tuple[type, type | None]:
     """Ray Train's torch backend (``_TorchBackend``, private: what ``TorchConfig`` forms the
     process group with) and V2's ``ReplicaGroup`` - the worker group a replacement's

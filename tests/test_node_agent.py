@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 
 from ray_graceful import latest_committed
@@ -118,3 +119,41 @@ def test_each_node_has_its_agent_and_an_order_reaches_every_rank_through_them(
     finally:
         kill_actors(*ranks)
         coordinator.shutdown()
+
+
+def test_ray_trains_callback_starts_each_workers_node_agent_before_the_workers_set_up(
+    nodes, tmp_path
+):
+    """Under Ray Train the run's callback starts the agents as Train creates the workers
+    (``before_init_train_context``, for the whole group and for each replacement), so a worker's
+    ``setup`` finds its node's agent up instead of waiting for its new process; with nothing
+    for an agent to do, none is started."""
+    from types import SimpleNamespace
+
+    from ray_graceful.train import GracefulTrainCallback
+
+    def worker(node: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            metadata=SimpleNamespace(node_id=nodes[node]),
+            distributed_context=SimpleNamespace(world_size=3),
+        )
+
+    job = ray.get_runtime_context().get_job_id()
+    quiet = dict(host_watch=False, node_agent="off", cloud_notices="off")
+    for settings, started in (({}, True), (quiet, False)):
+        callback = GracefulTrainCallback(fast_config(tmp_path, **settings))
+        callback.after_controller_start(SimpleNamespace(backend_config=None))
+        try:
+            assert callback.before_init_train_context([worker("a"), worker("b"), worker("a")]) == {}
+            coordinator_id = actor_id_of(callback._coordinator.handle)
+            for n in ("a", "b"):
+                name = agent_name(job, coordinator_id, nodes[n])
+                if not started:
+                    with pytest.raises(ValueError):
+                        ray.get_actor(name, namespace=callback.config.coordinator_namespace)
+                    continue
+                agent = ray.get_actor(name, namespace=callback.config.coordinator_namespace)
+                described = ray.get(agent.describe.remote(), timeout=60)
+                assert described["node_id"] == nodes[n], "pinned to the worker's node"
+        finally:
+            callback.after_controller_finish(SimpleNamespace(error=None))

@@ -1,6 +1,7 @@
 """The node agent: one actor per job on each node that hosts its ranks.
 
-The first rank process of a job to set up on a node starts it (``ensure_agent``: named after
+The first rank process of a job to set up on a node starts it - under Ray Train, the run's
+callback, as Train creates the workers (``ensure_agent``: named after
 the job, its coordinator and the node, ``get_if_exists``, so the node's other processes find it
 instead of starting another; pinned to the node; no CPU). It does per node what each process
 did alone:
@@ -66,13 +67,29 @@ MAX_CONCURRENCY = 10_000  # held polls and calls one agent serves at once
 
 def uses_agent(config: GracefulConfig, ranks: tuple[RankSpec, ...]) -> bool:
     """Whether a process holding ``ranks`` relays through its node's agent."""
+    return _relays(config, max((spec.world_size for spec in ranks), default=0))
+
+
+def _relays(config: GracefulConfig, world_size: int) -> bool:
     if config.node_agent == "off":
         return False
     if config.host_watch:
         return True  # a host cut off from the coordinator orders its ranks out through here
     if config.node_agent == "auto":
-        return any(spec.world_size >= AUTO_MIN_WORLD_SIZE for spec in ranks)
+        return world_size >= AUTO_MIN_WORLD_SIZE
     return config.node_agent == "on"
+
+
+def agent_wanted(config: GracefulConfig, world_size: int) -> bool:
+    """Whether the node of a rank of a group of ``world_size`` runs an agent: to relay it, or
+    for the cloud's notices or the host watch's heartbeat."""
+    return _relays(config, world_size) or config.cloud_notices != "off" or config.host_watch
+
+
+def start_agents(config: GracefulConfig, coordinator: Any, nodes: set[str]) -> list[Any]:
+    """The agents of ``nodes``, started now (not waited for): before the ranks there set up,
+    so that their registration finds the agent up instead of waiting for its process."""
+    return [ensure_agent(config, coordinator, node_id) for node_id in sorted(nodes)]
 
 
 def agent_name(job_id: str, coordinator_id: str, node_id: str) -> str:
@@ -188,15 +205,16 @@ class NodeAgent:
         return self.cloud.seen() if self.cloud else {"cloud": None, "events": []}
 
 
-def ensure_agent(config: GracefulConfig, coordinator: Any) -> Any:
-    """This node's agent for this job's coordinator, started unless one runs already.
+def ensure_agent(config: GracefulConfig, coordinator: Any, node_id: str | None = None) -> Any:
+    """The agent of ``node_id`` (default: this process's node) for this job's coordinator,
+    started unless one runs already.
 
     Detached: it outlives the process that started it, and leaves with its coordinator."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ctx = ray.get_runtime_context()
-    node_id, job_id = ctx.get_node_id(), ctx.get_job_id()
+    node_id, job_id = node_id or ctx.get_node_id(), ctx.get_job_id()
     coordinator_id = ray_adapter.actor_id_of(coordinator)
     return (
         ray.remote(NodeAgent)

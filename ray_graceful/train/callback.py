@@ -4,7 +4,8 @@
 ``RAY_TRAIN_CALLBACKS=ray_graceful.train.GracefulTrainCallback``) runs on Train's controller and
 on each worker:
 
-- on the controller it starts the run's coordinator, and ends it with the run;
+- on the controller it starts the run's coordinator, and ends it with the run; and, as Train
+  creates the workers, their nodes' agents (``node/agent.py``);
 - on each worker's main thread it installs the SIGTERM listener (the training function runs on
   a thread of its own, where no signal handler can be installed);
 - on the cold path it registers each rank once Train formed the process group. On the warm
@@ -19,6 +20,7 @@ from typing import Any
 
 from .. import ray_adapter
 from ..config import GracefulConfig
+from ..node.agent import agent_wanted, start_agents
 from ..worker.setup import install_signal_handling, register_rank
 from .loop import GROUP, train_shard
 
@@ -65,6 +67,20 @@ class GracefulTrainCallback(*ray_adapter.train_callback_bases()):  # type: ignor
         except CoordinatorExists:
             # This job's driver started it already (coordinators are per job): theirs to end.
             self._coordinator = None
+
+    def before_init_train_context(self, workers: list[Any]) -> dict[str, list[Any]]:
+        # Train created the workers (the whole group, or a replacement): each node's agent is
+        # started now, beside Train's own setup of them - their train context, the process
+        # group, the function's imports - rather than on the path of the first registration
+        # there, which waited about 1.4 s for the agent's new process.
+        if self._coordinator is not None:
+            nodes, world_size = ray_adapter.train_worker_nodes(workers)
+            if agent_wanted(self.config, world_size):
+                try:
+                    start_agents(self.config, self._coordinator.handle, nodes)
+                except Exception as exc:  # the ranks start their agents themselves
+                    logger.warning("ray_graceful: could not start the node agents: %r", exc)
+        return {}
 
     def after_worker_group_training_start(self, worker_group: Any) -> None:
         # The process group is up by now (Ray Train's backend set it up when the group

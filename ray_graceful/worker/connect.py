@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import GracefulConfig
-from ..node.agent import ensure_agent, uses_agent
+from ..node.agent import agent_wanted, ensure_agent, uses_agent
 from .control import ControlChannel, find_coordinator
 
 
@@ -25,7 +25,8 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
                 "its own"
             )
         relayed = uses_agent(config, runtime.rank_specs())
-        agent, note = _node_agent(runtime, config, handle, relayed)
+        world_size = max((spec.world_size for spec in runtime.rank_specs()), default=0)
+        agent, note = _node_agent(runtime, config, handle, world_size)
         runtime.control = ControlChannel(
             handle,
             config,
@@ -45,10 +46,10 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
     return status
 
 
-def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any, relayed: bool) -> tuple:
+def _node_agent(runtime: Any, config: GracefulConfig, coordinator: Any, world_size: int) -> tuple:
     """This node's agent, if this process relays through it, or cloud notices or the host
     watch are on."""
-    if not relayed and config.cloud_notices == "off" and not config.host_watch:
+    if not agent_wanted(config, world_size):
         return None, ""
     try:
         runtime.node_agent = ensure_agent(config, coordinator)
