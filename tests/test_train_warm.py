@@ -48,7 +48,7 @@ def _lines(path):
         return []
 
 
-def _start(tmp_path, config, total=30, **job):
+def _start(tmp_path, config, total=30, worker_env=None, **job):
     files = {name: str(tmp_path / name) for name in ("progress", "attempts", "final", "began")}
     trainer = TorchTrainer(
         warm_train_func,
@@ -70,6 +70,7 @@ def _start(tmp_path, config, total=30, **job):
             name="warm",
             callbacks=[GracefulTrainCallback(config)],
             failure_config=FailureConfig(max_failures=2),
+            **({"worker_runtime_env": {"env_vars": worker_env}} if worker_env else {}),
         ),
     )
     box: dict = {}
