@@ -48,7 +48,6 @@ from ..protocol import (
     Ack,
     PollAnswer,
     PollState,
-    RankSpec,
     Register,
     Reply,
     TeardownOrder,
@@ -65,12 +64,9 @@ AUTO_MIN_WORLD_SIZE = 32  # node_agent='auto': relay through the agent from this
 MAX_CONCURRENCY = 10_000  # held polls and calls one agent serves at once
 
 
-def uses_agent(config: GracefulConfig, ranks: tuple[RankSpec, ...]) -> bool:
-    """Whether a process holding ``ranks`` relays through its node's agent."""
-    return _relays(config, max((spec.world_size for spec in ranks), default=0))
-
-
-def _relays(config: GracefulConfig, world_size: int) -> bool:
+def uses_agent(config: GracefulConfig, world_size: int) -> bool:
+    """Whether a process holding ranks of groups of at most ``world_size`` relays through its
+    node's agent."""
     if config.node_agent == "off":
         return False
     if config.host_watch:
@@ -83,7 +79,7 @@ def _relays(config: GracefulConfig, world_size: int) -> bool:
 def agent_wanted(config: GracefulConfig, world_size: int) -> bool:
     """Whether the node of a rank of a group of ``world_size`` runs an agent: to relay it, or
     for the cloud's notices or the host watch's heartbeat."""
-    return _relays(config, world_size) or config.cloud_notices != "off" or config.host_watch
+    return uses_agent(config, world_size) or config.cloud_notices != "off" or config.host_watch
 
 
 def start_agents(config: GracefulConfig, coordinator: Any, nodes: set[str]) -> list[Any]:

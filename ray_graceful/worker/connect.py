@@ -24,8 +24,8 @@ def connect(runtime: Any, config: GracefulConfig) -> str:
                 "no coordinator runs for this job: on SIGTERM this rank tears itself down on "
                 "its own"
             )
-        relayed = uses_agent(config, runtime.rank_specs())
         world_size = max((spec.world_size for spec in runtime.rank_specs()), default=0)
+        relayed = uses_agent(config, world_size)
         agent, note = _node_agent(runtime, config, handle, world_size)
         runtime.control = ControlChannel(
             handle,
