@@ -432,16 +432,26 @@ def test_a_spare_told_the_job_is_over_leaves_through_the_machine(config):
     assert machine.step(SpareDismissed("again")) == [], "once"
 
 
-def test_a_spare_waiting_inside_its_rejoin_stops_waiting_and_one_with_a_slot_holds_it(config):
+def test_a_spare_inside_its_rejoin_holds_a_signal_and_joins_only_if_handed_a_slot(config):
+    """Signalled while it waits for a slot, a spare inside ``rejoin()`` holds the signal, as a
+    survivor does: not handed a slot, its wait returns and it leaves; handed one (the decided
+    warm restart names it), it joins, and the signal is the new group's first notice."""
     machine = RankMachine(config)
     machine.step(RejoinBegun(T0))  # rejoin() on a spare: it waits for a slot inside
     machine.step(SpareWaiting())
-    assert machine.step(Signal(15, 1, T0 + 1)) == [StopLoop()], "no slot yet: it leaves"
+    assert machine.step(Signal(15, 1, T0 + 1)) == [ArmKernelDeadline(T0 + 1 + 24.5)], "held"
+    assert machine.held_signal() == (15, T0 + 1), "its wait sees it, and asks to leave the pool"
+    left = machine.step(RejoinEnded(False, T0 + 2, reason="SIGTERM: this spare is being evicted"))
+    assert left == [Leave("SIGTERM: this spare is being evicted")], "not named: it leaves"
+
     machine = RankMachine(config)
     machine.step(RejoinBegun(T0))
     machine.step(SpareWaiting())
-    machine.step(SpareAssigned())  # handed a slot: it waits for the others in the rendezvous
-    assert machine.step(Signal(15, 1, T0 + 1)) == [ArmKernelDeadline(T0 + 1 + 24.5)], "held"
+    machine.step(Signal(15, 1, T0 + 1))
+    machine.step(SpareAssigned())  # named: it joins, the signal still held
+    assert machine.step(Signal(15, 1, T0 + 1.5)) == [], "one signal held, the first"
+    assert machine.step(RejoinEnded(True, T0 + 3, cycle=1)) == [NoticeAgain(15, T0 + 1, 1)]
+    assert machine.step(Signal(15, 2, T0 + 4)) == [HardExit(config.exit_code, "second SIGTERM")]
 
 
 def test_teardown_now_tears_down_alone_once(config):

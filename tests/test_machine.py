@@ -509,6 +509,32 @@ def test_a_spare_silent_past_the_join_deadline_ends_the_survivor_that_joined(tmp
     assert {d.process_id for d in of(ordered, ev.OrderOut)} == {"p1"}
 
 
+def test_a_spare_signalled_once_a_warm_restart_names_it_is_kept_and_others_leave(tmp_path):
+    """``leave_spare``: a spare the decided warm restart names is refused, naming the cycle - it
+    joins, and its signal is the new group's first notice - rather than leave the survivor
+    waiting in the rendezvous until the join deadline. A spare nothing names leaves the pool,
+    as does the named one once it said what it did."""
+    m = machine(fast_config(tmp_path, warm_restart=True, rejoin_timeout_s=5.0))
+    m.warm.survivors = {"p1": Survivor("p1", RankSpec("g", 1, 2, "1", True), "n1", 101)}
+    for spare_id, node, pid in (("spare-x", "n2", 9), ("spare-y", "n3", 10)):
+        m.step(ev.SpareArrived(spare_id, "spare", node, pid), time.time())
+    named = m.spares.spares["spare-x"]
+    record = m.warm.decide(
+        0, 7, True, {"p1": True}, {"g": {0: "0"}}, [named], frozenset({"n0"}), now=time.time()
+    )
+    assert "spare-x" in record.members
+
+    kept = ev.reply_of(m.step(ev.SpareLeaving("spare-x", "SIGTERM"), time.time()))
+    assert (kept.accepted, kept.cycle) == (False, record.cycle), kept
+    assert record.result == "rejoining" and "spare-x" in m.spares.spares
+    left = ev.reply_of(m.step(ev.SpareLeaving("spare-y", "SIGTERM"), time.time()))
+    assert left.accepted and "spare-y" not in m.spares.spares
+
+    m.step(Rejoined("joined", "spare-x", "g", 0, 2, 7, record.cycle), time.time())
+    after = ev.reply_of(m.step(ev.SpareLeaving("spare-x", "SIGTERM"), time.time()))
+    assert after.cycle is None, "it said what it did: nothing waits for it any more"
+
+
 def test_a_member_lost_on_its_way_in_ends_the_warm_restart_with_its_cycle_not_the_next(tmp_path):
     """The spare registered and died in its load (Ray Train's new worker, killed there): its
     death is a notice of the new group's cycle, which concludes. The warm restart into that

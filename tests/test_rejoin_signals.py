@@ -99,12 +99,14 @@ def test_a_spare_handed_a_slot_claims_a_sigterm_until_its_rejoin_ends(runtime, k
     assert left == ["no rendezvous"], "a rejoin that did not join leaves"
 
 
-def test_a_spare_still_waiting_for_a_slot_stops_waiting_on_a_sigterm(runtime):
+def test_a_spare_still_waiting_for_a_slot_holds_a_sigterm_for_its_wait_to_see(runtime):
+    """Claimed and held, not a stop of the training loop it does not run yet: its wait asks to
+    leave the pool (``spare_wait``), or joins the warm restart that named it already."""
     runtime.step(RejoinBegun(time.time()))
     runtime.step(SpareWaiting())
     assert runtime.on_sigterm(signal.SIGTERM, 1) is True
-    assert runtime.stop_event.is_set()
-    assert runtime.machine.held_signal() is None
+    assert runtime.machine.held_signal() is not None
+    assert not runtime.stop_event.is_set(), "a joined spare would stop at its first step"
 
 
 def test_the_held_sigterm_is_the_new_groups_notice_with_its_deadline_from_the_signal(runtime):

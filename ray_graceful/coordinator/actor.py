@@ -293,7 +293,8 @@ class CoordinatorActor:
         return ev.reply_of(decisions)  # its word; None: none yet, it polls again
 
     async def leave_spare(self, spare_id: str, reason: str) -> Reply:
-        """A spare or standby is going away (SIGTERM): never hand it a slot."""
+        """A spare or standby is going away (SIGTERM): never hand it a slot. Refused, naming
+        the cycle, where a decided warm restart names it already: it joins that one first."""
         return self._take(ev.SpareLeaving(spare_id, reason))
 
     async def job_finished(self, success: bool = True, permanent: bool = True) -> JobClosed:

@@ -166,7 +166,7 @@ class CycleMachine:
             case ev.SparePolled(spare_id, held):
                 return self._spare_polled(spare_id, held)
             case ev.SpareLeaving(spare_id, reason):
-                return [ev.Replied(Reply(self.spares.leave(spare_id), reason))]
+                return [ev.Replied(self._spare_leaving(spare_id, reason))]
             case LateSave() as message:
                 return self.held.late(message, now, open_cycle=self.cycle.number)
             case ev.HeldDue(cycle):
@@ -307,6 +307,17 @@ class CycleMachine:
         # A survivor that left before its answer names no cycle: the record it failed does
         finished = self._if_warm_finished(failed_now or self.warm.records.get(result.cycle))
         return [*ended, *finished, ev.Replied(Reply.ok(self.cycle.number))]
+
+    def _spare_leaving(self, spare_id: str, reason: str) -> Reply:
+        """A spare going away (SIGTERM) leaves the pool and is never handed a slot - but one a
+        decided warm restart names is its member already: refused, naming that cycle, it joins
+        as a signalled survivor does, and its signal is the new group's first notice. Leaving
+        instead, it would keep the others waiting in the rendezvous until the join deadline."""
+        record = self.warm.current
+        if record is not None and record.waits_for(spare_id):
+            why = f"named by the warm restart into cycle {record.cycle}: it joins, then leaves"
+            return Reply.refused(why, cycle=record.cycle)
+        return Reply(self.spares.leave(spare_id), reason)
 
     def _join_deadline(self, cycle: int, now: float) -> list[ev.Decision]:
         overdue = self.warm.overdue(cycle, now)

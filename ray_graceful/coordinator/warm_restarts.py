@@ -102,6 +102,14 @@ class WarmRecord:
         """Every member said what it did, or the warm restart failed or never began."""
         return self.finished_at is not None
 
+    def waits_for(self, member: str) -> bool:
+        """Whether ``member`` is a member still to say what it did, the restart still open."""
+        return (
+            self.result is WarmResult.REJOINING
+            and member in self.members
+            and member not in self.results
+        )
+
     def fail_silent(self, why: Callable[[int], str], now: float) -> None:
         """Failed for the members that never said what they did: ``why(how many)``, and what
         the first of them were."""

@@ -127,13 +127,9 @@ class RankMachine:
         config = self.config
         if self.phase is RankPhase.IDLE:
             return []  # not ours
-        if self.phase is RankPhase.SPARE or (
-            isinstance(self.data, Rejoining) and self.data.waiting_as_spare
-        ):
-            # nothing to save and no slot yet: it stops waiting and leaves
-            if self.phase is RankPhase.SPARE:
-                reason = "SIGTERM while waiting as a spare"
-                self._move(RankPhase.LEAVING, Leaving(reason, spare=True))
+        if self.phase is RankPhase.SPARE:
+            # nothing to save and no slot: it stops waiting and leaves
+            self._move(RankPhase.LEAVING, Leaving("SIGTERM while waiting as a spare", spare=True))
             return [StopLoop()]
         if event.count >= 2:
             return [HardExit(config.exit_code, "second SIGTERM")]
@@ -141,9 +137,12 @@ class RankMachine:
             event.at + config.teardown_timeout_s - config.watchdog_margin_s / 2
         )
         if isinstance(self.data, Rejoining):
+            # Held, as anywhere in rejoin(). A spare still waiting for its word leaves the pool;
+            # one a decided warm restart names joins it, as a signalled survivor does, and the
+            # signal is the new group's first notice (``worker/spare_wait.py``).
             if self.data.held is not None:
                 return []
-            self._move(RankPhase.REJOINING, Rejoining((event.signum, event.at)))
+            self._move(RankPhase.REJOINING, replace(self.data, held=(event.signum, event.at)))
             return [kernel]
         if self.phase is RankPhase.AWAITING_REJOIN:
             return self._leave("SIGTERM while waiting to rejoin", unanswered=True)

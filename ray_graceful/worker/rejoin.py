@@ -58,7 +58,7 @@ from .process_runtime import ProcessRuntime, Registration, process_runtime
 from .rank_events import RankPhase, RejoinBegun, RejoinEnded
 from .restore import coordinator_checkpoint_dir
 from .setup import after_init_process_group
-from .spare_wait import wait_as_spare
+from .spare_wait import wait_in_rejoin
 
 RENDEZVOUS_POLL_S = 1.0  # an ask's long poll: a SIGTERM meanwhile is seen within it
 
@@ -184,7 +184,7 @@ def _rejoin(
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
         backend = backend or _backend_of(survivor)
     else:
-        waited = wait_as_spare("spare", config, exit_on_finish=False)
+        waited = wait_in_rejoin(config)
         if waited.action != SpareAction.ASSIGNED:
             return Rejoined(
                 RejoinResult.LEFT, waited.spare_id, reason=waited.reason, pid=os.getpid()

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..bounded import NoAnswer, Why, call
 from ..config import GracefulConfig
-from ..protocol import SpareAction, SpareAnswer
+from ..protocol import Reply, SpareAction, SpareAnswer
 from .control import find_coordinator
 from .process_groups import SetupError
 from .process_runtime import ProcessRuntime, process_runtime
@@ -54,6 +54,23 @@ def wait_as_spare(
     ("assigned": join the group for ``cycle`` as ``group/rank``), when the process gets SIGTERM
     ("exit", it is being evicted itself), or after ``timeout`` seconds ("timeout").
     """
+    return _wait(role, config, timeout, exit_on_finish, joins_if_named=False)
+
+
+def wait_in_rejoin(config: GracefulConfig) -> SpareResult:
+    """A spare's wait inside ``rejoin()``: as ``wait_as_spare``, but signalled once a decided
+    warm restart names it, it still gets its slot ("assigned") - it joins, and its signal is the
+    new group's first notice, as a survivor's (the others wait for it in the rendezvous)."""
+    return _wait("spare", config, None, exit_on_finish=False, joins_if_named=True)
+
+
+def _wait(
+    role: str,
+    config: GracefulConfig | None,
+    timeout: float | None,
+    exit_on_finish: bool,
+    joins_if_named: bool,
+) -> SpareResult:
     import ray
 
     if role not in ("spare", "standby"):
@@ -75,7 +92,8 @@ def wait_as_spare(
     poll = _SparePoll(handle, spare_id, role, ctx.get_node_id(), config)
     poll.register()
     poll.thread.start()
-    result = dataclasses.replace(_until_word(poll, runtime, timeout), spare_id=spare_id)
+    result = _until_word(poll, runtime, timeout, joins_if_named)
+    result = dataclasses.replace(result, spare_id=spare_id)
     if result.action == SpareAction.ASSIGNED:
         runtime.spare_id = None
         runtime.step(SpareAssigned())
@@ -84,16 +102,24 @@ def wait_as_spare(
     return result
 
 
-def _until_word(poll: _SparePoll, runtime: ProcessRuntime, timeout: float | None) -> SpareResult:
-    """The coordinator's word, a SIGTERM, or the timeout: whichever comes first."""
+def _until_word(
+    poll: _SparePoll, runtime: ProcessRuntime, timeout: float | None, joins_if_named: bool
+) -> SpareResult:
+    """The coordinator's word, a SIGTERM, or the timeout: whichever comes first. Signalled,
+    it leaves the pool - unless ``joins_if_named`` and the coordinator answers that a decided
+    warm restart names it (``Coordinator.leave_spare``): its word is then on its way."""
     end = None if timeout is None else time.monotonic() + timeout
+    named = False
     try:
         while not poll.done.wait(0.05):
             if not poll.thread.is_alive() and poll.result is None:
                 return SpareResult(SpareAction.EXIT, "the spare's poll thread ended unexpectedly")
-            if runtime.stop_event.is_set():
-                call(poll.handle.leave_spare, poll.spare_id, "SIGTERM", timeout=2)
-                return SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
+            signalled = runtime.stop_event.is_set() or runtime.machine.held_signal() is not None
+            if signalled and not named:
+                reply = call(poll.handle.leave_spare, poll.spare_id, "SIGTERM", timeout=2)
+                named = joins_if_named and _named_by_a_warm_restart(reply)
+                if not named:
+                    return SpareResult(SpareAction.EXIT, "SIGTERM: this spare is being evicted")
             if end is not None and time.monotonic() > end:
                 return SpareResult(
                     SpareAction.TIMEOUT, f"no word from the coordinator in {timeout}s"
@@ -102,6 +128,11 @@ def _until_word(poll: _SparePoll, runtime: ProcessRuntime, timeout: float | None
         return poll.result
     finally:
         poll.done.set()
+
+
+def _named_by_a_warm_restart(reply: object) -> bool:
+    """``leave_spare`` refused, naming the cycle of the decided warm restart this spare is in."""
+    return isinstance(reply, Reply) and not reply.accepted and reply.cycle is not None
 
 
 class _SparePoll:

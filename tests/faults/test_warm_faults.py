@@ -68,10 +68,11 @@ def test_a_sigterm_while_a_survivor_waits_in_the_rendezvous_evicts_it_from_the_n
 def test_a_spare_signalled_after_its_assignment_claims_the_signal_and_is_evicted_cleanly(
     rep, fault_log, ray_cluster, tmp_path
 ):
-    """World 2 and a spare; rank 1 evicted. The assigned spare gets SIGTERM while it waits for
-    the survivor in the rendezvous. It claims the signal (Ray does not kill it as a crash), the
-    group forms, and the spare is evicted through the new group's first cycle; the survivor is
-    never left registered in a world whose other member is dead."""
+    """World 2 and a spare; rank 1 evicted. The spare gets SIGTERM once it is assigned, on its
+    way in - its wait for a slot returning, or in the rendezvous. It claims the signal (Ray does
+    not kill it as a crash), the group forms, and the spare is evicted through the new group's
+    first cycle; the survivor is never left registered in a world whose other member is dead,
+    nor waiting in the rendezvous for a spare that left."""
     with warm_job(tmp_path, 2, spares=1, rejoin_timeout_s=20.0) as (_c, coordinator, w, [spare]):
         spare_pid = ray.get(spare.pid.remote())  # asked before it waits inside its rejoin
         group = WarmGroup(coordinator, w, spares=[spare], method="rejoin")
@@ -80,7 +81,7 @@ def test_a_spare_signalled_after_its_assignment_claims_the_signal_and_is_evicted
         assert coordinator.wait_outcome(timeout=60, cycle=0).warm["result"] == "rejoining"
         wait_for(lambda: not coordinator.status()["spares"], 30, "the spare to take its slot")
 
-        os.kill(spare_pid, signal.SIGTERM)  # assigned, waiting for the survivor
+        os.kill(spare_pid, signal.SIGTERM)  # assigned: its poll took the word
         restart = group.restart(timeout=60)
         assert [m.was for m in restart.members] == ["survivor of rank 0", "spare for rank 1"]
 
