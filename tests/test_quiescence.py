@@ -512,3 +512,50 @@ def test_a_parked_step_ends_with_the_release_so_a_later_save_is_labelled_with_it
     assert loop.parked_step is None and loop.state() != "parked"
     loop.mark(81)  # the next cycle, trained on after the rejoin
     assert loop.step() == 81
+
+
+def test_an_evicted_ray_train_worker_is_left_to_train_once_its_function_raised(
+    tmp_path, monkeypatch
+):
+    """Under Ray Train's replica groups the evicted worker's teardown publishes its report,
+    ends, and exits nothing itself once the training function raised out of ``carry_on``: Train
+    replaces its group and ends the process (its own exit while Train replaced another worker's
+    group failed Train's controller). A function that does not raise - stuck outside
+    ``carry_on`` - leaves Train nothing to see: that worker exits as any rank does."""
+    import threading
+    import time
+
+    from ray_graceful import GracefulConfig, read_reports
+    from ray_graceful.worker import teardown as teardown_module
+
+    config = GracefulConfig(report_dir=str(tmp_path))
+    teardown = teardown_module.Teardown(config, [], "test", time.time() + 30, train_ends_it=True)
+    carry_on = threading.Thread(
+        target=lambda: teardown.done.wait(10) and teardown.train_fn_raised.set()
+    )
+    carry_on.start()
+    teardown._finish()  # returns: nothing ended this process
+    carry_on.join(10)
+    assert (teardown.report.exit_path, teardown.report.exit_code) == ("ray_train", 0)
+    assert teardown.report.phases[-1].detail.startswith("left to Ray Train")
+    assert [r.exit_path for r in read_reports(str(tmp_path))] == ["ray_train"]
+
+    class Exited(Exception):
+        pass
+
+    asked: list[str] = []
+
+    def stop_here(*_args):
+        raise Exited
+
+    monkeypatch.setattr(teardown_module, "TRAIN_FN_RAISES_WITHIN_S", 0.1)
+    monkeypatch.setattr(teardown_module.ray_adapter, "intended_exit", lambda: asked.append)
+    monkeypatch.setattr(teardown_module, "skip_finalization", lambda _code: None)
+    monkeypatch.setattr(teardown_module.gc, "freeze", lambda: None)
+    stuck = teardown_module.Teardown(config, [], "test", time.time() + 30, train_ends_it=True)
+    monkeypatch.setattr(stuck, "_wait_for_intended_exit", stop_here)
+    with pytest.raises(Exited):
+        stuck._finish()
+    assert stuck.done.is_set() and len(asked) == 1, "it asked Ray to end it after all"
+    assert stuck.report.exit_path == "ray_intended"
+    assert "did not raise within" in stuck.report.phases[-1].detail

@@ -133,7 +133,11 @@ def _ranks_1_and_2_replaced_and_rank_0_kept(files, first: dict[int, int]) -> Non
 
 @needs_replica_groups
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("memory_replicas", [0, 1], ids=["disk", "held"])
+@pytest.mark.parametrize(
+    "memory_replicas",
+    # held is the default with warm_restart; disk (memory_replicas=0) is a fault-row run
+    [pytest.param(0, marks=pytest.mark.long, id="disk"), pytest.param(1, id="held")],
+)
 def test_a_sigtermed_worker_is_replaced_alone_and_the_survivors_train_on(
     three_nodes, tmp_path, memory_replicas
 ):
@@ -273,18 +277,14 @@ def test_every_worker_evicted_at_once_falls_back_to_trains_full_restart(three_no
 @needs_replica_groups
 @pytest.mark.long
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(
-    reason="known defect: an evicted worker's own exit while Train replaces another worker's "
-    "group fails Ray 2.60's controller (ActorDiedError there is not retried); the plugin's part, "
-    "every slot handed to Train's new workers, is test_machine's",
-    strict=False,
-)
 def test_every_worker_evicted_and_replaced_one_by_one_forms_the_group_anew(three_nodes, tmp_path):
     """Every worker SIGTERMed at once, rank 0's save slow (three seconds): ranks 1 and 2 leave
     first, so Train sees their failures apart from rank 0's and replaces the workers one by
     one instead of restarting the group. Its new workers join a record that names every slot,
     form the group anew and load the committed step; the run finishes. (Before, each found no
-    warm restart to join - "not a member" - and failed until ``max_failures`` was spent.)"""
+    warm restart to join - "not a member" - and failed until ``max_failures`` was spent; and
+    rank 0's own exit while Train replaced the others' groups failed Train's controller: the
+    evicted worker's process is now Train's to end.)"""
     config = _config(tmp_path, memory_replicas=0).replace(train_shards="per_rank")
     slow = str(tmp_path / "slow-save")
     fit, box, files = _start(tmp_path, config, slow_save=slow)

@@ -15,7 +15,7 @@ from .words import PhaseStatus, TeardownPhase
 # How a process left: Ray's intended exit (status 0); Ray's kill of the actor, for a task that
 # could not return (still recorded INTENDED_SYSTEM_EXIT, status 1); os._exit (outside Ray, or
 # both of those failed); the deadline's watchdog; a second SIGTERM.
-ExitPath = Literal["ray_intended", "ray_kill", "hard", "watchdog", "second-signal"]
+ExitPath = Literal["ray_intended", "ray_train", "ray_kill", "hard", "watchdog", "second-signal"]
 
 
 @dataclass

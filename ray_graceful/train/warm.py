@@ -144,9 +144,10 @@ def carry_on(step: int) -> int:
 
     A survivor parks here until its part of the teardown is done, then re-forms the group in
     this process with Train's new workers and returns the step every member holds (``step``
-    itself where this rank can prove it parked there). An evicted worker waits here while its
-    process leaves; if the warm restart does not go ahead, ``EmergencyStop`` is raised and Train
-    restarts the whole group from the committed step.
+    itself where this rank can prove it parked there). An evicted worker waits here for its
+    teardown, then raises ``EmergencyStop``: Train replaces its group and ends its process. If
+    the warm restart does not go ahead, a survivor raises it too, and Train restarts the whole
+    group from the committed step.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise SetupError(f"carry_on: step={step!r} must be an int >= 0")
@@ -169,8 +170,9 @@ def carry_on(step: int) -> int:
         # survivor's order for it came instead. It parks at the step it holds, and re-forms
         # with the worker Train puts in that slot next.
         step = joined.step
-    if teardown is not None:  # evicted: the teardown ends this process (its intended exit)
+    if teardown is not None:  # evicted: once its teardown is done, Train ends this process
         teardown.done.wait(max(teardown.remaining(), 0.0) + config.watchdog_margin_s)
+        teardown.train_fn_raised.set()  # raised just below: Train replaces this worker's group
     raise EmergencyStop(f"ray_graceful: this worker was evicted at step {step}")
 
 

@@ -477,6 +477,7 @@ class ProcessRuntime:
                 training=self.loop,
                 exit_process=exit_process,
                 boundary_needed=boundary_needed,
+                train_ends_it=self.replaced_by is Replacement.TRAIN_SLOT,
             )
             self.teardown.report.last_step = self.loop.last_step
             teardown = self.teardown

@@ -84,6 +84,9 @@ class TrainingThread(Protocol):
 # in the test suite, 16-130 ms with 16 ranks tearing down at once on two cores.
 STUCK_IN_COLLECTIVE_S = 0.2
 FORCED_EXIT_WAIT_S = 2.0  # Ray's forced intended exit may take this long; then exit hard
+# An evicted Ray Train worker's training function waits in ``carry_on`` for the teardown, and
+# raises within milliseconds of its end; one that has not by then is stuck elsewhere.
+TRAIN_FN_RAISES_WITHIN_S = 2.0
 # Found inside a collective this long at quiesce: release first. A healthy step's collective
 # that ends within it still parks at the boundary, where the rank can save (20 ms was tried:
 # 10 ms off an N=8 release's p50, and a saver released mid-step lost its save under load).
@@ -109,6 +112,7 @@ class Teardown:
         exit_process: bool = True,
         boundary_needed: bool = True,
         late: LateCopies | None = None,
+        train_ends_it: bool = False,
     ) -> None:
         self.config = config
         self.late = late  # an earlier cycle's held shards, still on their way: finished first
@@ -118,6 +122,12 @@ class Teardown:
         self.on_report = on_report
         self.training = training
         self.exit_process = exit_process
+        # Under Ray Train's replica groups the evicted worker's process is Train's to end: its
+        # training function raises out of ``carry_on`` once this is done (``train_fn_raised``),
+        # and Train replaces its group and kills it. Its own exit while Train replaced another
+        # worker's group failed Train's controller (an ActorDiedError there is not retried).
+        self.train_ends_it = train_ends_it and exit_process
+        self.train_fn_raised = threading.Event()
         # How long a collective the thread is found in may take to finish at quiesce: none
         # when the coordinator says nobody of the cycle needs a step boundary.
         self.in_collective_s = IN_COLLECTIVE_S if boundary_needed else 0.0
@@ -358,6 +368,22 @@ class Teardown:
         if not self.late.finish(max(left, 0.0)):
             write_stderr("ray_graceful: leaving with a held shard's copy unfinished\n")
 
+    def _left_to_train(self, record: PhaseRecord) -> bool:
+        """Ray Train ends this process: published as such, then ``done`` - the training
+        function, waiting in ``carry_on``, raises. The watchdog stays the backstop at the
+        deadline. A function that does not raise within ``TRAIN_FN_RAISES_WITHIN_S`` (stuck
+        outside ``carry_on``) leaves Train nothing to see: this process exits as any other."""
+        record.status, record.duration_s = PhaseStatus.RAN, 0.0
+        record.detail = "left to Ray Train: the training function raises, Train ends the process"
+        self.report.exit_path, self.report.exit_code = "ray_train", 0
+        self._publish()
+        self.done.set()
+        if self.train_fn_raised.wait(TRAIN_FN_RAISES_WITHIN_S):
+            return True
+        record.detail += f"; it did not raise within {TRAIN_FN_RAISES_WITHIN_S:.0f}s"
+        write_stderr("ray_graceful: the training function did not raise: the worker exits\n")
+        return False
+
     def _finish(self) -> None:
         record = PhaseRecord(
             TeardownPhase.EXIT, PhaseStatus.RUNNING, started_s=time.monotonic() - self.t0
@@ -369,17 +395,23 @@ class Teardown:
             self._publish()
             self.done.set()
             return
+        published = self.train_ends_it
+        if published and self._left_to_train(record):
+            return
         exit_via_ray = ray_adapter.intended_exit()
         in_ray = exit_via_ray is not None
         self.report.exit_path = "ray_intended" if in_ray else "hard"
         self.report.exit_code = 0 if in_ray else self.config.exit_code
         record.status = PhaseStatus.RAN
-        record.detail = (
+        record.detail = (record.detail + "; " if published else "") + (
             "Ray's intended exit requested" if in_ray else f"os._exit({self.config.exit_code})"
         )
         # Report first: once Ray's exit is requested, no Ray call may follow.
-        self._publish()
-        self.done.set()
+        if published:  # left to Train, which saw nothing: its file says how it ended instead
+            write_report_file(self.report, self.config.report_dir)
+        else:
+            self._publish()
+            self.done.set()
         if exit_via_ray is not None:
             # A reference cycle that holds an ObjectRef (a failed ray.get's traceback, say) and
             # is only collected after Ray's core worker shut down makes the process exit with
