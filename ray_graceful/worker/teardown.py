@@ -413,44 +413,48 @@ class Teardown:
             self._publish()
             self.done.set()
         if exit_via_ray is not None:
-            # A reference cycle that holds an ObjectRef (a failed ray.get's traceback, say) and
-            # is only collected after Ray's core worker shut down makes the process exit with
-            # status 1 ("accesses the Ray's worker after it is shutdown"). gc.freeze() puts every
-            # object where no later collection looks - in O(1), where gc.collect() over a
-            # heavy import graph takes seconds - and the finalization that would collect them
-            # is skipped.
-            gc.freeze()
-            skip_finalization(0)
-            ray_stopped = ray_adapter.core_worker_stopped_check()
-            try:
-                exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
-            except Exception as exc:
-                write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
-            waited, stuck_s = self._wait_for_intended_exit(ray_stopped)
-            why = (
-                f"; the process was still alive after {waited:.2f}s "
-                f"(a task had not returned: {busy_threads()})"
-            )
-            if stuck_s is not None:
-                why += f", its thread still in a collective {stuck_s:.2f}s after the release"
-            force = ray_adapter.forced_intended_exit()
-            if force is not None:
-                # Ray kills the actor from its IO thread: recorded INTENDED_SYSTEM_EXIT (status
-                # 1, Ray's QuickExit) instead of the crash an os._exit is recorded as.
-                self.report.exit_path, self.report.exit_code = "ray_kill", 1
-                record.detail += f"{why}, so Ray killed the actor"
-                write_report_file(self.report, self.config.report_dir)
-                try:
-                    force()
-                    time.sleep(FORCED_EXIT_WAIT_S)
-                except Exception as exc:
-                    write_stderr(f"ray_graceful: Ray could not kill the actor: {exc!r}\n")
-                why = f"; Ray's kill had not ended it after {FORCED_EXIT_WAIT_S:.0f}s"
-            self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
-            record.detail += f"{why}, so os._exit"
-            write_report_file(self.report, self.config.report_dir)
-            hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
+            self._exit_through_ray(exit_via_ray, record)
         hard_exit(self.config.exit_code, "teardown finished outside a Ray worker")
+
+    def _exit_through_ray(self, exit_via_ray: Callable[[str], None], record: PhaseRecord) -> None:
+        """Ray's intended exit; Ray's kill of the actor if a task still has not returned after
+        ``exit_grace_s``; ``os._exit`` if neither ended the process."""
+        # A reference cycle that holds an ObjectRef (a failed ray.get's traceback, say) and is
+        # only collected after Ray's core worker shut down makes the process exit with status 1
+        # ("accesses the Ray's worker after it is shutdown"). gc.freeze() puts every object
+        # where no later collection looks - in O(1), where gc.collect() over a heavy import
+        # graph takes seconds - and the finalization that would collect them is skipped.
+        gc.freeze()
+        skip_finalization(0)
+        ray_stopped = ray_adapter.core_worker_stopped_check()
+        try:
+            exit_via_ray(f"ray_graceful teardown ({self.report.trigger})")
+        except Exception as exc:
+            write_stderr(f"ray_graceful: Ray's intended exit failed: {exc!r}\n")
+        waited, stuck_s = self._wait_for_intended_exit(ray_stopped)
+        why = (
+            f"; the process was still alive after {waited:.2f}s "
+            f"(a task had not returned: {busy_threads()})"
+        )
+        if stuck_s is not None:
+            why += f", its thread still in a collective {stuck_s:.2f}s after the release"
+        force = ray_adapter.forced_intended_exit()
+        if force is not None:
+            # Ray kills the actor from its IO thread: recorded INTENDED_SYSTEM_EXIT (status 1,
+            # Ray's QuickExit) instead of the crash an os._exit is recorded as.
+            self.report.exit_path, self.report.exit_code = "ray_kill", 1
+            record.detail += f"{why}, so Ray killed the actor"
+            write_report_file(self.report, self.config.report_dir)
+            try:
+                force()
+                time.sleep(FORCED_EXIT_WAIT_S)
+            except Exception as exc:
+                write_stderr(f"ray_graceful: Ray could not kill the actor: {exc!r}\n")
+            why = f"; Ray's kill had not ended it after {FORCED_EXIT_WAIT_S:.0f}s"
+        self.report.exit_path, self.report.exit_code = "hard", self.config.exit_code
+        record.detail += f"{why}, so os._exit"
+        write_report_file(self.report, self.config.report_dir)
+        hard_exit(self.config.exit_code, "Ray's intended exit did not end the process in time")
 
     def _wait_for_intended_exit(
         self, ray_stopped: Callable[[], bool] | None = None
