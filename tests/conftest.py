@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(items):
     """Mark each test by what it needs: `-m unit` runs the fast bulk, `-m cluster` the rest.
 
     Every fault-injection scenario (tests/faults) is a ``long`` row, as are the fault rows and
-    soaks marked so elsewhere: `make test` (`-m "not long"`) walks every documented path once,
+    soaks marked so elsewhere: `make test` (every test not `long`) walks every documented path once,
     `make test-long` what goes wrong on the way; CI runs both."""
     for item in items:
         needs_cluster = "ray_cluster" in getattr(item, "fixturenames", ())

@@ -472,7 +472,6 @@ def _alive(pid: int) -> bool:
 
 
 @needs_replica_groups
-@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_the_train_controller_killed_ends_the_run_and_the_next_fit_resumes_committed(
     three_nodes, tmp_path
