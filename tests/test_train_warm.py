@@ -397,8 +397,9 @@ def test_a_survivor_signalled_before_the_warm_restart_is_decided_gives_its_slot_
 @pytest.mark.parametrize(
     "dies",
     [
-        "as-it-begins",
-        pytest.param("in-its-load", marks=pytest.mark.long),
+        # make test walks the death while it receives: in its load, the step received
+        pytest.param("as-it-begins", marks=pytest.mark.long),
+        "in-its-load",
     ],
 )
 def test_a_new_worker_that_dies_while_it_joins_is_replaced_again(three_nodes, tmp_path, dies):
