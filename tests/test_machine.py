@@ -765,3 +765,27 @@ def test_a_spare_poll_held_until_its_word_and_one_that_left_is_not_told_to_regis
     assert m.step(ev.SparePolled("s1", held=True), time.time()) == [], "gone: not re-registered"
     (word,) = of(m.step(ev.SparePolled("s1"), time.time()), ev.Replied)
     assert word.answer.action == "register", "a fresh poll from a spare we do not know"
+
+
+def test_ranks_agree_on_their_stop_step_only_where_every_one_answers_and_a_survivor_holds(
+    tmp_path,
+):
+    """A drain with spares and the held path: every order says to agree on the stop step
+    (``worker/stop_step.py``), so no survivor is released from inside a step it cannot hold. A
+    lost host's ranks never answer (the others would wait out the agreement for nothing), and
+    with ``warm_restart_holds=False`` nobody holds: no agreement then."""
+    m, *_ = _n2_drained_with_two_spares(tmp_path)
+    assert all(p.order.agree_stop_step for p in m.state.registry.processes.values()), "drain"
+
+    def orders_after(notice_for, **settings) -> list:
+        config = fast_config(tmp_path, warm_restart=True, notice_gather_s=5.0, **settings)
+        m = registered(config, ranks=3)
+        m.spares.add("spare-x", "spare", "n3", 9)
+        m.step(notice_for(m), time.time())
+        return [d.answer.order for d in of(m.step(ev.GatheringClosed(0), time.time()), ev.OrderOut)]
+
+    lost = orders_after(lambda m: ev.HostLost("n2", "no heartbeat"))
+    assert lost and not any(o.agree_stop_step for o in lost), "a lost host's rank never says"
+    drain = EvictionNotice("drain", "draining", 0, time.time() + 30, node_id="n2")
+    no_hold = orders_after(lambda m: ev.NoticesIn((drain,)), warm_restart_holds=False)
+    assert no_hold and not any(o.agree_stop_step for o in no_hold), "nobody holds"

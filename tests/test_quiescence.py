@@ -459,13 +459,26 @@ def test_on_rays_train_warm_path_a_thread_outside_its_loop_is_on_its_way_to_the_
     assert loop.state() is ThreadAt.IN_STEP
     loop.mark(5)  # the site is this thread; it is not parked and not in a step right now
     assert loop.state() is ThreadAt.IN_STEP
-    teardown = types.SimpleNamespace(training_released=threading.Event(), remaining=lambda: 5.0)
+    teardown = _unstarted_teardown()
     thread = threading.Thread(target=loop.park, args=(5, teardown))
     thread.start()
     wait_for(lambda: loop.parked_step == 5, timeout=5, what="the thread parked at step 5")
     assert loop.state() is ThreadAt.PARKED
-    teardown.training_released.set()
+    teardown._let_training_go()
     thread.join(5)
+    assert not thread.is_alive()
+
+
+def _unstarted_teardown():
+    """A real teardown, never run: what a parked training thread waits on."""
+    import tempfile
+    import time
+
+    from ray_graceful import GracefulConfig
+    from ray_graceful.worker.teardown import Teardown
+
+    config = GracefulConfig(report_dir=tempfile.mkdtemp())
+    return Teardown(config, [], "test", time.time() + 10, exit_process=False)
 
 
 def test_the_wait_for_an_order_leaves_the_teardown_its_time(monkeypatch):
@@ -499,19 +512,51 @@ def test_a_parked_step_ends_with_the_release_so_a_later_save_is_labelled_with_it
 
     from ray_graceful.worker.training_loop import TrainingLoop
 
-    released = threading.Event()
-    teardown = types.SimpleNamespace(training_released=released, remaining=lambda: 5.0)
+    teardown = _unstarted_teardown()
     loop = TrainingLoop()
     loop.mark(41)
     parked = threading.Thread(target=loop.park, args=(41, teardown))
     parked.start()
     wait_for(lambda: loop.parked_step == 41, 5, "the thread to park")
     assert loop.step() == 41 and loop.state() == "parked", "held at its boundary for the save"
-    released.set()
+    teardown._let_training_go()
     parked.join(timeout=5)
     assert loop.parked_step is None and loop.state() != "parked"
     loop.mark(81)  # the next cycle, trained on after the rejoin
     assert loop.step() == 81
+
+
+def test_a_thread_parked_below_the_agreed_stop_step_trains_on_and_parks_there():
+    """A rank told just before its boundary k parked there while a peer was already inside
+    step k+1: once the group agreed on k+1 (``stop_step.py``) ``should_stop(k)`` returns False
+    - train that step - and the boundary k+1 parks until the save is done, as always."""
+    import threading
+
+    from ray_graceful.worker.training_loop import TrainingLoop
+
+    teardown = _unstarted_teardown()
+    loop = TrainingLoop()
+    answers: list[tuple[int, bool]] = []
+
+    def train_from(step: int) -> None:
+        while True:
+            loop.mark(step)
+            stop = loop.park(step, teardown)
+            answers.append((step, stop))
+            if stop:
+                return
+            step += 1  # the step the peers are inside of, trained with them
+
+    thread = threading.Thread(target=train_from, args=(7,))
+    thread.start()
+    wait_for(lambda: loop.parked_step == 7, 5, "the thread to park at 7")
+    teardown._run_on_to(8)
+    wait_for(lambda: loop.parked_step == 8, 5, "the thread to park at the agreed step 8")
+    assert answers == [(7, False)], "it left boundary 7 to train on, and holds at 8"
+    teardown._let_training_go()
+    thread.join(5)
+    assert answers == [(7, False), (8, True)]
+    assert not teardown.runs_on_past(7), "once released, nothing runs on"
 
 
 def test_an_evicted_ray_train_worker_is_left_to_train_once_its_function_raised(

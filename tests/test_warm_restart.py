@@ -156,6 +156,53 @@ def test_a_spare_receives_the_shard_a_surviving_replica_holds_over_the_new_group
             assert torch.equal(at_restart[0]["state"][name], tensor), name
 
 
+@pytest.mark.timeout(240)
+def test_a_survivor_inside_the_next_step_when_the_order_came_still_holds_its_shard(nodes, tmp_path):
+    """The race behind the held path's slow tail (issue 62). The evicted rank is told while it
+    is still inside step k (1 s between its optimizer step and its boundary), so it parks at k,
+    while its peers - past boundary k long before - wait for it inside step k+1's all-reduce.
+    Released from there, a survivor could not prove its state and saved its shard first. Now the
+    ranks agree in the group's store to stop at k+1: the evicted rank trains that step, every
+    rank parks at k+1, and each survivor holds its own shard."""
+    placed = ("node_a", "node_b")
+    with warm_job(tmp_path, 3, 1, shards=["r0", "r1", "r2"], on=placed, memory_replicas=1) as (
+        _config,
+        coordinator,
+        workers,
+        [spare],
+    ):
+        group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
+        pids = ray.get([w.pid.remote() for w in workers])
+        ray.get([w.train.remote(3) for w in workers], timeout=60)
+        running = [
+            w.train.remote(10_000, 0.0, 1.0 if i == 0 else 0.0) for i, w in enumerate(workers)
+        ]
+        wait_for(
+            lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
+            60,
+            "every rank past step 5",
+            every=0.1,
+        )
+        os.kill(pids[0], signal.SIGTERM)
+        ready, _ = ray.wait(running, num_returns=len(running), timeout=60)
+        assert len(ready) == len(running), "a rank's training call did not end after the eviction"
+        # No survivor's call raised: none was released from inside its step.
+        steps = ray.get(running[1:], timeout=10)
+        assert len(set(steps)) == 1, f"the survivors stopped at one step: {steps}"
+
+        restart = group.restart(timeout=60)
+        assert restart.outcome.result == "held", restart.outcome.reason
+        assert restart.step == steps[0]
+        for report in restart.outcome.reports:
+            assert report["parked_at"] == restart.step, report
+            quiesce = next(p for p in report["phases"] if p["name"] == "quiesce")
+            assert f"stop step {restart.step} agreed" in quiesce["detail"], quiesce
+        record = coordinator.wait_rejoined(restart.outcome.cycle + 1, timeout=30)
+        loaded = {m["rank"]: m["loaded_from"] for m in record["members"]}
+        assert loaded[1] == loaded[2] == "own state", loaded
+        ray.get([w.train.remote(2) for w in group.workers], timeout=60)
+
+
 @pytest.mark.long
 @pytest.mark.timeout(240)
 def test_no_spare_and_no_smaller_size_allowed_ends_every_rank_cleanly(ray_cluster, tmp_path):

@@ -68,7 +68,9 @@ class WarmWorker(GracefulWorkerMixin):
         self.step = joined.step if joined.joined else self.step
         return joined
 
-    def train(self, steps: int, step_s: float = 0.0) -> int:
+    def train(self, steps: int, step_s: float = 0.0, late_s: float = 0.0) -> int:
+        """``step_s``: a pause after each boundary; ``late_s``: one before it, inside the step
+        (a rank slower than its peers, which wait for it in the next step's all-reduce)."""
         for _ in range(steps):
             x = torch.full((4, 16), math.sin(self.step))  # bounded: no step overflows
             self.opt.zero_grad()
@@ -78,6 +80,7 @@ class WarmWorker(GracefulWorkerMixin):
                 p.grad /= dist.get_world_size()
             self.opt.step()
             self.step += 1
+            time.sleep(late_s)
             if self.should_stop(self.step):
                 break
             time.sleep(step_s)
@@ -126,8 +129,10 @@ class WarmWorker(GracefulWorkerMixin):
 class AsyncWarmWorker(WarmWorker):
     """SkyRL/verl-shaped: async methods with blocking torch calls inside (the actor is async)."""
 
-    async def train(self, steps: int, step_s: float = 0.0) -> int:  # type: ignore[override]
-        return WarmWorker.train(self, steps, step_s)
+    async def train(  # type: ignore[override]
+        self, steps: int, step_s: float = 0.0, late_s: float = 0.0
+    ) -> int:
+        return WarmWorker.train(self, steps, step_s, late_s)
 
     async def rejoin(self) -> Rejoined:  # type: ignore[override]
         return WarmWorker.rejoin(self)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ..health import FAULTY
 from ..memory.placement import KeeperPool
+from ..notices import Source
 from ..place import destination
 from ..plan import RankInfo, RankPlan, TerminationPlan, cyclic_gc_paused, plan_termination
 from ..protocol import (
@@ -83,6 +84,7 @@ def _plan_and_order(
         trigger="; ".join(f"{n.source}: {n.reason} ({n.target})" for n in cycle.notices[:3]),
         # A step boundary serves a save (its state is the step's) or a survivor's clean step.
         boundary_needed=bool(rejoiners) or any(o.action is not Action.LEAVE for o in plan.orders),
+        agree_stop_step=_every_rank_answers(cycle, plan) and bool(holding),
     )
     for process_id, orders in by_process.items():
         saves = tuple(
@@ -133,8 +135,15 @@ class _OrderMaker:
     twice), not once per process: at 16,384 processes that was most of the fan-out's bytes.
     One random prefix per cycle and a counter, not a uuid4 per order (0.1 s at 16,384)."""
 
-    def __init__(self, state: CoordinatorState, trigger: str, boundary_needed: bool) -> None:
+    def __init__(
+        self,
+        state: CoordinatorState,
+        trigger: str,
+        boundary_needed: bool,
+        agree_stop_step: bool = False,
+    ) -> None:
         self.state, self.trigger, self.boundary_needed = state, trigger, boundary_needed
+        self.agree_stop_step = agree_stop_step
         self.prefix = uuid.uuid4().hex[:16]
         self.told: dict[tuple, PollAnswer] = {}
 
@@ -160,9 +169,20 @@ class _OrderMaker:
                     save_budget_s=state.config.save_budget_s,
                     rejoin=rejoin,
                     boundary_needed=self.boundary_needed,
+                    agree_stop_step=self.agree_stop_step,
                 ),
             )
         return answer
+
+
+def _every_rank_answers(cycle: Cycle, plan: TerminationPlan) -> bool:
+    """Whether every rank of the cycle can take part in agreeing on its stop step: none lost
+    (a dead actor, a silent host) or FAULTY (a GPU that may not answer). Where one cannot, the
+    others would wait out the agreement for nothing: they are released as before."""
+    silent = (Source.LOST, Source.HOST_LOST, Source.HEALTH)
+    if any(n.source in silent for n in cycle.notices):
+        return False
+    return not any(o.health == FAULTY for o in plan.orders)
 
 
 def _surviving_keepers(plan: TerminationPlan, placement: KeeperPlacement | None) -> list[str]:

@@ -176,6 +176,10 @@ class TeardownOrder:
     # the training thread at a step boundary, and a rank found inside a collective releases its
     # peers at once rather than give the collective time to finish.
     boundary_needed: bool = True
+    # Every rank of the cycle will answer (a warm restart whose survivors may hold; no rank
+    # lost or FAULTY): the ranks of each group agree in its store on the step they all stop
+    # at before any is released from a collective (``worker/stop_step.py``).
+    agree_stop_step: bool = False
     version: int = PROTOCOL_VERSION
 
 

@@ -301,6 +301,7 @@ class ProcessRuntime:
             skip_save_reason=skip_reason or "the plan has another replica save",
             exit_process=action.exit_process,
             boundary_needed=order.boundary_needed,
+            agree_stop_step=order.agree_stop_step,
             then=then,
         )
 
@@ -450,6 +451,7 @@ class ProcessRuntime:
         skip_save_reason: str | None = None,
         exit_process: bool = True,
         boundary_needed: bool = True,
+        agree_stop_step: bool = False,
         then: Callable[[], None] | None = None,
     ) -> Teardown:
         """Start this process's teardown once; later calls return the one already running.
@@ -478,6 +480,10 @@ class ProcessRuntime:
                 exit_process=exit_process,
                 boundary_needed=boundary_needed,
                 train_ends_it=self.replaced_by is Replacement.TRAIN_SLOT,
+                # Ray Train's warm path agrees in should_stop's all-reduce already
+                agree_in=[r.group for r in self.registrations.values() if not r.release_only]
+                if agree_stop_step and not self.loop.peers_reach_boundary
+                else None,
             )
             self.teardown.report.last_step = self.loop.last_step
             teardown = self.teardown

@@ -240,6 +240,10 @@ def should_stop(step: int | None = None) -> bool:
     the call parks here until this rank's emergency save is done (bounded by the deadline) and
     then returns True: the save holds exactly the state after ``step`` and is labelled with it.
     Until then it costs a flag read (and two stores when ``step`` is given).
+
+    It returns False once after a teardown began where the group agreed to stop one step later
+    (a peer was already inside that step when the order came): train that step, and the next
+    call parks (``stop_step.py``).
     """
     runtime = process_runtime()
     if step is not None:
@@ -249,7 +253,7 @@ def should_stop(step: int | None = None) -> bool:
     if not runtime.stop_event.is_set():
         return False
     if step is not None:
-        runtime.loop.park(step, runtime.teardown)
+        return runtime.loop.park(step, runtime.teardown)
     return True
 
 

@@ -66,6 +66,7 @@ from .report_file import (
     ray_identity,
     write_report_file,
 )
+from .stop_step import Position, agree, all_parked
 from .threads import ThreadAt, busy_threads, run_bounded, thread_in_collective
 
 
@@ -113,6 +114,7 @@ class Teardown:
         boundary_needed: bool = True,
         late: LateCopies | None = None,
         train_ends_it: bool = False,
+        agree_in: list[GroupHandle] | None = None,
     ) -> None:
         self.config = config
         self.late = late  # an earlier cycle's held shards, still on their way: finished first
@@ -140,10 +142,17 @@ class Teardown:
         self.device_behind = False  # the drain found work of the parked step not yet run
         # Set once the training thread may leave should_stop (parked there until the save).
         self.training_released = threading.Event()
+        # The groups whose ranks agree on the step they stop at before anyone is released
+        # (``stop_step.py``; the order's ``agree_stop_step``), the step agreed, and the
+        # condition a parked thread waits on: released, or told to run on to that step.
+        self.agree_in = list(agree_in or []) if training is not None else []
+        self.stop_step: int | None = None
+        self._training_moves = threading.Condition()
         self.released_at: float | None = None  # monotonic, once release_peers ran
         self.t0 = time.monotonic()
         self.deadline_monotonic = self.t0 + max(deadline - time.time(), 0.0)
         identity = ray_identity()
+        self.cycle = cycle
         self.report = TeardownReport(
             pid=os.getpid(),
             hostname=socket.gethostname(),
@@ -166,6 +175,33 @@ class Teardown:
     def remaining(self) -> float:
         """Seconds left before the watchdog fires."""
         return self.saving.remaining()
+
+    # --- the training thread's boundary ----------------------------------------------------
+
+    def runs_on_past(self, step: int) -> bool:
+        """The group agreed to stop at a later step than ``step``: train on to it."""
+        stop = self.stop_step
+        return stop is not None and step < stop and not self.training_released.is_set()
+
+    def hold_at(self, step: int) -> bool:
+        """Hold the training thread parked at ``step`` until the save is done (True), or until
+        the group agreed on a later step (False: train on). Bounded by the deadline."""
+        with self._training_moves:
+            self._training_moves.wait_for(
+                lambda: self.training_released.is_set() or self.runs_on_past(step),
+                timeout=max(self.remaining(), 0.0) + 1.0,
+            )
+            return not self.runs_on_past(step)
+
+    def _let_training_go(self) -> None:
+        with self._training_moves:
+            self.training_released.set()
+            self._training_moves.notify_all()
+
+    def _run_on_to(self, step: int) -> None:
+        with self._training_moves:
+            self.stop_step = step
+            self._training_moves.notify_all()
 
     # --- running ---------------------------------------------------------------------------
 
@@ -200,7 +236,7 @@ class Teardown:
             self._phase(TeardownPhase.SAVE, self._save)
         finally:
             self.report.saved = list(self.saving.saved)
-            self.training_released.set()
+            self._let_training_go()
             self.saving.tell_saved(self._how_the_save_went())
         self._phase(TeardownPhase.DESTROY_PROCESS_GROUP, self._destroy)
         self._finish()
@@ -278,21 +314,62 @@ class Teardown:
         started = time.monotonic()
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
         state = self._wait_for_boundary(limit)
+        agreed = ""
+        if self.agree_in:
+            state, agreed = self._agree_on_the_stop_step(state, limit)
+            agreed = f" ({agreed})"
         waited_ms = (time.monotonic() - started) * 1000
         self.quiescent = state.at_boundary
         step = self.training.step()
         self.clean_step = step if state is ThreadAt.PARKED else None
         self.report.parked_at = self.clean_step
         if state is ThreadAt.PARKED:
-            return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms"
+            return f"training thread parked at should_stop({step}) after {waited_ms:.0f}ms{agreed}"
         if state is ThreadAt.IDLE:
-            return f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
+            return (
+                f"training thread outside its step (last step {step}) after {waited_ms:.0f}ms"
+                f"{agreed}"
+            )
         if state is ThreadAt.IN_COLLECTIVE:
             return (
                 f"training thread inside a collective after {waited_ms:.0f}ms: peers are "
-                "released first"
+                f"released first{agreed}"
             )
-        return f"training thread still inside its step after {waited_ms:.0f}ms"
+        return f"training thread still inside its step after {waited_ms:.0f}ms{agreed}"
+
+    def _agree_on_the_stop_step(self, state: ThreadAt, limit: float) -> tuple[ThreadAt, str]:
+        """Agree with every peer on the step all stop at, and reach it (``stop_step.py``): a
+        rank parked below it trains on to it, one inside the step before it finishes that
+        step. Where they agree, no rank is released from inside its step; where they do not
+        (a peer that never said, one out of its loop below the step), nothing changed."""
+        assert self.training is not None
+        training = self.training
+        last = training.step()
+        if last is None:
+            return state, "no step boundary recorded to agree on"
+        if state is ThreadAt.PARKED:
+            position = Position(last, can_run_on=True)
+        elif state is ThreadAt.IDLE:
+            position = Position(last, can_run_on=False)
+        else:  # inside the step after ``last``: it stops at the next boundary at the earliest
+            position = Position(last + 1, can_run_on=True)
+        agreed, how = agree(self.agree_in, self.cycle, position, limit)
+        if agreed is None:
+            return state, how
+        if not (state is ThreadAt.PARKED and agreed == last):
+            self._run_on_to(agreed)
+
+            def reached() -> ThreadAt | None:
+                now = ThreadAt(training.state())
+                parked_there = now is ThreadAt.PARKED and (training.step() or 0) >= agreed
+                return now if parked_there or now is ThreadAt.IDLE else None
+
+            settled = wait_until(reached, limit, every=0.002)
+            state = settled or ThreadAt(training.state())
+        parked_there = state is ThreadAt.PARKED and (training.step() or 0) >= agreed
+        if parked_there or state is ThreadAt.IDLE:  # in no collective now
+            how += f"; {all_parked(self.agree_in, self.cycle, limit)}"
+        return state, how
 
     def _await_quiescent_after_release(self) -> None:
         """After the release a thread that was in a collective leaves it (with an error)."""

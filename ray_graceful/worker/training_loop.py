@@ -93,18 +93,23 @@ class TrainingLoop:
     def step(self) -> int | None:
         return self.parked_step if self.parked_step is not None else self.last_step
 
-    def park(self, step: int, teardown: Teardown | None) -> None:
+    def park(self, step: int, teardown: Teardown | None) -> bool:
         """Hold the training thread at its step boundary while this rank's teardown saves.
 
         The rule users can rely on: once a teardown began, ``should_stop(step)`` does not return
         until the emergency save (if this rank makes one) is done, so the saved state is exactly
         the state after ``step``; then it returns True. Bounded by the deadline.
+
+        False - train on - where the group agreed to stop at a later step (``stop_step.py``):
+        the thread leaves this boundary, runs its next step with its peers, and parks there.
         """
         if teardown is None or teardown.training_released.is_set():
-            return
+            return True
+        if teardown.runs_on_past(step):
+            return False
         self.parked_step = step
         try:
-            teardown.training_released.wait(max(teardown.remaining(), 0.0) + 1.0)
+            return teardown.hold_at(step)
         finally:
             # Released: the thread trains on (a warm restart's survivor) or leaves. A parked
             # step kept past here would label every later save with this step.
