@@ -23,7 +23,8 @@ on node A and on a fresh node B, which hosts N/4 of them (at least one). With ``
 rank r holds shard r mod N/2, so each of node B's shards has a replica on node A that stays:
 the warm restart's spares receive those over the new group instead of from the evicted ranks'
 hand-offs. Node B is drained
-through Ray (``drain_node``) with a deadline. The clock starts at that call and stops when
+through Ray (``drain_node``) with a deadline (``--notice sigterm``: its ranks' processes are
+SIGTERMed instead). The clock starts at that call (the signal) and stops when
 every rank of the new group has taken its first step (an all-reduce over a sum of its whole
 state); *durable* stops when the step's manifest is on disk. Nothing is simulated: real
 raylets (on this one machine), real actors, real gloo. A row that would not fit this machine's
@@ -38,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -298,7 +300,7 @@ def _restart_once(
         actors += workers
         port = free_port()
         replicas = args.replicas
-        start_ranks(
+        pids = start_ranks(
             ray, workers, lambda i, w: w.join.remote(i, n, port, replicas), f"num_gpus={gpus}"
         )
         group = None
@@ -311,7 +313,11 @@ def _restart_once(
         _wait_training(coordinator, n)
 
         t0 = time.time()
-        drain_node(node_b.node_id, t0 + args.deadline, "bench restart: drain")
+        if args.notice == "sigterm":  # node B's ranks signalled, as a preStop or SLURM would
+            for pid in pids[:evicted]:
+                os.kill(pid, signal.SIGTERM)
+        else:
+            drain_node(node_b.node_id, t0 + args.deadline, "bench restart: drain")
         ray.wait(running, num_returns=n, timeout=args.deadline + 60)
         calls_ended_at = time.time()
         outcome = coordinator.wait_outcome(timeout=args.deadline + 60, cycle=0)
@@ -515,11 +521,16 @@ def _report(runs: list[dict[str, Any]], ways: list[str], args: argparse.Namespac
     return table + (
         f"\n{args.reps} repetitions per row; "
         + ("each shard on two ranks, one on node A; " if args.replicas == 2 else "")
-        + "node B (N/4 of the ranks, at least 1) drained "
-        + f"through Ray with a {args.deadline:g} s deadline, drain polled every "
-        f"{args.drain_poll:g} s. back = the drain call -> every rank of the new group took its "
-        "first step; outcome = the drain call -> the driver holds the outcome (committed, or "
-        "held by the warm survivors); durable = the drain call -> the step's manifest on disk; "
+        + (
+            "node B's ranks (N/4, at least 1) SIGTERMed. back = the signal"
+            if args.notice == "sigterm"
+            else "node B (N/4 of the ranks, at least 1) drained "
+            f"through Ray with a {args.deadline:g} s deadline, drain polled every "
+            f"{args.drain_poll:g} s. back = the drain call"
+        )
+        + " -> every rank of the new group took its "
+        "first step; outcome = the same start -> the driver holds the outcome (committed, or "
+        "held by the warm survivors); durable = the same start -> the step's manifest on disk; "
         "new processes = outcome -> the last new actor constructed (imports, state "
         "allocated); rendezvous = the new process group formed; load = the committed shard in "
         "the rank's tensors; raw transfer = one shard's bytes sent bare between the same two "
@@ -558,6 +569,13 @@ def add_restart_parser(names: Any) -> Any:
         type=comma_choices(*WAYS),
         default=",".join(WAYS),
         help="warm, warm-save-first, cold-memory, cold-disk (default: all)",
+    )
+    restart.add_argument(
+        "--notice",
+        choices=("drain", "sigterm"),
+        default="drain",
+        help="drain (default): node B drained through Ray; sigterm: its ranks' processes "
+        "SIGTERMed (the clock starts at the signal)",
     )
     restart.add_argument(
         "--deadline",
