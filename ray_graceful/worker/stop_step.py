@@ -49,6 +49,7 @@ def agree(
     """The stop step every rank of ``groups`` agreed on, and how it went in words; None where
     there is none: a rank did not say where within ``timeout_s``, a rank that cannot run on
     stops below the largest, or a store did not answer."""
+    timeout_s = max(timeout_s, 0.0)
     agreed = position.step
     for handle in groups:
         try:

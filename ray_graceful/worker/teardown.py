@@ -315,8 +315,8 @@ class Teardown:
         limit = min(self.config.quiesce_timeout_s, max(self.remaining(), 0.0))
         state = self._wait_for_boundary(limit)
         agreed = ""
-        if self.agree_in:
-            state, agreed = self._agree_on_the_stop_step(state, limit)
+        if self.agree_in:  # within the same bound: the agreement is part of reaching a boundary
+            state, agreed = self._agree_on_the_stop_step(state, started + limit)
             agreed = f" ({agreed})"
         waited_ms = (time.monotonic() - started) * 1000
         self.quiescent = state.at_boundary
@@ -337,7 +337,7 @@ class Teardown:
             )
         return f"training thread still inside its step after {waited_ms:.0f}ms{agreed}"
 
-    def _agree_on_the_stop_step(self, state: ThreadAt, limit: float) -> tuple[ThreadAt, str]:
+    def _agree_on_the_stop_step(self, state: ThreadAt, until: float) -> tuple[ThreadAt, str]:
         """Agree with every peer on the step all stop at, and reach it (``stop_step.py``): a
         rank parked below it trains on to it, one inside the step before it finishes that
         step. Where they agree, no rank is released from inside its step; where they do not
@@ -353,7 +353,7 @@ class Teardown:
             position = Position(last, can_run_on=False)
         else:  # inside the step after ``last``: it stops at the next boundary at the earliest
             position = Position(last + 1, can_run_on=True)
-        agreed, how = agree(self.agree_in, self.cycle, position, limit)
+        agreed, how = agree(self.agree_in, self.cycle, position, until - time.monotonic())
         if agreed is None:
             return state, how
         if not (state is ThreadAt.PARKED and agreed == last):
@@ -364,11 +364,11 @@ class Teardown:
                 parked_there = now is ThreadAt.PARKED and (training.step() or 0) >= agreed
                 return now if parked_there or now is ThreadAt.IDLE else None
 
-            settled = wait_until(reached, limit, every=0.002)
+            settled = wait_until(reached, until - time.monotonic(), every=0.002)
             state = settled or ThreadAt(training.state())
         parked_there = state is ThreadAt.PARKED and (training.step() or 0) >= agreed
         if parked_there or state is ThreadAt.IDLE:  # in no collective now
-            how += f"; {all_parked(self.agree_in, self.cycle, limit)}"
+            how += f"; {all_parked(self.agree_in, self.cycle, until - time.monotonic())}"
         return state, how
 
     def _await_quiescent_after_release(self) -> None:
