@@ -135,8 +135,9 @@ class TeardownSettings(Section):
 
     quiesce_timeout_s: Seconds = 2.0
     """How long the teardown waits for the training thread to reach its step boundary (parked in
-    should_stop(step)) or leave its loop; a thread inside a collective is released first, then
-    waited for as long again. A save never starts mid-step."""
+    should_stop(step)) or leave its loop - a warm restart's agreement on the stop step included;
+    a thread inside a collective is released first, then waited for as long again. A save never
+    starts mid-step."""
 
     checkpoint_dir: CheckpointDir = None
     """Directory for emergency checkpoints; unset means no rank saves one. Absolute (``~`` is
