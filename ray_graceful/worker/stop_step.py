@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Iterable
+from typing import Any
 
 from .. import torch_adapter
 from .process_groups import GroupHandle
@@ -70,7 +71,11 @@ def all_parked(groups: Iterable[GroupHandle], cycle: int, timeout_s: float) -> s
     fail that peer out of it. How it went, in words."""
     for handle in groups:
         try:
-            said = _everyone_said(handle, f"ray_graceful/stop/{cycle}/parked/", timeout_s)
+            store = torch_adapter.group_store(handle.process_group)
+            if store is None:
+                return f"group {handle.name!r} has no store to say so in"
+            prefix = f"ray_graceful/stop/{cycle}/parked/"
+            said = _everyone_said(store, handle.world_size, prefix, timeout_s)
         except Exception as exc:
             return f"group {handle.name!r}'s store did not answer ({type(exc).__name__})"
         if said < handle.world_size:
@@ -89,7 +94,7 @@ def _agree_in(
     store.add(f"{prefix}can/{step}", 1)
     if not position.can_run_on:
         store.add(f"{prefix}fixed/{step}", 1)
-    said = _everyone_said(handle, f"{prefix}said/", timeout_s)
+    said = _everyone_said(store, handle.world_size, f"{prefix}said/", timeout_s)
     if said < handle.world_size:
         return None, (
             f"{said} of {handle.world_size} ranks of group {handle.name!r} said where they "
@@ -106,17 +111,14 @@ def _agree_in(
     return agreed, ""
 
 
-def _everyone_said(handle: GroupHandle, prefix: str, timeout_s: float) -> int:
-    """Count this rank under ``prefix`` and wait until every rank of the group counted; how
-    many had when the wait ended. The last to count marks it done, so the others wait on one
-    key (``Store.wait``) rather than poll the count."""
-    store = torch_adapter.group_store(handle.process_group)
-    if store is None:
-        return 0
-    if store.add(f"{prefix}count", 1) >= handle.world_size:
+def _everyone_said(store: Any, world_size: int, prefix: str, timeout_s: float) -> int:
+    """Count this rank under ``prefix`` in the group's ``store`` and wait until all
+    ``world_size`` ranks counted; how many had when the wait ended. The last to count marks it
+    done, so the others wait on one key (``Store.wait``) rather than poll the count."""
+    if store.add(f"{prefix}count", 1) >= world_size:
         store.set(f"{prefix}all", b"1")
     try:
         store.wait([f"{prefix}all"], datetime.timedelta(seconds=max(timeout_s, 0.001)))
     except RuntimeError:  # torch's DistStoreError, on a timeout, is a RuntimeError
         return int(store.add(f"{prefix}count", 0))
-    return handle.world_size
+    return world_size

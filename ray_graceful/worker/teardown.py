@@ -316,8 +316,8 @@ class Teardown:
         state = self._wait_for_boundary(limit)
         agreed = ""
         if self.agree_in:  # within the same bound: the agreement is part of reaching a boundary
-            state, agreed = self._agree_on_the_stop_step(state, started + limit)
-            agreed = f" ({agreed})"
+            state, how = self._agree_on_the_stop_step(state, started + limit)
+            agreed = f" ({how})"
         waited_ms = (time.monotonic() - started) * 1000
         self.quiescent = state.at_boundary
         step = self.training.step()
