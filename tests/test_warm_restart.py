@@ -173,19 +173,9 @@ def test_a_survivor_inside_the_next_step_when_the_order_came_still_holds_its_sha
     ):
         group = WarmGroup(coordinator, workers, spares=[spare], method="rejoin")
         pids = ray.get([w.pid.remote() for w in workers])
-        ray.get([w.train.remote(3) for w in workers], timeout=60)
-        running = [
-            w.train.remote(10_000, 0.0, 1.0 if i == 0 else 0.0) for i, w in enumerate(workers)
-        ]
-        wait_for(
-            lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
-            60,
-            "every rank past step 5",
-            every=0.1,
+        running = training_until_evicted(
+            coordinator, workers, pids[0], step_s=0.0, late_s=[1.0, 0.0, 0.0]
         )
-        os.kill(pids[0], signal.SIGTERM)
-        ready, _ = ray.wait(running, num_returns=len(running), timeout=60)
-        assert len(ready) == len(running), "a rank's training call did not end after the eviction"
         # No survivor's call raised: none was released from inside its step.
         steps = ray.get(running[1:], timeout=10)
         assert len(set(steps)) == 1, f"the survivors stopped at one step: {steps}"

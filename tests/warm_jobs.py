@@ -74,15 +74,23 @@ def warm_job(
 
 
 def training_until_evicted(
-    coordinator: Coordinator, workers: list, victim: int, step_s: float = 0.02
-) -> None:
-    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended.
+    coordinator: Coordinator,
+    workers: list,
+    victim: int,
+    step_s: float = 0.02,
+    late_s: list[float] | None = None,
+) -> list:
+    """Train all ranks, SIGTERM ``victim`` mid-run, and wait until every call has ended; the
+    calls (a survivor's returns its step, or raises where it was released mid-step).
 
     ``step_s``: the pause between steps. Longer, and the order almost always finds every
     training thread between steps, where it parks at ``should_stop`` (its state provably the
-    step); shorter, and some are inside a step's collective when a peer is released."""
+    step); shorter, and some are inside a step's collective when a peer is released.
+    ``late_s``: per worker, a pause inside each step before its boundary (a slow rank, which
+    its peers wait for in the next step's all-reduce)."""
     ray.get([w.train.remote(3) for w in workers], timeout=60)
-    running = [w.train.remote(10_000, step_s) for w in workers]
+    late = late_s or [0.0] * len(workers)
+    running = [w.train.remote(10_000, step_s, late[i]) for i, w in enumerate(workers)]
     wait_for(
         lambda: all((r["last_step"] or 0) >= 5 for r in coordinator.status()["ranks"]),
         60,
@@ -92,6 +100,7 @@ def training_until_evicted(
     os.kill(victim, signal.SIGTERM)
     ready, _ = ray.wait(running, num_returns=len(running), timeout=60)
     assert len(ready) == len(running), "a rank's training call did not end after the eviction"
+    return running
 
 
 def alive(actor) -> bool:
